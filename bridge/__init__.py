@@ -1,0 +1,1 @@
+"""Where torchside and jaxside meet: layouts, weight transfer, numerics cross-checks, CLI."""

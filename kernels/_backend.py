@@ -1,0 +1,52 @@
+"""Where a kernel runs: Triton on CUDA, the Triton interpreter, or the torch reference.
+
+The only place that looks at the device or at TRITON_INTERPRET, and only when called.
+"""
+
+from __future__ import annotations
+
+import enum
+import functools
+import importlib.util
+import os
+
+import torch
+
+
+class Backend(enum.Enum):
+    TRITON = "triton"  # compiled Triton on a CUDA device
+    INTERPRETER = "interpreter"  # TRITON_INTERPRET=1 on CPU tensors (tests)
+    REFERENCE = "reference"  # the pure-torch spec in kernels.reference
+
+
+def interpreting() -> bool:
+    """True when Triton runs its Python interpreter instead of compiling."""
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+@functools.cache
+def triton_available() -> bool:
+    return importlib.util.find_spec("triton") is not None
+
+
+def backend_for(device: torch.device | str) -> Backend:
+    """The backend a launch on `device` uses now."""
+    device = torch.device(device)
+    if not triton_available():
+        return Backend.REFERENCE
+    if interpreting():
+        return Backend.INTERPRETER
+    if device.type == "cuda":
+        return Backend.TRITON
+    return Backend.REFERENCE
+
+
+def describe() -> str:
+    """One line for `shardbridge env`: where Triton kernels run on this machine."""
+    if not triton_available():
+        return "reference (triton not installed)"
+    if interpreting():
+        return "Triton interpreter (TRITON_INTERPRET=1)"
+    if torch.cuda.is_available():
+        return f"Triton on {torch.cuda.get_device_name()}"
+    return "reference (no CUDA device; set TRITON_INTERPRET=1 to run the kernels interpreted)"

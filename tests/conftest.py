@@ -1,0 +1,26 @@
+"""Test setup that must happen before jax or triton are imported.
+
+- JAX gets 8 host CPU devices (this only affects JAX's CPU platform; a GPU run keeps its GPUs).
+- Without CUDA, Triton kernels run in the interpreter (TRITON_INTERPRET=1).
+- `gpu` tests are skipped without CUDA.
+"""
+
+import os
+
+os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip()
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+HAS_CUDA = torch.cuda.is_available()
+if not HAS_CUDA:
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+
+def pytest_collection_modifyitems(config, items):
+    if HAS_CUDA:
+        return
+    skip_gpu = pytest.mark.skip(reason="needs a CUDA device; runs on the GPU machine with `pytest -m gpu`")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip_gpu)
