@@ -1,0 +1,1 @@
+"""One module per `shardbridge` verb (see bridge/cli.py)."""
