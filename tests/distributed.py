@@ -41,18 +41,23 @@ def _process_main(fn, rank, world_size, port, args, results, stack_file, timeout
         dist.init_process_group(
             "gloo", store=store, rank=rank, world_size=world_size, timeout=datetime.timedelta(seconds=timeout + 60)
         )
+        results.put((rank, "ready", None))
         try:
-            results.put((rank, True, fn(rank, world_size, *args)))
+            results.put((rank, "ok", fn(rank, world_size, *args)))
         except BaseException:
-            results.put((rank, False, traceback.format_exc()))
+            results.put((rank, "error", traceback.format_exc()))
         finally:
             dist.destroy_process_group()
+
+
+STARTUP_TIMEOUT = 180.0  # spawning N processes that import torch is slow on a loaded 2-core machine
 
 
 def run_processes(fn: Callable[..., Any], world_size: int, *args: Any, timeout: float = 120.0) -> list[Any]:
     """Run `fn` on `world_size` spawned processes joined by a gloo process group.
 
     `fn` must be a module-level function (it is pickled by name) and return picklable values.
+    `timeout` counts from the moment every rank has joined the process group.
     """
     ctx = multiprocessing.get_context("spawn")
     # The parent owns the rendezvous store: its port is bound before any child starts (no race).
@@ -83,27 +88,36 @@ def run_processes(fn: Callable[..., Any], world_size: int, *args: Any, timeout: 
 
 def _collect(procs, results, stack_files, timeout) -> list[Any]:
     world_size = len(procs)
+    ready: set[int] = set()
     values: dict[int, Any] = {}
     errors: dict[int, str] = {}
-    deadline = time.monotonic() + timeout
+    deadline = time.monotonic() + STARTUP_TIMEOUT
     while len(values) + len(errors) < world_size and not errors:
         try:
-            rank, ok, payload = results.get(timeout=0.2)
-            (values if ok else errors)[rank] = payload
-            continue
+            rank, kind, payload = results.get(timeout=0.2)
         except queue.Empty:
-            pass
+            kind = None
+        if kind == "ready":
+            ready.add(rank)
+            if len(ready) == world_size:  # the clock for `fn` starts now
+                deadline = time.monotonic() + timeout
+            continue
+        if kind is not None:
+            (values if kind == "ok" else errors)[rank] = payload
+            continue
         for rank, p in enumerate(procs):
             if rank not in values and rank not in errors and p.exitcode is not None and results.empty():
                 errors[rank] = f"exited with code {p.exitcode} without reporting a result\n"
         if time.monotonic() > deadline:
+            limit = timeout if len(ready) == world_size else STARTUP_TIMEOUT
             missing = [r for r in range(world_size) if r not in values and r not in errors]
             for r in missing:
                 if procs[r].is_alive():
                     os.kill(procs[r].pid, signal.SIGUSR1)
             time.sleep(1.0)  # let faulthandler write the stacks
             for r in missing:
-                errors[r] = f"did not finish within {timeout:.0f} s; its stack:\n{stack_files[r].read_text()}"
+                stack = stack_files[r].read_text() if stack_files[r].exists() else "(not started)"
+                errors[r] = f"did not finish within {limit:.0f} s; its stack:\n{stack}"
     if errors:
         raise RankError(_report(errors))
     return [values[r] for r in range(world_size)]
@@ -141,7 +155,10 @@ def run_threads(fn: Callable[..., Any], world_size: int, *args: Any, timeout: fl
             ProcessLocalGroup.exception_handle(error)  # wake the ranks waiting in a collective
         finally:
             if dist.distributed_c10d._world is world:
-                dist.destroy_process_group()
+                try:
+                    dist.destroy_process_group()
+                except AttributeError:  # torch 2.11's ThreadLocalWorld lacks `comms`; the group dies with the world
+                    pass
 
     threads = [threading.Thread(target=worker, args=(r,), daemon=True, name=f"rank{r}") for r in range(world_size)]
     try:
