@@ -1,0 +1,179 @@
+"""`shardbridge quantize`: quantize a .npy array under a recipe and save the bytes as .npz.
+
+The .npz holds `data` (uint8), `scale_inv` (fp32, or uint8 E8M0/E4M3 codes), and where
+produced `columnwise_data`, `columnwise_scale_inv`, `global_scale_inv` (NVFP4:
+amax / (448 * 6)) and `columnwise_global_scale_inv`. With --compare, every implementation
+available here quantizes the same input and a table counts the elements whose bytes differ
+from the reference's. Exit codes: 0 done (and identical), 1 a mismatch, 2 bad input.
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from rich.console import Console
+from rich.markup import escape
+from rich.table import Table
+
+RECIPES = ("current", "delayed", "block", "mxfp8", "nvfp4")
+DTYPES = {"fp32": "float32", "fp16": "float16", "bf16": "bfloat16"}
+USAGES = {"both": (True, True), "rowwise": (True, False), "columnwise": (False, True)}
+# .npz key -> field of kernels.reference.Quantized (the global scales are derived from amaxes)
+NPZ_KEYS = {
+    "data": "data",
+    "scale_inv": "scale_inv",
+    "columnwise_data": "columnwise_data",
+    "columnwise_scale_inv": "columnwise_scale_inv",
+    "global_scale_inv": "amax",
+    "columnwise_global_scale_inv": "columnwise_amax",
+}
+
+
+def register(verbs) -> None:
+    parser = verbs.add_parser(
+        "quantize",
+        help="quantize a .npy array under an FP8/FP4 recipe, save the bytes, compare implementations",
+        description=__doc__.split("\n\n")[1],
+    )
+    parser.add_argument("input", metavar="IN.npy", help="a float32 or float16 array (cast it with --dtype)")
+    parser.add_argument(
+        "--recipe", required=True, choices=RECIPES, help="delayed casts with its first scale, 1 (no amax history yet)"
+    )
+    parser.add_argument("--role", default="input", choices=("input", "weight", "grad"))
+    parser.add_argument("--out", required=True, metavar="OUT.npz")
+    parser.add_argument("--format", choices=("e4m3", "e5m2"), help="FP8 format (default: the recipe's)")
+    parser.add_argument("--scale-rounding", choices=("up", "floor"), help="MXFP8 E8M0 scale rounding (default up)")
+    parser.add_argument("--dtype", choices=tuple(DTYPES), help="cast the input to this dtype before quantizing")
+    parser.add_argument("--usage", choices=tuple(USAGES), default="both", help="which copies to produce")
+    parser.add_argument("--compare", action="store_true", help="quantize with every implementation available here")
+    parser.set_defaults(run=run)
+
+
+def run(args: argparse.Namespace, console: Console) -> int:
+    errors = Console(stderr=True, soft_wrap=True)  # one error line, unwrapped
+    try:
+        x = _load(Path(args.input), args.dtype)
+        results, unavailable = _quantize_everywhere(x, _recipe(args), args.role, USAGES[args.usage], args.compare)
+    except (ValueError, TypeError, OSError) as error:
+        errors.print(f"[bold red]error:[/] {escape(str(error))}")
+        return 2
+    import numpy as np
+
+    written = next(iter(results.values()))
+    np.savez(args.out, **written)
+    summary = ", ".join(f"{k} {tuple(v.shape)} {v.dtype}" for k, v in written.items())
+    console.print(f"wrote {escape(args.out)}: {summary}", soft_wrap=True)
+    if not args.compare:
+        return 0
+    mismatches = _compare_table(results, console)
+    if unavailable:
+        console.print(f"not compared: {escape(unavailable)}", soft_wrap=True)
+    return 1 if mismatches else 0
+
+
+def _load(path: Path, dtype: str | None):
+    """The input as a torch tensor, checked and cast; ValueError with the fix otherwise."""
+    import numpy as np
+    import torch
+
+    if not path.is_file():
+        raise ValueError(f"{path}: no such file; pass a .npy array saved with numpy.save")
+    array = np.load(path, allow_pickle=False)
+    if array.dtype not in (np.float32, np.float16):
+        raise ValueError(f"{path} holds {array.dtype}; save it as float32 or float16 (cast bf16 with --dtype bf16)")
+    if array.ndim == 0:
+        raise ValueError(f"{path} holds a 0-d array; save it with at least one dim")
+    x = torch.from_numpy(np.ascontiguousarray(array))
+    return x.to(getattr(torch, DTYPES[dtype])) if dtype else x
+
+
+def _recipe(args: argparse.Namespace):
+    from torchside.recipe import (
+        DelayedScaling,
+        Float8BlockScaling,
+        Float8CurrentScaling,
+        Format,
+        MXFP8BlockScaling,
+        NVFP4BlockScaling,
+    )
+
+    if args.scale_rounding and args.recipe != "mxfp8":
+        raise ValueError(f"--scale-rounding applies to --recipe mxfp8 only, not {args.recipe}; drop it")
+    if args.format and args.recipe == "nvfp4":
+        raise ValueError("--recipe nvfp4 stores E2M1 values with E4M3 scales; drop --format")
+    fmt = {"fp8_format": Format(args.format)} if args.format else {}
+    build = {
+        "current": lambda: Float8CurrentScaling(**fmt),
+        "delayed": lambda: DelayedScaling(**fmt),
+        "block": lambda: Float8BlockScaling(**fmt),
+        "mxfp8": lambda: MXFP8BlockScaling(**fmt, scale_rounding=args.scale_rounding or "up"),
+        "nvfp4": lambda: NVFP4BlockScaling(),
+    }
+    return build[args.recipe]()
+
+
+def _quantize_everywhere(x, recipe, role: str, usage: tuple[bool, bool], compare: bool):
+    """{implementation: npz arrays}, the default one first, and why others were not run ('' if none)."""
+    import torch
+
+    from kernels import _backend
+    from torchside.quantization.quantizer import Quantizer, implementation
+
+    rowwise, columnwise = usage
+    device = "cuda" if torch.cuda.is_available() and _backend.backend_for("cuda") is _backend.Backend.TRITON else "cpu"
+    default = _backend.backend_for(device)
+    backends = [default] + (
+        [_backend.Backend.REFERENCE] if compare and default is not _backend.Backend.REFERENCE else []
+    )
+    # One call's arguments for all: the same scale and seed, so only the implementations differ.
+    name, kwargs = Quantizer(recipe, role, rowwise=rowwise, columnwise=columnwise, device=device).kernel_call(
+        x.to(device)
+    )
+    results = {b.value: _npz_arrays(getattr(implementation(b), name)(x.to(device), **kwargs)) for b in backends}
+    unavailable = "" if len(backends) > 1 or not compare else _backend.describe()
+    return results, unavailable
+
+
+def _npz_arrays(q) -> dict:
+    """The .npz arrays of one kernel result (numpy, on the host)."""
+    from kernels.formats import NVFP4_GLOBAL_MAX
+
+    arrays = {}
+    for key, field in NPZ_KEYS.items():
+        value = getattr(q, field)
+        if value is None or (field.endswith("amax") and q.fmt != "e2m1"):
+            continue
+        arrays[key] = (value / NVFP4_GLOBAL_MAX if field.endswith("amax") else value).cpu().numpy()
+    return arrays
+
+
+def _compare_table(results: dict, console: Console) -> int:
+    """Print mismatch counts per buffer against the reference; return the total."""
+    import numpy as np
+
+    reference = results.get("reference")
+    others = [name for name in results if name != "reference"]
+    table = Table(title="elements whose bytes differ from the reference")
+    table.add_column("buffer", style="bold")
+    table.add_column("shape")
+    table.add_column("dtype")
+    for name in others:
+        table.add_column(name, justify="right")
+    total = 0
+    for key, expected in reference.items():
+        cells = []
+        for name in others:
+            got = results[name].get(key)
+            if got is None or got.shape != expected.shape or got.dtype != expected.dtype:
+                cells.append("[red]missing or reshaped[/]")
+                total += 1
+                continue
+            width = expected.dtype.itemsize
+            differ = got.view(np.uint8).reshape(-1, width) != expected.view(np.uint8).reshape(-1, width)
+            count = int(differ.any(axis=1).sum())
+            total += count
+            cells.append(f"[red]{count}[/]" if count else "0")
+        table.add_row(key, str(expected.shape), str(expected.dtype), *cells)
+    console.print(table)
+    return total

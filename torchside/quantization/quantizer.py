@@ -1,0 +1,175 @@
+"""`Quantizer`: turns high-precision tensors into QuantizedTensors for one recipe and role.
+
+One table maps each recipe family to the kernel function it calls (the same name in
+`kernels.reference` and `kernels.quantize`) and to that function's arguments. The quantizer
+adds what a single call cannot know: the delayed-scaling state (scale (1,) and
+amax_history (len,), fixed shapes, updated in place), the amax reduction group, and the
+stochastic-rounding step. Pickling and deepcopy drop the process group.
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from types import ModuleType
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from kernels._backend import Backend, backend_for
+from kernels.formats import FORMATS, scale_from_amax
+from kernels.reference import delayed_scaling_update, tensor_amax
+from torchside.quantization.storage import from_quantized
+from torchside.quantization.tensor import QuantizedTensor
+from torchside.recipe import (
+    DelayedScaling,
+    Float8BlockScaling,
+    Float8CurrentScaling,
+    MXFP8BlockScaling,
+    NVFP4BlockScaling,
+    Recipe,
+    check_role,
+)
+
+
+@dataclass(frozen=True)
+class _Family:
+    kernel: str  # function name in kernels.reference and kernels.quantize
+    arguments: Callable[[Recipe, str], dict]  # the recipe's keyword arguments for a role
+    takes_amax_group: bool  # one amax sets the scale, so shards can agree on it by all-reduce
+
+
+_FAMILIES: dict[type, _Family] = {
+    DelayedScaling: _Family("quantize_tensorwise", lambda r, role: {"fmt": r.fp8_format.for_role(role)}, True),
+    Float8CurrentScaling: _Family(
+        "quantize_tensorwise",
+        lambda r, role: {
+            "fmt": r.fp8_format.for_role(role),
+            "power_2_scale": r.power_2_scale,
+            "amax_epsilon": r.amax_epsilon,
+        },
+        True,
+    ),
+    Float8BlockScaling: _Family(
+        "quantize_blockwise",
+        lambda r, role: {
+            "fmt": r.fp8_format.for_role(role),
+            "block": r.block_for(role),
+            "power_2_scale": r.power_2_scale,
+        },
+        False,
+    ),
+    MXFP8BlockScaling: _Family(
+        "quantize_mxfp8",
+        lambda r, role: {"fmt": r.fp8_format.for_role(role), "scale_rounding": r.scale_rounding},
+        False,
+    ),
+    # The NVFP4 global amax could be all-reduced too, once quantize_nvfp4 accepts a given global amax.
+    NVFP4BlockScaling: _Family(
+        "quantize_nvfp4", lambda r, role: {"block": r.block_for(role), "hadamard": r.hadamard_for(role)}, False
+    ),
+}
+
+
+def implementation(backend: Backend) -> ModuleType:
+    """The module whose quantize functions run on `backend` (they share names and signatures)."""
+    return importlib.import_module("kernels.reference" if backend is Backend.REFERENCE else "kernels.quantize")
+
+
+@dataclass(frozen=True, eq=False)
+class Quantizer:
+    """Quantizes tensors of one role under one recipe; holds the state that recipe needs."""
+
+    recipe: Recipe
+    role: str = "input"
+    rowwise: bool = True
+    columnwise: bool = True
+    amax_reduction_group: dist.ProcessGroup | None = None
+    device: torch.device | str = "cpu"  # where the state tensors live: the device of the tensors quantized
+    scale: Tensor | None = field(init=False, default=None)  # DelayedScaling: fp32 (1,)
+    amax_history: Tensor | None = field(init=False, default=None)  # DelayedScaling: fp32 (len,), row 0 = now
+    stochastic_step: Tensor | None = field(init=False, default=None)  # NVFP4 grads: int64 (1,), seed offset
+
+    def __post_init__(self) -> None:
+        family = _FAMILIES.get(type(self.recipe))
+        if family is None:
+            names = ", ".join(cls.__name__ for cls in _FAMILIES)
+            raise TypeError(f"recipe={self.recipe!r} is not a recipe: pass one of {names} (torchside.recipe)")
+        check_role(self.role)
+        if not (self.rowwise or self.columnwise):
+            raise ValueError("rowwise=False and columnwise=False quantize nothing: enable at least one usage")
+        if self.amax_reduction_group is not None and not family.takes_amax_group:
+            raise ValueError(
+                f"amax_reduction_group applies to DelayedScaling and Float8CurrentScaling only, not "
+                f"{type(self.recipe).__name__}: leave it None"
+            )
+        set_state = object.__setattr__  # the dataclass is frozen; the state tensors change in place
+        if isinstance(self.recipe, DelayedScaling):
+            set_state(self, "scale", torch.ones(1, device=self.device))
+            set_state(self, "amax_history", torch.zeros(self.recipe.amax_history_len, device=self.device))
+        if isinstance(self.recipe, NVFP4BlockScaling) and self.recipe.stochastic_for(self.role):
+            set_state(self, "stochastic_step", torch.zeros(1, dtype=torch.int64))
+
+    @property
+    def fmax(self) -> float:
+        """Largest finite value of the element format this quantizer writes."""
+        fmt = "e2m1" if isinstance(self.recipe, NVFP4BlockScaling) else self.recipe.fp8_format.for_role(self.role)
+        return FORMATS[fmt].max
+
+    def kernel_call(self, x: Tensor) -> tuple[str, dict]:
+        """(function name, keyword arguments) of the next quantization of `x`; advances the rounding step."""
+        family = _FAMILIES[type(self.recipe)]
+        kwargs = family.arguments(self.recipe, self.role) | {"rowwise": self.rowwise, "columnwise": self.columnwise}
+        if self.scale is not None:
+            if self.scale.device != x.device:
+                raise ValueError(
+                    f"the DelayedScaling state is on {self.scale.device} but the tensor on {x.device}: "
+                    f"build the Quantizer with device={str(x.device)!r}"
+                )
+            kwargs["scale"] = self.scale
+        elif isinstance(self.recipe, Float8CurrentScaling) and self._reduces_amax():
+            # The scale must come from the amax of all shards: reduce it, then pass the scale it gives.
+            amax = tensor_amax(x)
+            dist.all_reduce(amax, op=dist.ReduceOp.MAX, group=self.amax_reduction_group)
+            kwargs["scale"] = scale_from_amax(
+                amax, self.fmax, power_2_scale=kwargs.pop("power_2_scale"), amax_epsilon=kwargs.pop("amax_epsilon")
+            )
+        if self.stochastic_step is not None:
+            kwargs["stochastic_seed"] = self.recipe.stochastic_rounding_seed + int(self.stochastic_step)
+            self.stochastic_step.add_(1)
+        return family.kernel, kwargs
+
+    def quantize(self, x: Tensor, *, backend: Backend | None = None) -> QuantizedTensor:
+        """`x` as a QuantizedTensor of x's shape and nominal dtype (backend: default from x's device)."""
+        if not isinstance(x, Tensor) or not x.is_floating_point() or isinstance(x, QuantizedTensor):
+            raise TypeError(f"quantize takes a float32, bfloat16 or float16 tensor, got {type(x).__name__}")
+        name, kwargs = self.kernel_call(x)
+        q = getattr(implementation(backend or backend_for(x.device)), name)(x, **kwargs)
+        if self.amax_history is not None:  # row 0 collects the max of this step's amaxes
+            self.amax_history[:1] = torch.maximum(self.amax_history[:1], q.amax)
+        return QuantizedTensor(from_quantized(q), tuple(x.shape), x.dtype)
+
+    def update(self) -> None:
+        """DelayedScaling: reduce this step's amax over the group, set the next scale, roll the history."""
+        if self.amax_history is None:
+            return  # the other recipes keep no state between steps
+        if self._reduces_amax():
+            current = self.amax_history[:1].clone()
+            dist.all_reduce(current, op=dist.ReduceOp.MAX, group=self.amax_reduction_group)
+            self.amax_history[:1].copy_(current)
+        history, scale = delayed_scaling_update(
+            self.amax_history, self.scale, self.fmax, margin=self.recipe.margin, algo=self.recipe.amax_compute_algo
+        )
+        self.amax_history.copy_(history)
+        self.scale.copy_(scale)
+
+    def _reduces_amax(self) -> bool:
+        group = self.amax_reduction_group
+        enabled = getattr(self.recipe, "reduce_amax", True)
+        return group is not None and enabled and dist.get_world_size(group) > 1
+
+    def __getstate__(self) -> dict:
+        # Process groups cannot be pickled or copied: the copy must be given its own group.
+        return {**self.__dict__, "amax_reduction_group": None}
