@@ -50,3 +50,29 @@ def describe() -> str:
     if torch.cuda.is_available():
         return f"Triton on {torch.cuda.get_device_name()}"
     return "reference (no CUDA device; set TRITON_INTERPRET=1 to run the kernels interpreted)"
+
+
+def autotune_configs(candidates: list[dict]) -> list:
+    """One triton.Config per candidate ({meta-parameter: value, "num_warps": n, optionally "num_stages": s}).
+
+    Under the interpreter only the first candidate: autotuning over several needs a GPU driver.
+    """
+    import triton
+
+    chosen = candidates[:1] if interpreting() else candidates
+    launch_options = ("num_warps", "num_stages")
+    return [
+        triton.Config(
+            {name: value for name, value in c.items() if name not in launch_options},
+            **{name: c[name] for name in launch_options if name in c},
+        )
+        for c in chosen
+    ]
+
+
+def multiprocessor_count(device: torch.device | str) -> int:
+    """Programs that run at once on `device`: its SM count on CUDA, 1 elsewhere (the interpreter runs them in turn)."""
+    device = torch.device(device)
+    if device.type == "cuda" and not interpreting():
+        return torch.cuda.get_device_properties(device).multi_processor_count
+    return 1

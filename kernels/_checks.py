@@ -1,0 +1,63 @@
+"""Argument checks shared by the reference quantizers and the Triton launchers (same errors in both)."""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from kernels.formats import FORMATS, FloatFormat
+
+INPUT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def matrix_view(x: Tensor) -> tuple[Tensor, tuple[int, ...]]:
+    """x (any rank >= 1) as [prod(leading dims), last dim] in its own dtype, and its shape."""
+    if not isinstance(x, Tensor) or x.dtype not in INPUT_DTYPES:
+        got = x.dtype if isinstance(x, Tensor) else type(x).__name__
+        raise TypeError(f"quantize takes a float32, bfloat16 or float16 tensor, got {got}")
+    if x.dim() == 0:
+        raise ValueError("quantize needs at least one dim, got a 0-d tensor; reshape it to (1,)")
+    return x.reshape(-1, x.shape[-1]), tuple(x.shape)
+
+
+def check_roles(rowwise: bool, columnwise: bool) -> None:
+    """At least one of the two copies must be asked for."""
+    if not (rowwise or columnwise):
+        raise ValueError("rowwise=False and columnwise=False produce nothing; ask for at least one")
+
+
+def check_divisible(operand_cols: int, multiple: int, scheme: str, role: str) -> None:
+    """MXFP8 and NVFP4 blocks must tile each operand row exactly (a row of x, or a column of x)."""
+    if operand_cols % multiple:
+        dim = "last dim (K)" if role == "rowwise" else "row count (M, the product of the leading dims)"
+        other = "columnwise" if role == "rowwise" else "rowwise"
+        raise ValueError(
+            f"{scheme} {role} needs the {dim} to be a multiple of {multiple}, got {operand_cols}; "
+            f"pad the tensor or ask for {other} only"
+        )
+
+
+def element_format(fmt: str, allowed: tuple[str, ...]) -> FloatFormat:
+    """The format a quantizer writes, checked against those it supports."""
+    if fmt not in allowed:
+        raise ValueError(f"fmt={fmt!r} is not supported here; use one of {allowed}")
+    return FORMATS[fmt]
+
+
+def check_block(block: tuple[int, int], allowed: tuple[tuple[int, int], ...], name: str) -> tuple[int, int]:
+    """A block shape argument, checked against the ones a scheme defines."""
+    block = tuple(block)
+    if block not in allowed:
+        raise ValueError(f"{name} block={block} is not supported; use one of {allowed}")
+    return block
+
+
+def check_scale(scale: Tensor, device: torch.device) -> Tensor:
+    """A delayed-scaling scale: fp32 with one element, on the input's device."""
+    if not isinstance(scale, Tensor) or scale.dtype != torch.float32 or scale.numel() != 1:
+        raise TypeError(
+            f"scale must be an fp32 tensor of one element, got {scale!r}; pass scale=None for current scaling"
+        )
+    if scale.device != device:
+        raise ValueError(f"scale is on {scale.device} but x is on {device}; move the scale to {device}")
+    return scale.reshape(1)

@@ -1,0 +1,250 @@
+"""Triton quantizers: the functions and signatures of kernels.reference, returning the same bytes.
+
+Formulas: docs/quantization.md; each launcher must match the reference function of its name.
+Launches: tensorwise current scaling and NVFP4 need the global amax before any cast, so they
+take two launches (`_amax_kernel` with an atomic max, then the cast kernel). Delayed-scaling
+tensorwise, block and MXFP8 take one. Every cast kernel reads x once and writes the rowwise
+and the transposed columnwise copies. An empty x (nothing to launch) or a device without a
+Triton backend (CPU without TRITON_INTERPRET=1) goes to the reference.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import triton
+from torch import Tensor
+
+from kernels import reference
+from kernels._backend import Backend, autotune_configs, backend_for
+from kernels._casts import format_constants
+from kernels._checks import check_block, check_divisible, check_roles, check_scale, element_format, matrix_view
+from kernels._quantize_kernels import _amax_kernel, _blockwise_kernel, _mxfp8_kernel, _nvfp4_kernel, _tensorwise_kernel
+from kernels.formats import FP8_FORMATS, hash32
+from kernels.reference import Quantized
+
+
+def _tiles(*shapes: tuple[int, int, int]) -> list[dict]:
+    """Autotune candidates (BLOCK_M, BLOCK_K, num_warps); 128x128 first: the interpreter runs only the
+    first and pays per program. The others were chosen by register use in offline sm_90 builds."""
+    return [{"BLOCK_M": m, "BLOCK_K": k, "num_warps": w} for m, k, w in ((128, 128, 8),) + shapes]
+
+
+_ROLES = ["M", "K", "ROWWISE", "COLUMNWISE"]  # autotune key of the cast kernels
+# kernel name -> (kernel, autotune candidates on GPU, autotune key)
+_KERNELS = {
+    "amax": (_amax_kernel, _tiles((64, 128, 4), (32, 256, 4), (64, 256, 8), (32, 128, 4)), ["M", "K", "HADAMARD"]),
+    "tensorwise": (_tensorwise_kernel, _tiles((64, 128, 4), (128, 64, 4), (64, 64, 4), (32, 128, 4)), _ROLES),
+    "blockwise": (_blockwise_kernel, [{"BLOCK": 128, "num_warps": w} for w in (8, 16, 4)], _ROLES),
+    "mxfp8": (_mxfp8_kernel, _tiles((32, 128, 4), (64, 64, 4), (32, 256, 8), (64, 128, 8)), _ROLES),
+    "nvfp4": (_nvfp4_kernel, _tiles((32, 128, 4), (64, 64, 4), (32, 64, 4), (16, 128, 4), (32, 256, 8)), _ROLES),
+}
+
+
+# Smaller tensors take the first candidate: tuning them would cost more than it saves.
+_AUTOTUNE_MIN_ELEMENTS = 1 << 22
+
+
+@functools.cache
+def _kernel(name: str, tuned: bool):
+    """The kernel with its configs, built on first use (the config list depends on the backend)."""
+    kernel, candidates, key = _KERNELS[name]
+    configs = autotune_configs(candidates if tuned else candidates[:1])
+    return triton.autotune(configs=configs, key=key)(kernel)
+
+
+def _launch(name: str, x2d: Tensor, *buffers: Tensor, **meta) -> None:
+    """Launch kernel `name` over the tiles of x2d [M, K]: (x, *buffers, M, K, strides, **meta)."""
+    M, K = x2d.shape
+    kernel = _kernel(name, tuned=M * K >= _AUTOTUNE_MIN_ELEMENTS)
+
+    def grid(config):
+        block_m = config.get("BLOCK_M", config.get("BLOCK"))
+        block_k = config.get("BLOCK_K", config.get("BLOCK"))
+        return triton.cdiv(M, block_m), triton.cdiv(K, block_k)
+
+    kernel[grid](x2d, *buffers, M, K, x2d.stride(0), x2d.stride(1), **meta)
+
+
+def _bytes(shape: tuple[int, ...], wanted: bool, device: torch.device, dtype: torch.dtype = torch.uint8) -> Tensor:
+    """An output buffer, or a one-element placeholder for a copy nobody asked for."""
+    return torch.empty(shape if wanted else (1,), dtype=dtype, device=device)
+
+
+def _global_amax(x2d: Tensor, hadamard: bool) -> Tensor:
+    """int32 bits [amax of x, amax of RHT(x.T) (0 unless hadamard)], from the first launch."""
+    amax_bits = torch.zeros(2, dtype=torch.int32, device=x2d.device)
+    _launch("amax", x2d, amax_bits, HADAMARD=hadamard)
+    return amax_bits
+
+
+def _reference_when_nothing_to_launch(launcher):
+    """Send empty tensors and devices without a Triton backend to the reference function of that name."""
+    reference_quantizer = getattr(reference, launcher.__name__)
+
+    @functools.wraps(launcher)
+    def quantize(x, *args, **kwargs):
+        if not isinstance(x, Tensor) or x.numel() == 0 or backend_for(x.device) is Backend.REFERENCE:
+            return reference_quantizer(x, *args, **kwargs)
+        return launcher(x, *args, **kwargs)
+
+    return quantize
+
+
+@_reference_when_nothing_to_launch
+def quantize_tensorwise(
+    x: Tensor,
+    fmt: str = "e4m3",
+    scale: Tensor | None = None,
+    *,
+    power_2_scale: bool = False,
+    amax_epsilon: float = 0.0,
+    rowwise: bool = True,
+    columnwise: bool = False,
+) -> Quantized:
+    """One fp32 scale for the tensor: current scaling (scale=None) or a given delayed-scaling scale."""
+    f = element_format(fmt, FP8_FORMATS)
+    check_roles(rowwise, columnwise)
+    x2d, shape = matrix_view(x)
+    M, K = x2d.shape
+    if scale is None:
+        amax_bits = _global_amax(x2d, hadamard=False)
+    elif power_2_scale or amax_epsilon:
+        raise ValueError("power_2_scale and amax_epsilon shape a current scale; with a given scale leave them unset")
+    else:
+        scale = check_scale(scale, x.device)
+        amax_bits = torch.zeros(1, dtype=torch.int32, device=x.device)  # the cast pass records the amax
+    data = _bytes((M, K), rowwise, x.device)
+    columnwise_data = _bytes((K, M), columnwise, x.device)
+    scale_inv = torch.empty(1, dtype=torch.float32, device=x.device)
+    _launch(
+        "tensorwise", x2d, data, columnwise_data, scale_inv if scale is None else scale, amax_bits, scale_inv,
+        **format_constants(fmt), FMAX=f.max, POWER_2=power_2_scale, EPSILON=float(amax_epsilon),
+        GIVEN_SCALE=scale is not None, ROWWISE=rowwise, COLUMNWISE=columnwise,
+    )
+    return Quantized(
+        "tensorwise", fmt, shape,
+        data=data if rowwise else None,
+        scale_inv=scale_inv if rowwise else None,
+        columnwise_data=columnwise_data if columnwise else None,
+        columnwise_scale_inv=scale_inv.clone() if columnwise else None,
+        amax=amax_bits[:1].view(torch.float32),
+    )
+
+
+@_reference_when_nothing_to_launch
+def quantize_blockwise(
+    x: Tensor,
+    fmt: str = "e4m3",
+    block: tuple[int, int] = (1, 128),
+    *,
+    power_2_scale: bool = True,
+    rowwise: bool = True,
+    columnwise: bool = False,
+) -> Quantized:
+    """fp32 scale per 1x128 (activations, grads) or 128x128 (weights) block; edge blocks may be partial."""
+    element_format(fmt, FP8_FORMATS)
+    block = check_block(block, ((1, 128), (128, 128)), "quantize_blockwise")
+    check_roles(rowwise, columnwise)
+    x2d, shape = matrix_view(x)
+    M, K = x2d.shape
+    row_blocks, col_blocks = triton.cdiv(M, 128), triton.cdiv(K, 128)
+    square = block == (128, 128)
+    data = _bytes((M, K), rowwise, x.device)
+    scale_inv = _bytes((row_blocks if square else M, col_blocks), rowwise, x.device, torch.float32)
+    columnwise_data = _bytes((K, M), columnwise, x.device)
+    columnwise_scale_inv = _bytes((col_blocks if square else K, row_blocks), columnwise, x.device, torch.float32)
+    _launch(
+        "blockwise", x2d, data, scale_inv, columnwise_data, columnwise_scale_inv,
+        **format_constants(fmt), FMAX=reference.FORMATS[fmt].max, POWER_2=power_2_scale, SQUARE=square,
+        ROWWISE=rowwise, COLUMNWISE=columnwise,
+    )
+    return Quantized(
+        f"block{block[0]}x{block[1]}", fmt, shape,
+        data if rowwise else None, scale_inv if rowwise else None,
+        columnwise_data if columnwise else None, columnwise_scale_inv if columnwise else None, amax=None,
+    )
+
+
+@_reference_when_nothing_to_launch
+def quantize_mxfp8(
+    x: Tensor, fmt: str = "e4m3", *, scale_rounding: str = "up", rowwise: bool = True, columnwise: bool = False
+) -> Quantized:
+    """E8M0 scale per 32 consecutive elements of an operand row (OCP MX)."""
+    f = element_format(fmt, FP8_FORMATS)
+    if scale_rounding not in ("up", "floor"):
+        raise ValueError(f"scale_rounding={scale_rounding!r}: use 'up' (TransformerEngine, JAX) or 'floor' (OCP MX)")
+    check_roles(rowwise, columnwise)
+    x2d, shape = matrix_view(x)
+    M, K = x2d.shape
+    if rowwise:
+        check_divisible(K, 32, "mxfp8", "rowwise")
+    if columnwise:
+        check_divisible(M, 32, "mxfp8", "columnwise")
+    data, scale = _bytes((M, K), rowwise, x.device), _bytes((M, K // 32), rowwise, x.device)
+    columnwise_data, columnwise_scale = _bytes((K, M), columnwise, x.device), _bytes((K, M // 32), columnwise, x.device)
+    _launch(
+        "mxfp8", x2d, data, scale, columnwise_data, columnwise_scale,
+        **format_constants(fmt), INV_FMAX=1.0 / f.max, MAX_EXPONENT=f.max_exponent, ROUND_UP=scale_rounding == "up",
+        ROWWISE=rowwise, COLUMNWISE=columnwise,
+    )
+    return Quantized(
+        "mxfp8", fmt, shape,
+        data if rowwise else None, scale if rowwise else None,
+        columnwise_data if columnwise else None, columnwise_scale if columnwise else None, amax=None,
+    )
+
+
+def _hash_key(seed: int) -> int:
+    """hash32(seed mod 2^32) as a signed int32, so the kernel argument always has one type."""
+    key = int(hash32(torch.tensor(seed & 0xFFFFFFFF, dtype=torch.int64)))
+    return key - (1 << 32) if key >= (1 << 31) else key
+
+
+@_reference_when_nothing_to_launch
+def quantize_nvfp4(
+    x: Tensor,
+    *,
+    block: tuple[int, int] = (1, 16),
+    hadamard: bool = False,
+    stochastic_seed: int | None = None,
+    rowwise: bool = True,
+    columnwise: bool = False,
+) -> Quantized:
+    """E2M1 values, an e4m3 scale per 1x16 or 16x16 block and an fp32 global scale from the operand's amax."""
+    block = check_block(block, ((1, 16), (16, 16)), "quantize_nvfp4")
+    check_roles(rowwise, columnwise)
+    if stochastic_seed is not None and not isinstance(stochastic_seed, int):
+        raise TypeError(f"stochastic_seed must be an int (or None for round-to-nearest), got {stochastic_seed!r}")
+    x2d, shape = matrix_view(x)
+    M, K = x2d.shape
+    if rowwise:
+        check_divisible(K, 16, "nvfp4", "rowwise")
+    if columnwise:
+        check_divisible(M, 16, "nvfp4", "columnwise")
+    square = block == (16, 16)
+    rotate = hadamard and columnwise
+    amax_bits = _global_amax(x2d, hadamard=rotate)
+    data = _bytes((M, K // 2), rowwise, x.device)
+    scale = _bytes((triton.cdiv(M, 16) if square else M, K // 16), rowwise, x.device)
+    columnwise_data = _bytes((K, M // 2), columnwise, x.device)
+    columnwise_scale = _bytes((triton.cdiv(K, 16) if square else K, M // 16), columnwise, x.device)
+    _launch(
+        "nvfp4", x2d, data, scale, columnwise_data, columnwise_scale, amax_bits,
+        key=0 if stochastic_seed is None else _hash_key(stochastic_seed),
+        SQUARE=square, HADAMARD=rotate, STOCHASTIC=stochastic_seed is not None,
+        ROWWISE=rowwise, COLUMNWISE=columnwise,
+    )
+    amax = amax_bits.view(torch.float32)
+    return Quantized(
+        f"nvfp4_{block[0]}x{block[1]}", "e2m1", shape,
+        data if rowwise else None, scale if rowwise else None,
+        columnwise_data if columnwise else None, columnwise_scale if columnwise else None,
+        amax=amax[:1].clone(),
+        columnwise_amax=(amax[1:] if rotate else amax[:1].clone()) if columnwise else None,
+        hadamard=hadamard,
+    )
+
+
+__all__ = ["quantize_blockwise", "quantize_mxfp8", "quantize_nvfp4", "quantize_tensorwise"]

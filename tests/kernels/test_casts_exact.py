@@ -1,0 +1,116 @@
+"""The Triton bit-operation helpers (kernels._casts) byte-for-byte against kernels.formats.
+
+Each helper runs elementwise over a format's edge set (generated from the spec) in one small
+kernel, in the interpreter on CPU and compiled on CUDA (`-m gpu`).
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import triton
+import triton.language as tl
+
+from kernels import _casts, formats
+from tests.kernels.format_models import edge_values
+from tests.kernels.devices import DEVICES
+
+BLOCK = 1024
+
+
+@triton.jit
+def _elementwise_kernel(
+    x_ptr, bits_ptr, out_ptr, n, OP: tl.constexpr, EXPONENT_BITS: tl.constexpr, MANTISSA_BITS: tl.constexpr,
+    MAX_BITS: tl.constexpr, NAN_CODE: tl.constexpr, BLOCK: tl.constexpr,
+):
+    offsets = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    mask = offsets < n
+    x = tl.load(x_ptr + offsets, mask=mask, other=0.0)
+    if OP == "encode":
+        out = _casts.f32_to_code(x, EXPONENT_BITS, MANTISSA_BITS, MAX_BITS, NAN_CODE)
+    elif OP == "e2m1_stochastic":
+        random_bits = tl.load(bits_ptr + offsets, mask=mask, other=0).to(tl.uint32)
+        out = _casts.f32_to_e2m1_code_stochastic(x, random_bits)
+    elif OP == "bf16":
+        out = _casts.f32_to_bf16_bits(x).to(tl.int32)
+    elif OP == "hash":
+        out = _casts.hash32(x.to(tl.int32, bitcast=True).to(tl.uint32)).to(tl.int32, bitcast=True)
+    elif OP == "e8m0_up":
+        out = _casts.e8m0_from_amax_bits(_casts.abs_bits(x), 1.0 / 448.0, 8, True)
+    elif OP == "e8m0_floor":
+        out = _casts.e8m0_from_amax_bits(_casts.abs_bits(x), 1.0 / 448.0, 8, False)
+    else:  # "decode": x holds e4m3 codes as fp32 integers
+        out = _casts.e4m3_code_to_f32(x.to(tl.int32)).to(tl.int32, bitcast=True)
+    tl.store(out_ptr + offsets, out, mask=mask)
+
+
+def _run(op: str, x: torch.Tensor, fmt: str = "e4m3", random_bits: torch.Tensor | None = None) -> torch.Tensor:
+    out = torch.empty(x.shape, dtype=torch.int32, device=x.device)
+    bits = random_bits if random_bits is not None else out
+    grid = (triton.cdiv(x.numel(), BLOCK),)
+    _elementwise_kernel[grid](x, bits, out, x.numel(), op, **_casts.format_constants(fmt), BLOCK=BLOCK)
+    return out
+
+
+def _first_difference(x: torch.Tensor, got: torch.Tensor, expected: torch.Tensor) -> str:
+    i = int((got != expected).nonzero()[0, 0])
+    count = int((got != expected).sum())
+    return f"{count} differ; first at {i}: x={float(x[i])!r} triton={int(got[i]):#x} reference={int(expected[i]):#x}"
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("fmt", ["e4m3", "e5m2", "e2m1"])
+def test_bit_cast_equals_reference_on_edge_values(device, fmt):
+    generator = torch.Generator().manual_seed(0)
+    x = torch.cat([edge_values(fmt), torch.randn(3000, generator=generator) * formats.FORMATS[fmt].max / 3])
+    expected = formats.encode_e2m1(x) if fmt == "e2m1" else formats.encode_fp8(x, fmt)
+    got = _run("encode", x.to(device), fmt).cpu()
+    assert torch.equal(got, expected.int()), _first_difference(x, got, expected.int())
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_bf16_rounding_equals_torch(device):
+    generator = torch.Generator().manual_seed(2)
+    words = torch.randint(-(2**31), 2**31 - 1, (4000,), generator=generator, dtype=torch.int32)
+    halfway = (torch.randint(0, 2**15, (1000,), generator=generator, dtype=torch.int32) << 16) | 0x8000  # ties
+    specials = torch.tensor([0.0, -0.0, math.inf, -math.inf, math.nan, 3.4028234663852886e38, 1e-45])
+    x = torch.cat([words.view(torch.float32), halfway.view(torch.float32), specials])
+    expected = x.to(torch.bfloat16).view(torch.int16).int() & 0xFFFF
+    expected = torch.where(x.isnan(), 0x7FC0, expected)  # torch keeps some NaN payloads; we write one NaN
+    got = _run("bf16", x.to(device)).cpu()
+    assert torch.equal(got, expected), _first_difference(x, got, expected)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_stochastic_e2m1_and_hash_equal_reference(device):
+    generator = torch.Generator().manual_seed(1)
+    x = torch.cat([edge_values("e2m1"), torch.randn(3000, generator=generator) * 3])
+    random_bits = formats.stochastic_rounding_bits(42, torch.arange(x.numel()))
+    expected = formats.encode_e2m1(x, random_bits).int()
+    as_int32 = random_bits.to(torch.int64).where(random_bits < 2**31, random_bits - 2**32).int()  # same 32 bits
+    got = _run("e2m1_stochastic", x.to(device), random_bits=as_int32.to(device)).cpu()
+    assert torch.equal(got, expected), _first_difference(x, got, expected)
+    words = torch.randint(-(2**31), 2**31 - 1, (2000,), generator=generator, dtype=torch.int32)
+    got = _run("hash", words.view(torch.float32).to(device)).cpu().long() & 0xFFFFFFFF
+    assert torch.equal(got, formats.hash32(words.long() & 0xFFFFFFFF))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("rounding", ["up", "floor"])
+def test_e8m0_equals_reference(device, rounding):
+    powers = torch.exp2(torch.arange(-126, 128, dtype=torch.float32))
+    special = torch.tensor([0.0, 1e-45, 1e-40, 3.4e38, math.inf, math.nan, 448.0])
+    x = torch.cat([powers, powers * (1 + 2**-23), powers * (1 - 2**-24), special])
+    got = _run(f"e8m0_{rounding}", x.to(device)).cpu()
+    assert torch.equal(got, formats.e8m0_from_amax(x, "e4m3", rounding).int())
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_e4m3_decode_equals_reference_for_all_codes(device):
+    codes = torch.arange(256, dtype=torch.float32)
+    got = _run("decode", codes.to(device)).cpu().view(torch.float32)
+    expected = formats.decode_fp8(codes.to(torch.uint8), "e4m3")
+    assert torch.equal(got.isnan(), expected.isnan())
+    assert torch.equal(got[~got.isnan()], expected[~expected.isnan()])

@@ -1,0 +1,204 @@
+"""Triton quantizers (kernels.quantize) byte-for-byte against the torch reference (kernels.reference).
+
+Every scheme, both roles, bf16 and fp32 inputs of several shapes, and an edge set generated
+from the format specs. On CPU the kernels run in the interpreter; the same tests run compiled
+on CUDA with `pytest -m gpu`, against the reference computed on the GPU.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kernels import quantize as triton_quantize
+from kernels import reference
+from kernels._backend import Backend, backend_for
+from tests.kernels.devices import DEVICES
+from tests.kernels.format_models import edge_values
+
+# name -> (function name, keyword arguments, shape family)
+SCHEMES = {
+    "tensorwise_e4m3": ("quantize_tensorwise", {"fmt": "e4m3"}, "any"),
+    "tensorwise_e5m2_pow2_eps": (
+        "quantize_tensorwise", {"fmt": "e5m2", "power_2_scale": True, "amax_epsilon": 0.5}, "any"
+    ),
+    "tensorwise_e4m3_delayed": ("quantize_tensorwise", {"fmt": "e4m3", "scale": 0.37}, "any"),
+    "block1x128_e4m3": ("quantize_blockwise", {"fmt": "e4m3", "block": (1, 128)}, "any"),
+    "block1x128_e5m2_fp32_scale": ("quantize_blockwise", {"fmt": "e5m2", "power_2_scale": False}, "any"),
+    "block128x128_e4m3": ("quantize_blockwise", {"fmt": "e4m3", "block": (128, 128)}, "any"),
+    "mxfp8_e4m3_up": ("quantize_mxfp8", {"fmt": "e4m3"}, "by32"),
+    "mxfp8_e5m2_floor": ("quantize_mxfp8", {"fmt": "e5m2", "scale_rounding": "floor"}, "by32"),
+    "nvfp4_1x16": ("quantize_nvfp4", {}, "by16"),
+    "nvfp4_16x16": ("quantize_nvfp4", {"block": (16, 16)}, "by16"),
+    "nvfp4_1x16_hadamard_stochastic": ("quantize_nvfp4", {"hadamard": True, "stochastic_seed": 2**33 + 5}, "by16"),
+}
+# shape family -> shapes quantized with both roles (tails, one row and primes where the blocks allow)
+SHAPES = {
+    "any": [(128, 256), (130, 200), (1, 384), (37, 131)],
+    "by32": [(128, 256), (96, 160), (32, 32)],
+    "by16": [(128, 256), (48, 80), (16, 16)],
+}
+ELEMENT_FORMAT = {"quantize_nvfp4": "e2m1"}
+# numpy inside the interpreter warns on the 1/0 that fmax/amax and global/block-scale divisions meet on purpose
+pytestmark = pytest.mark.filterwarnings("ignore:divide by zero:RuntimeWarning", "ignore:overflow:RuntimeWarning")
+FIELDS = ("data", "scale_inv", "columnwise_data", "columnwise_scale_inv")
+
+
+def _quantize_both(name: str, x: torch.Tensor, **roles) -> tuple[reference.Quantized, reference.Quantized]:
+    function, kwargs, _ = SCHEMES[name]
+    kwargs = dict(kwargs)
+    if "scale" in kwargs:
+        kwargs["scale"] = torch.tensor([kwargs["scale"]], device=x.device)
+    assert backend_for(x.device) is not Backend.REFERENCE, "the kernels must run, not fall back to the reference"
+    got = getattr(triton_quantize, function)(x, **kwargs, **roles)
+    expected = getattr(reference, function)(x, **kwargs, **roles)
+    return got, expected
+
+
+def _describe_difference(field: str, got: torch.Tensor, expected: torch.Tensor, x: torch.Tensor) -> str:
+    """The first differing positions with both bytes and, for data, the input element(s) they encode."""
+    got_bytes, expected_bytes = got.view(torch.uint8).cpu(), expected.view(torch.uint8).cpu()
+    if got_bytes.shape != expected_bytes.shape:
+        return f"{field}: shape {tuple(got_bytes.shape)} != reference {tuple(expected_bytes.shape)}"
+    differing = (got_bytes != expected_bytes).nonzero()[:5].tolist()
+    x2d = x.reshape(-1, x.shape[-1]).float().cpu()
+    operand = x2d.T if field.startswith("columnwise") else x2d
+    packed = got.shape[-1] * 2 == operand.shape[-1]  # nvfp4: two elements per byte
+    lines = [f"{field}: {int((got_bytes != expected_bytes).sum())} of {got_bytes.numel()} bytes differ"]
+    for index in differing:
+        where = tuple(index)
+        if field.endswith("data"):
+            i, j = index[0], index[1] if got_bytes.dim() > 1 else 0
+            elements = operand[i, 2 * j : 2 * j + 2].tolist() if packed else [float(operand[i, j])]
+            where = f"{where} x={elements}"
+        both = f"triton {got_bytes[tuple(index)].tolist()} reference {expected_bytes[tuple(index)].tolist()}"
+        lines.append(f"  at {where}: {both}")
+    return "\n".join(lines)
+
+
+def assert_same_bytes(got: reference.Quantized, expected: reference.Quantized, x: torch.Tensor) -> None:
+    """Data and scale bytes equal (torch.equal on uint8 views); amaxes equal with NaN == NaN."""
+    for field in FIELDS:
+        a, b = getattr(got, field), getattr(expected, field)
+        assert (a is None) == (b is None), f"{field}: triton has it: {a is not None}, the reference: {b is not None}"
+        if a is not None:
+            assert torch.equal(a.view(torch.uint8), b.view(torch.uint8)), _describe_difference(field, a, b, x)
+    for field in ("amax", "columnwise_amax"):
+        a, b = getattr(got, field), getattr(expected, field)
+        assert (a is None) == (b is None), field
+        if a is not None:
+            torch.testing.assert_close(a, b, rtol=0, atol=0, equal_nan=True)
+    def layout(q):
+        return q.scheme, q.fmt, q.shape, q.hadamard
+
+    assert layout(got) == layout(expected)
+
+
+def _random(shape, dtype, device, seed=0):
+    generator = torch.Generator().manual_seed(seed)
+    magnitudes = torch.exp2(torch.randint(-8, 9, shape, generator=generator).float())
+    return (torch.randn(shape, generator=generator) * magnitudes).to(dtype).to(device)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+@pytest.mark.parametrize("name", sorted(SCHEMES))
+def test_random_inputs_give_identical_bytes(device, dtype, name):
+    for shape in SHAPES[SCHEMES[name][2]]:
+        x = _random(shape, dtype, device, seed=shape[0])
+        got, expected = _quantize_both(name, x, rowwise=True, columnwise=True)
+        assert_same_bytes(got, expected, x)
+
+
+ROLE_SHAPES = {"any": (37, 131), "by32": (37, 64), "by16": (37, 48)}  # rows not a block multiple
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("name", sorted(SCHEMES))
+def test_each_role_alone_gives_identical_bytes(device, name):
+    rows, cols = ROLE_SHAPES[SCHEMES[name][2]]
+    rowwise_input = _random((rows, cols), torch.bfloat16, device, seed=1)
+    got, expected = _quantize_both(name, rowwise_input, rowwise=True, columnwise=False)
+    assert_same_bytes(got, expected, rowwise_input)
+    columnwise_input = _random((cols, rows), torch.float32, device, seed=2)  # columns not a block multiple
+    got, expected = _quantize_both(name, columnwise_input, rowwise=False, columnwise=True)
+    assert_same_bytes(got, expected, columnwise_input)
+
+
+def edge_matrix(fmt: str, cols: int, rows_multiple: int) -> torch.Tensor:
+    """An fp32 [R, cols] input from the format's edge set: every value, the ties between them,
+    subnormals, +-max and beyond, +-inf, NaN, zeros; plus an all-zero row, rows with one huge
+    outlier per 16 elements, and rows of fp32-subnormal values. R is a multiple of rows_multiple."""
+    generator = torch.Generator().manual_seed(3)
+    edges = edge_values(fmt)
+    edges = edges[edges.abs().argsort()]  # neighbours share blocks, so some blocks have amax == max
+    edges = torch.cat([edges, torch.zeros(-edges.numel() % cols)]).reshape(-1, cols)
+    outliers = torch.randn(2, cols, generator=generator)
+    outliers[:, ::16] = 1e30
+    tiny = torch.randn(2, cols, generator=generator) * 1e-39
+    matrix = torch.cat([edges, torch.zeros(1, cols), outliers, tiny])
+    padding = torch.randn(-matrix.shape[0] % rows_multiple, cols, generator=generator)
+    return torch.cat([matrix, padding])
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+@pytest.mark.parametrize("name", sorted(SCHEMES))
+def test_edge_values_give_identical_bytes(device, dtype, name):
+    function, kwargs, _ = SCHEMES[name]
+    fmt = ELEMENT_FORMAT.get(function, kwargs.get("fmt"))
+    x = edge_matrix(fmt, cols=128, rows_multiple=32).to(dtype).to(device)
+    got, expected = _quantize_both(name, x, rowwise=True, columnwise=True)
+    assert_same_bytes(got, expected, x)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize(
+    "function, kwargs, shape, message",
+    [
+        ("quantize_mxfp8", {}, (64, 48), "multiple of 32"),
+        ("quantize_mxfp8", {"columnwise": True, "rowwise": False}, (40, 64), "multiple of 32"),
+        ("quantize_nvfp4", {}, (16, 24), "multiple of 16"),
+        ("quantize_nvfp4", {"columnwise": True}, (24, 32), "multiple of 16"),
+        ("quantize_blockwise", {"block": (1, 32)}, (16, 32), "not supported"),
+    ],
+)
+def test_shapes_the_blocks_cannot_tile_raise_the_same_error(device, function, kwargs, shape, message):
+    x = torch.zeros(shape, device=device)
+    for implementation in (triton_quantize, reference):
+        with pytest.raises(ValueError, match=message):
+            getattr(implementation, function)(x, **kwargs)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_empty_and_high_rank_inputs(device):
+    empty = torch.zeros(0, 64, device=device)
+    assert_same_bytes(*_quantize_both("tensorwise_e4m3", empty, columnwise=True), empty)
+    x = _random((2, 16, 64), torch.bfloat16, device)
+    assert_same_bytes(*_quantize_both("mxfp8_e4m3_up", x, columnwise=True), x)
+
+
+# kernel -> the schemes that launch it; every autotune candidate of every kernel must give the same bytes
+SCHEMES_BY_KERNEL = {
+    "amax": ["tensorwise_e4m3", "nvfp4_1x16_hadamard_stochastic"],
+    "tensorwise": ["tensorwise_e4m3", "tensorwise_e4m3_delayed"],
+    "blockwise": ["block1x128_e4m3", "block128x128_e4m3"],
+    "mxfp8": ["mxfp8_e4m3_up"],
+    "nvfp4": ["nvfp4_1x16_hadamard_stochastic", "nvfp4_16x16"],
+}
+CONFIGS = [(kernel, index) for kernel, entry in triton_quantize._KERNELS.items() for index in range(len(entry[1]))]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("kernel, index", CONFIGS, ids=[f"{kernel}-{index}" for kernel, index in CONFIGS])
+def test_every_tile_config_gives_identical_bytes(device, kernel, index, monkeypatch):
+    function, candidates, key = triton_quantize._KERNELS[kernel]
+    monkeypatch.setitem(triton_quantize._KERNELS, kernel, (function, [candidates[index]], key))
+    triton_quantize._kernel.cache_clear()
+    try:
+        x = _random((160, 288), torch.bfloat16, device, seed=index)  # partial tiles for every candidate
+        for name in SCHEMES_BY_KERNEL[kernel]:
+            got, expected = _quantize_both(name, x, rowwise=True, columnwise=True)
+            assert_same_bytes(got, expected, x)
+    finally:
+        triton_quantize._kernel.cache_clear()
