@@ -1,0 +1,155 @@
+"""FP8 GEMM on one GPU: measured TFLOP/s against the tensor-core floor and the peers of the same run.
+
+    PYTHONPATH=. python benchmarks/bench_gemm.py [--size 8192]
+
+Throughput = 2*M*N*K / time. Floors are DESIGN.md's H200 peaks: bf16 788 TFLOP/s, FP8 1425
+(torch._scaled_mm tensorwise). Rows:
+
+- tensorwise e4m3: kernels.gemm's Triton kernel, torch._scaled_mm (cuBLASLt), and `scaled_mm`
+  (whichever TENSORWISE_USES_TORCH_SCALED_MM picks); the faster of the first two decides that constant.
+- block-scaled 1x128 x 128x128: ours (target >= 1.3x bf16's 788), torch._scaled_mm rowwise (the
+  nearest cuBLAS FP8 peer), and torch._scaled_mm blockwise where this torch build runs it.
+- MXFP8 and NVFP4: EMULATED (Hopper has no MXFP8/NVFP4 tensor cores; dequantize in the prologue,
+  bf16 dots), so their floor is the bf16 peak; peer: dequantize + bf16 torch.matmul, eager.
+
+Every row also reports its relative error against kernels.gemm_reference (fp32 matmul of the
+dequantized operands), so a fast wrong kernel cannot pass unnoticed. Output: markdown for
+benchmarks/RESULTS.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import subprocess
+import sys
+
+import torch
+
+from kernels import gemm, gemm_reference
+from kernels import reference  # its quantizers give the Triton ones' bytes, in plain torch
+
+PEAK_TFLOPS = {"bf16": 788.0, "fp8": 1425.0}  # DESIGN.md, measured on the H200
+
+
+def time_ms(fn) -> float:
+    """Median milliseconds of fn() (triton.testing.do_bench: warmup, then repeated timed calls)."""
+    from triton.testing import do_bench
+
+    return do_bench(fn, warmup=50, rep=300, return_mode="median")
+
+
+def environment_line() -> str:
+    """Date, GPU, versions, commit and command: the header of a RESULTS.md entry."""
+    import triton
+
+    try:
+        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+    except OSError:
+        commit = ""
+    return (
+        f"{datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M UTC}, {torch.cuda.get_device_name()}, "
+        f"torch {torch.__version__}, triton {triton.__version__}, commit {commit or 'unknown'} (+ working tree), "
+        f"`{' '.join(['python'] + sys.argv)}`"
+    )
+
+
+def print_table(columns: list[str], rows: list[list]) -> None:
+    """A markdown table; floats with 3 significant digits."""
+    print("| " + " | ".join(columns) + " |")
+    print("|" + "|".join("---" for _ in columns) + "|")
+    for row in rows:
+        cells = [f"{cell:.3g}" if isinstance(cell, float) else str(cell) for cell in row]
+        print("| " + " | ".join(cells) + " |")
+
+
+def relative_error(got: torch.Tensor, want: torch.Tensor) -> float:
+    return float((got.float() - want.float()).norm() / want.float().norm())
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--size", type=int, default=8192, help="M = N = K")
+    size = parser.parse_args().size
+    flops = 2.0 * size**3
+    generator = torch.Generator(device="cuda").manual_seed(0)
+    x = torch.randn(size, size, device="cuda", dtype=torch.bfloat16, generator=generator)
+    w = torch.randn(size, size, device="cuda", dtype=torch.bfloat16, generator=generator)
+    rows = []
+
+    def measure(case, provider, fn, floor, want=None, note=""):
+        try:
+            ms = time_ms(fn)
+        except Exception as error:  # a peer this torch build does not run: say so, keep going
+            rows.append([case, provider, "-", "-", floor, "-", "-", f"unavailable: {str(error).splitlines()[0][:80]}"])
+            return None
+        tflops = flops / ms / 1e9
+        error = relative_error(fn(), want) if want is not None else "-"
+        rows.append([case, provider, ms, tflops, floor, tflops / floor, error, note])
+        return tflops
+
+    bf16_peak, fp8_peak, bf16_out = PEAK_TFLOPS["bf16"], PEAK_TFLOPS["fp8"], torch.bfloat16
+    bf16 = measure("bf16", "torch.matmul", lambda: x @ w.T, bf16_peak)
+
+    # tensorwise: our kernel alone, cuBLASLt alone, and the dispatching entry point
+    case = "tensorwise e4m3"
+    qx, qw = reference.quantize_tensorwise(x, "e4m3"), reference.quantize_tensorwise(w, "e4m3")
+    a, b = gemm_reference.gemm_operand(qx, False, "a"), gemm_reference.gemm_operand(qw, False, "b")
+    want = gemm_reference.scaled_mm(qx, qw)
+    ours = measure(case, "ours (Triton)", lambda: gemm._scaled_mm_triton(a, b, bf16_out, None), fp8_peak, want)
+    cublas = measure(case, "torch._scaled_mm", lambda: gemm._torch_scaled_mm(a, b, bf16_out, None), fp8_peak, want)
+    picked = "torch._scaled_mm" if gemm.TENSORWISE_USES_TORCH_SCALED_MM else "Triton"
+    measure(case, "gemm.scaled_mm", lambda: gemm.scaled_mm(qx, qw), fp8_peak, want, f"dispatches to {picked}")
+
+    # block-scaled: ours; cuBLAS rowwise (the nearest finer-than-tensor peer) and, where wired up, blockwise
+    case = "block 1x128 x 128x128"
+    qx, qw = reference.quantize_blockwise(x, "e4m3", (1, 128)), reference.quantize_blockwise(w, "e4m3", (128, 128))
+    want = gemm_reference.scaled_mm(qx, qw)
+    block = measure(case, "ours (Triton)", lambda: gemm.scaled_mm(qx, qw), fp8_peak, want)
+    x_rows = x.float().abs().amax(dim=1, keepdim=True) / 448.0
+    w_rows = w.float().abs().amax(dim=1, keepdim=True).t().contiguous() / 448.0
+    x_fp8, w_fp8 = (x / x_rows).to(torch.float8_e4m3fn), (w / w_rows.t()).to(torch.float8_e4m3fn)
+
+    def rowwise():
+        return torch._scaled_mm(x_fp8, w_fp8.t(), scale_a=x_rows, scale_b=w_rows, out_dtype=bf16_out)
+
+    measure(case, "torch._scaled_mm rowwise (peer)", rowwise, fp8_peak, note="rowwise scales, not 1x128")
+    x_codes, w_codes = qx.data.view(torch.float8_e4m3fn), qw.data.view(torch.float8_e4m3fn)
+    x_scale = qx.scale_inv.t().contiguous().t()  # cuBLAS reads the 1x128 scales M-major
+
+    def blockwise():
+        return torch._scaled_mm(x_codes, w_codes.t(), scale_a=x_scale, scale_b=qw.scale_inv.t(), out_dtype=bf16_out)
+
+    measure(case, "torch._scaled_mm blockwise (peer)", blockwise, fp8_peak, want)
+
+    # emulated: the floor is the bf16 peak; the peer dequantizes, then multiplies in bf16
+    emulated = {}
+    note = "EMULATED: no MXFP8/NVFP4 tensor cores on Hopper"
+    for case, quantizer in (("mxfp8 e4m3", reference.quantize_mxfp8), ("nvfp4 1x16", reference.quantize_nvfp4)):
+        qx, qw = quantizer(x), quantizer(w)
+        want = gemm_reference.scaled_mm(qx, qw)
+        emulated[case] = measure(case, "ours (Triton, emulated)", lambda: gemm.scaled_mm(qx, qw), bf16_peak, want, note)
+
+        def unfused():
+            return reference.dequantize(qx, bf16_out) @ reference.dequantize(qw, bf16_out).T
+
+        measure(case, "dequantize + torch.matmul (peer)", unfused, bf16_peak, want, "eager, unfused")
+
+    print(f"## bench_gemm, {size}^3, bf16 out\n\n{environment_line()}\n")
+    print_table(["case", "provider", "ms", "TFLOP/s", "floor TFLOP/s", "of floor", "rel. error", "note"], rows)
+    print()
+    if ours and cublas:
+        faster = "torch._scaled_mm" if cublas >= ours else "Triton"
+        print(f"- tensorwise: Triton {ours:.0f} vs torch._scaled_mm {cublas:.0f} TFLOP/s ({ours / cublas:.1%}); "
+              f"faster: {faster}. Record both numbers at gemm.TENSORWISE_USES_TORCH_SCALED_MM "
+              f"(now {gemm.TENSORWISE_USES_TORCH_SCALED_MM}; should be {faster == 'torch._scaled_mm'}).")  # fmt: skip
+    if block and bf16:
+        print(f"- block-scaled: {block:.0f} TFLOP/s = {block / PEAK_TFLOPS['bf16']:.2f}x the bf16 peak 788 "
+              f"(target >= 1.3x), {block / bf16:.2f}x this run's bf16 matmul.")  # fmt: skip
+    for name, tflops in emulated.items():
+        if tflops:
+            print(f"- {name} (emulated): {tflops:.0f} TFLOP/s, {tflops / PEAK_TFLOPS['bf16']:.0%} of the bf16 peak.")
+
+
+if __name__ == "__main__":
+    main()

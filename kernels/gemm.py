@@ -1,0 +1,317 @@
+"""Scaled FP8 GEMM in Triton: out[M, N] = A[M, K] @ B[N, K]^T of dequantized operands, fp32 accumulation.
+
+The spec is `kernels.gemm_reference.scaled_mm` (same signature; its docstring lists the fprop, dgrad
+and wgrad operand layouts). Results match it within fp32 accumulation rounding, not bit for bit.
+
+How each scaling family reaches the tensor cores (one kernel; the family is a constexpr):
+
+- tensorwise: fp8 x fp8 dots over the whole K; the two per-tensor scale_invs multiply once at the end.
+- block (1x128 and/or 128x128): BLOCK_K divides 128, so a K tile sits in one scale block; each
+  tile's fp8 x fp8 partial product is scaled by a_scale[m, kb] * b_scale[n, kb] and added in fp32.
+- In both, Hopper's fp8 MMA sums in reduced precision until promoted to fp32; Triton's sm90 default
+  never promotes (max_num_imprecise_acc = 2^30), so the dots here promote once per K tile
+  (<= 128 elements), like TransformerEngine's split accumulator.
+- mxfp8, nvfp4: EMULATED. Hopper has no MXFP8/NVFP4 tensor cores, so the prologue of each K tile
+  dequantizes the codes by their block scales into bf16 (exact: e4m3/e5m2 times a power of two,
+  e2m1 times an e4m3 scale, both fit bf16's 8-bit significand) and the dot runs in bf16. NVFP4's
+  fp32 global scales are not exact in bf16; they multiply the accumulator once at the end.
+
+Under the Triton interpreter every code is decoded with integer bit operations and the dot runs
+in fp32: the interpreter's bf16 dot is wrong and its fp8 upcast turns NaN/inf codes into finite
+numbers (../shared/notes/cpu-feasibility.md). bf16 outputs are rounded to nearest even with bit
+operations (the interpreter's `.to(tl.bfloat16)` truncates).
+
+Per-tensor e4m3/e5m2 on CUDA goes to `torch._scaled_mm` (cuBLASLt) when it takes the case: see
+`TENSORWISE_USES_TORCH_SCALED_MM`.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import triton
+import triton.language as tl
+from torch import Tensor
+
+from kernels import gemm_reference
+from kernels._backend import Backend, autotune_configs, backend_for, interpreting
+from kernels._casts import code_to_f32, e4m3_code_to_f32, format_constants, scale_from_amax
+from kernels.formats import FORMATS, NVFP4_GLOBAL_MAX, SCHEME_BLOCKS
+from kernels.gemm_reference import GemmOperand, check_gemm, gemm_operand
+from kernels.reference import Quantized
+
+# Measured choice (benchmarks/bench_gemm.py, 8192^3 e4m3, bf16 out, one H200): torch._scaled_mm
+# <lead: fill> TFLOP/s, this kernel <lead: fill> TFLOP/s. Until that run, DESIGN.md's floors decide:
+# torch._scaled_mm 1425 TFLOP/s against 1278 for a naive Triton FP8 GEMM.
+TENSORWISE_USES_TORCH_SCALED_MM = True
+
+_NVFP4_GLOBAL_MAX = tl.constexpr(NVFP4_GLOBAL_MAX)
+_GROUP_M = 8  # tiles of A rows swept together, so their B tiles stay in L2
+_TUNE_FROM = 2048 * 2048  # output elements from which autotuning pays for its compiles
+
+# Autotune candidates, the first one is the interpreter's (large tiles: it pays per program).
+# fp8 dots: BLOCK_K must divide 128 (a block-scaled K tile must sit in one scale block).
+_FP8_TILES = [
+    {"BLOCK_M": 128, "BLOCK_N": 256, "BLOCK_K": 128, "num_warps": 8, "num_stages": 3},
+    {"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 128, "num_warps": 8, "num_stages": 4},
+    {"BLOCK_M": 256, "BLOCK_N": 128, "BLOCK_K": 128, "num_warps": 8, "num_stages": 3},
+    {"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 128, "num_warps": 4, "num_stages": 4},
+    {"BLOCK_M": 128, "BLOCK_N": 256, "BLOCK_K": 64, "num_warps": 8, "num_stages": 4},
+    {"BLOCK_M": 64, "BLOCK_N": 128, "BLOCK_K": 128, "num_warps": 4, "num_stages": 5},
+]
+# emulated (bf16 dots after a dequantizing prologue): BLOCK_K a multiple of 32 (MXFP8 blocks)
+_EMULATED_TILES = [
+    {"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 128, "num_warps": 8, "num_stages": 3},
+    {"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 64, "num_warps": 8, "num_stages": 4},
+    {"BLOCK_M": 128, "BLOCK_N": 256, "BLOCK_K": 64, "num_warps": 8, "num_stages": 3},
+    {"BLOCK_M": 64, "BLOCK_N": 128, "BLOCK_K": 64, "num_warps": 4, "num_stages": 4},
+]
+_TILES = {"tensorwise": _FP8_TILES, "block": _FP8_TILES, "mxfp8": _EMULATED_TILES, "nvfp4": _EMULATED_TILES}
+
+
+@triton.jit
+def _f32_to_bf16_bits(x):
+    """bf16 bits (uint16) of fp32 x, round to nearest even; every NaN becomes torch's 0x7FC0."""
+    bits = x.to(tl.uint32, bitcast=True)
+    rounded = (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16
+    return tl.where(x != x, 0x7FC0, rounded).to(tl.uint16)
+
+
+@triton.jit
+def _e8m0_to_f32(code):
+    """2^(code - 127) exactly (code 0 is the fp32 subnormal 2^-127); NaN for 0xFF."""
+    bits = tl.where(code == 0, 0x00400000, code << 23)
+    return tl.where(code == 0xFF, 0x7FC00000, bits).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _tile_coordinates(M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr):
+    """(tile row, tile column) of this program, GROUP_M tile rows at a time down each tile column."""
+    pid = tl.program_id(0)
+    tiles_m = tl.cdiv(M, BLOCK_M)
+    tiles_n = tl.cdiv(N, BLOCK_N)
+    programs_per_group = GROUP_M * tiles_n
+    first_m = (pid // programs_per_group) * GROUP_M
+    group_rows = tl.minimum(tiles_m - first_m, GROUP_M)
+    within = pid % programs_per_group
+    return first_m + within % group_rows, within // group_rows
+
+
+@triton.jit
+def _apply_block_scales(values, scales, ROWS: tl.constexpr, BLOCK_K: tl.constexpr, SCALE_K: tl.constexpr):
+    """values [ROWS, BLOCK_K] times one scale per SCALE_K consecutive elements ([ROWS, BLOCK_K / SCALE_K])."""
+    blocks = tl.reshape(values, [ROWS, BLOCK_K // SCALE_K, SCALE_K]) * scales[:, :, None]
+    return tl.reshape(blocks, [ROWS, BLOCK_K])
+
+
+@triton.jit
+def _operand_tile(
+    data_ptr, scale_ptr, rows, row_stride, scale_row_stride, k0, K,
+    SCALING: tl.constexpr, SCALE_K: tl.constexpr, SCALE_ROWS: tl.constexpr,
+    EXPONENT_BITS: tl.constexpr, MANTISSA_BITS: tl.constexpr, NAN_CODE: tl.constexpr,
+    DOT_IN_FP32: tl.constexpr, ROWS: tl.constexpr, BLOCK_K: tl.constexpr,
+):  # fmt: skip
+    """The operand's [ROWS, BLOCK_K] tile at K offset k0 as tl.dot takes it; 0 past K.
+
+    fp8 as stored for tensorwise and block (their scales apply outside the dot); MXFP8 and NVFP4
+    dequantized by their block scales. DOT_IN_FP32: everything decoded to fp32 by bit operations.
+    """
+    if SCALING == "nvfp4":  # two e2m1 codes per byte, element 2i in the low nibble
+        byte_cols = k0 // 2 + tl.arange(0, BLOCK_K // 2)
+        byte_ptrs = data_ptr + rows[:, None] * row_stride + byte_cols[None, :]
+        packed = tl.load(byte_ptrs, mask=byte_cols[None, :] < K // 2, other=0).to(tl.int32)
+        codes = tl.reshape(tl.join(packed & 0xF, packed >> 4), [ROWS, BLOCK_K])
+        values = code_to_f32(codes, 2, 1, -1)
+    else:  # fp8 codes, typed fp8 unless DOT_IN_FP32
+        cols = k0 + tl.arange(0, BLOCK_K)
+        values = tl.load(data_ptr + rows[:, None] * row_stride + cols[None, :], mask=cols[None, :] < K, other=0.0)
+        if DOT_IN_FP32:
+            values = code_to_f32(values.to(tl.int32), EXPONENT_BITS, MANTISSA_BITS, NAN_CODE)
+        elif SCALING == "mxfp8":
+            values = values.to(tl.float32)  # the hardware's fp8 upcast is exact
+    if SCALING == "mxfp8" or SCALING == "nvfp4":
+        scale_cols = k0 // SCALE_K + tl.arange(0, BLOCK_K // SCALE_K)
+        scale_ptrs = scale_ptr + (rows // SCALE_ROWS)[:, None] * scale_row_stride + scale_cols[None, :]
+        scale_codes = tl.load(scale_ptrs, mask=scale_cols[None, :] < K // SCALE_K, other=0).to(tl.int32)
+        if SCALING == "mxfp8":
+            values = _apply_block_scales(values, _e8m0_to_f32(scale_codes), ROWS, BLOCK_K, SCALE_K)
+        else:
+            values = _apply_block_scales(values, e4m3_code_to_f32(scale_codes), ROWS, BLOCK_K, SCALE_K)
+        if not DOT_IN_FP32:
+            values = values.to(tl.bfloat16)  # exact (see the module docstring)
+    return values
+
+
+@triton.jit
+def _nvfp4_decode_factor(amax_ptr):
+    """1 / global_encode of an NVFP4 copy, from its global amax."""
+    global_encode = scale_from_amax(tl.load(amax_ptr), _NVFP4_GLOBAL_MAX, False, 0.0)
+    return tl.math.div_rn(tl.full(global_encode.shape, 1.0, tl.float32), global_encode)
+
+
+@triton.jit
+def _scaled_mm_kernel(
+    a_ptr, b_ptr,  # A [M, K], B [N, K], K contiguous: fp8, or uint8 codes (decoded here; nvfp4 two per byte)
+    a_scale_ptr, b_scale_ptr,  # each copy's scale_inv, laid out as docs/quantization.md says
+    a_amax_ptr, b_amax_ptr,  # nvfp4: each copy's global amax, fp32 (1,); unused otherwise
+    bias_ptr, out_ptr,  # bias [N], any float dtype; out [M, N] contiguous, fp32 or bf16 bits (int16)
+    M, N, K,
+    a_row_stride, b_row_stride,  # elements (bytes) between operand rows
+    a_scale_row_stride, b_scale_row_stride,  # elements between rows of the scale tensors
+    SCALING: tl.constexpr,  # "tensorwise" | "block" | "mxfp8" | "nvfp4"
+    SCALE_K: tl.constexpr,  # K elements per scale (block 128, mxfp8 32, nvfp4 16)
+    A_SCALE_ROWS: tl.constexpr, B_SCALE_ROWS: tl.constexpr,  # operand rows per scale (1, 16 or 128)
+    A_EXPONENT_BITS: tl.constexpr, A_MANTISSA_BITS: tl.constexpr, A_MAX_BITS: tl.constexpr, A_NAN_CODE: tl.constexpr,
+    B_EXPONENT_BITS: tl.constexpr, B_MANTISSA_BITS: tl.constexpr, B_MAX_BITS: tl.constexpr, B_NAN_CODE: tl.constexpr,
+    HAS_BIAS: tl.constexpr, OUT_BF16: tl.constexpr, DOT_IN_FP32: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+):  # fmt: skip
+    """One [BLOCK_M, BLOCK_N] tile of out: the K loop, then per-tensor or global scales, bias, store."""
+    tile_m, tile_n = _tile_coordinates(M, N, BLOCK_M, BLOCK_N, GROUP_M)
+    rows = tile_m.to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = tile_n.to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
+    # Operand rows past M (N) wrap around: loads stay in bounds unmasked; only the store is masked.
+    a_rows = rows % M
+    b_rows = cols % N
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        a = _operand_tile(
+            a_ptr, a_scale_ptr, a_rows, a_row_stride, a_scale_row_stride, k0, K, SCALING, SCALE_K, A_SCALE_ROWS,
+            A_EXPONENT_BITS, A_MANTISSA_BITS, A_NAN_CODE, DOT_IN_FP32, BLOCK_M, BLOCK_K,
+        )
+        b = _operand_tile(
+            b_ptr, b_scale_ptr, b_rows, b_row_stride, b_scale_row_stride, k0, K, SCALING, SCALE_K, B_SCALE_ROWS,
+            B_EXPONENT_BITS, B_MANTISSA_BITS, B_NAN_CODE, DOT_IN_FP32, BLOCK_N, BLOCK_K,
+        )
+        if SCALING == "block":  # the K tile lies in scale block k0 // 128 of both operands
+            a_scale = tl.load(a_scale_ptr + (a_rows // A_SCALE_ROWS) * a_scale_row_stride + k0 // SCALE_K)
+            b_scale = tl.load(b_scale_ptr + (b_rows // B_SCALE_ROWS) * b_scale_row_stride + k0 // SCALE_K)
+            partial = tl.dot(a, tl.trans(b), max_num_imprecise_acc=BLOCK_K)
+            acc += partial * (a_scale[:, None] * b_scale[None, :])
+        else:
+            acc = tl.dot(a, tl.trans(b), acc, max_num_imprecise_acc=BLOCK_K)
+    if SCALING == "tensorwise":
+        acc = acc * (tl.load(a_scale_ptr) * tl.load(b_scale_ptr))
+    if SCALING == "nvfp4":
+        acc = acc * _nvfp4_decode_factor(a_amax_ptr) * _nvfp4_decode_factor(b_amax_ptr)
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + cols, mask=cols < N, other=0.0).to(tl.float32)[None, :]
+    inside = (rows[:, None] < M) & (cols[None, :] < N)
+    out_ptrs = out_ptr + rows[:, None] * N + cols[None, :]
+    if OUT_BF16:
+        tl.store(out_ptrs, _f32_to_bf16_bits(acc).to(tl.int16, bitcast=True), mask=inside)
+    else:
+        tl.store(out_ptrs, acc, mask=inside)
+
+
+def _tune_big_problems_only(configs, named_args, **kwargs):
+    """Autotuning compiles every candidate; below _TUNE_FROM outputs the launch dominates: take the first."""
+    return configs if named_args["M"] * named_args["N"] >= _TUNE_FROM else configs[:1]
+
+
+@functools.cache
+def _tuned(family: str):
+    """The kernel autotuned over its family's tiles, built on first use (the list depends on the backend)."""
+    return triton.autotune(
+        configs=autotune_configs(_TILES[family]),
+        key=["M", "N", "K"],
+        prune_configs_by={"early_config_prune": _tune_big_problems_only},
+    )(_scaled_mm_kernel)
+
+
+def _kernel_codes(operand: GemmOperand, dot_in_fp32: bool) -> Tensor:
+    """The operand bytes as the kernel reads them: fp8 where the hardware takes fp8, else uint8 codes."""
+    if dot_in_fp32 or operand.family == "nvfp4":
+        return operand.data
+    return operand.data.view(FORMATS[operand.fmt].torch_dtype)
+
+
+def _scale_row_stride(scale_inv: Tensor) -> int:
+    return scale_inv.stride(0) if scale_inv.dim() == 2 else 0
+
+
+def _scaled_mm_triton(
+    a: GemmOperand, b: GemmOperand, out_dtype: torch.dtype, bias: Tensor | None, tile: dict | None = None
+) -> Tensor:
+    """The Triton kernel on checked operands; `tile`: one of _TILES instead of autotuning (tests, benchmarks)."""
+    M, N, K = a.rows, b.rows, a.k
+    out = torch.empty(M, N, dtype=out_dtype, device=a.data.device)
+    dot_in_fp32 = interpreting()
+    block = SCHEME_BLOCKS[a.scheme]
+    a_scale, b_scale = a.scale_inv, b.scale_inv
+
+    def grid(meta):
+        return (triton.cdiv(M, meta["BLOCK_M"]) * triton.cdiv(N, meta["BLOCK_N"]),)
+
+    kernel, launch_options = (_tuned(a.family), {}) if tile is None else (_scaled_mm_kernel, tile)
+    kernel[grid](
+        _kernel_codes(a, dot_in_fp32), _kernel_codes(b, dot_in_fp32), a_scale, b_scale,
+        a.global_amax if a.global_amax is not None else a_scale,
+        b.global_amax if b.global_amax is not None else b_scale,
+        bias.contiguous() if bias is not None else out,
+        out.view(torch.int16) if out_dtype == torch.bfloat16 else out,
+        M, N, K, a.data.stride(0), b.data.stride(0), _scale_row_stride(a_scale), _scale_row_stride(b_scale),
+        SCALING=a.family, SCALE_K=0 if block is None else block[1],
+        A_SCALE_ROWS=max(a.scale_rows, 1), B_SCALE_ROWS=max(b.scale_rows, 1),
+        **format_constants(a.fmt, "A_"), **format_constants(b.fmt, "B_"),
+        HAS_BIAS=bias is not None, OUT_BF16=out_dtype == torch.bfloat16, DOT_IN_FP32=dot_in_fp32, GROUP_M=_GROUP_M,
+        **launch_options,
+    )  # fmt: skip
+    return out
+
+
+def _k_contiguous(data: Tensor) -> bool:
+    """Row-major with unit K stride and a 16-byte aligned start: what cuBLASLt's fp8 GEMM reads."""
+    return data.stride(-1) == 1 and data.stride(0) == data.shape[-1] and data.data_ptr() % 16 == 0
+
+
+def _torch_scaled_mm_takes(a: GemmOperand, b: GemmOperand, out_dtype: torch.dtype, bias: Tensor | None) -> bool:
+    """Whether CUDA's torch._scaled_mm runs this case (CPU's accepts more: these are CUDA's rules)."""
+    bias_ok = bias is None or (out_dtype == torch.bfloat16 and bias.dtype == torch.bfloat16)  # no bias with fp32 out
+    return (
+        a.family == "tensorwise"
+        and not (a.fmt == "e5m2" and b.fmt == "e5m2")  # cuBLASLt has no e5m2 x e5m2
+        and a.k % 16 == 0  # K and N multiples of 16
+        and b.rows % 16 == 0
+        and bias_ok
+        and _k_contiguous(a.data)  # A row-major and B^T column-major: sm90's only fp8 layout
+        and _k_contiguous(b.data)
+    )
+
+
+def _torch_scaled_mm(a: GemmOperand, b: GemmOperand, out_dtype: torch.dtype, bias: Tensor | None) -> Tensor:
+    """Per-tensor FP8 through cuBLASLt; its scales are our scale_invs (it multiplies by them)."""
+    a_fp8 = a.data.view(FORMATS[a.fmt].torch_dtype)
+    b_fp8_t = b.data.view(FORMATS[b.fmt].torch_dtype).t()  # [K, N] column-major
+    assert b_fp8_t.stride(0) == 1 and a.k % 16 == 0 and b.rows % 16 == 0, "checked by _torch_scaled_mm_takes"
+    return torch._scaled_mm(a_fp8, b_fp8_t, scale_a=a.scale_inv, scale_b=b.scale_inv, bias=bias, out_dtype=out_dtype)
+
+
+def scaled_mm(
+    a: Quantized,
+    b: Quantized,
+    *,
+    a_columnwise: bool = False,
+    b_columnwise: bool = False,
+    out_dtype: torch.dtype = torch.bfloat16,
+    bias: Tensor | None = None,
+) -> Tensor:
+    """out[M, N] = A @ B^T (+ bias) on dequantized values, fp32 accumulation, for the fprop/dgrad/wgrad layouts."""
+    a_operand, b_operand = gemm_operand(a, a_columnwise, "a"), gemm_operand(b, b_columnwise, "b")
+    check_gemm(a_operand, b_operand, out_dtype, bias)
+    backend = backend_for(a_operand.data.device)
+    if backend is Backend.REFERENCE or min(a_operand.rows, b_operand.rows, a_operand.k) == 0:
+        return gemm_reference.scaled_mm(
+            a, b, a_columnwise=a_columnwise, b_columnwise=b_columnwise, out_dtype=out_dtype, bias=bias
+        )
+    if (
+        backend is Backend.TRITON
+        and TENSORWISE_USES_TORCH_SCALED_MM
+        and _torch_scaled_mm_takes(a_operand, b_operand, out_dtype, bias)
+    ):
+        return _torch_scaled_mm(a_operand, b_operand, out_dtype, bias)
+    return _scaled_mm_triton(a_operand, b_operand, out_dtype, bias)
+
+
+__all__ = ["TENSORWISE_USES_TORCH_SCALED_MM", "scaled_mm"]

@@ -1,0 +1,238 @@
+"""kernels.gemm (Triton: interpreted on CPU, compiled with `-m gpu`) and its spec kernels.gemm_reference,
+each against a float64 matmul of the operands as kernels.reference.dequantize gives them.
+
+The operands come from the reference quantizers (their bytes are the Triton quantizers' bytes) for
+the three GEMMs of a linear layer, x [T, I], w [O, I], dy [T, O]:
+fprop x @ w.T, dgrad dy @ w, wgrad dy.T @ x. Shapes are awkward on purpose: K not a multiple of
+the tile, M = 1, N prime, partial scale blocks.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kernels import gemm, gemm_reference
+from kernels import reference as R
+from tests.kernels.devices import DEVICES
+
+IMPLEMENTATIONS = {"triton": gemm.scaled_mm, "reference": gemm_reference.scaled_mm}
+
+# layout -> ((tensor, columnwise) of A, (tensor, columnwise) of B)
+LAYOUTS = {
+    "fprop": (("x", False), ("w", False)),
+    "dgrad": (("dy", False), ("w", True)),
+    "wgrad": (("dy", True), ("x", True)),
+}
+
+# id: (layout, (A scheme, A format), (B scheme, B format), (T, I, O), hadamard)
+CASES = {
+    "tensorwise-fprop-M1": ("fprop", ("tensorwise", "e4m3"), ("tensorwise", "e4m3"), (1, 200, 37), False),
+    "tensorwise-fprop": ("fprop", ("tensorwise", "e4m3"), ("tensorwise", "e4m3"), (130, 200, 37), False),
+    "tensorwise-dgrad-hybrid": ("dgrad", ("tensorwise", "e5m2"), ("tensorwise", "e4m3"), (96, 100, 72), False),
+    "tensorwise-wgrad-hybrid": ("wgrad", ("tensorwise", "e5m2"), ("tensorwise", "e4m3"), (72, 40, 37), False),
+    "block-fprop-1x128x128x128": ("fprop", ("block1x128", "e4m3"), ("block128x128", "e4m3"), (130, 200, 37), False),
+    "block-dgrad-1x128x128x128": ("dgrad", ("block1x128", "e5m2"), ("block128x128", "e4m3"), (33, 150, 260), False),
+    "block-wgrad-1x128x1x128": ("wgrad", ("block1x128", "e5m2"), ("block1x128", "e4m3"), (200, 40, 37), False),
+    "mxfp8-fprop": ("fprop", ("mxfp8", "e4m3"), ("mxfp8", "e4m3"), (5, 96, 37), False),
+    "mxfp8-dgrad-hybrid": ("dgrad", ("mxfp8", "e5m2"), ("mxfp8", "e4m3"), (20, 50, 64), False),
+    "mxfp8-wgrad-hybrid": ("wgrad", ("mxfp8", "e5m2"), ("mxfp8", "e4m3"), (64, 40, 37), False),
+    "nvfp4-fprop-1x16x16x16": ("fprop", ("nvfp4_1x16", "e2m1"), ("nvfp4_16x16", "e2m1"), (3, 80, 37), False),
+    "nvfp4-dgrad-1x16x16x16": ("dgrad", ("nvfp4_1x16", "e2m1"), ("nvfp4_16x16", "e2m1"), (20, 45, 48), False),
+    "nvfp4-wgrad-hadamard": ("wgrad", ("nvfp4_1x16", "e2m1"), ("nvfp4_1x16", "e2m1"), (64, 40, 37), True),
+}
+# (out_dtype, bias dtype or None)
+EPILOGUES = [(torch.float32, None), (torch.bfloat16, torch.bfloat16), (torch.float32, torch.float32)]
+
+
+def quantize(t: torch.Tensor, scheme: str, fmt: str, columnwise: bool, hadamard: bool = False) -> R.Quantized:
+    """The copy a GEMM needs (only that one, so MXFP8/NVFP4 divisibility applies to it alone)."""
+    roles = {"rowwise": not columnwise, "columnwise": columnwise}
+    if scheme == "tensorwise":
+        return R.quantize_tensorwise(t, fmt, **roles)
+    if scheme.startswith("block"):
+        return R.quantize_blockwise(t, fmt, R.SCHEME_BLOCKS[scheme], **roles)
+    if scheme == "mxfp8":
+        return R.quantize_mxfp8(t, fmt, **roles)
+    return R.quantize_nvfp4(t, block=R.SCHEME_BLOCKS[scheme], hadamard=hadamard, **roles)
+
+
+def dequantized_operand(q: R.Quantized, columnwise: bool) -> torch.Tensor:
+    """[rows, K] in float64: x viewed as a matrix, transposed for a columnwise copy."""
+    x = R.dequantize(q, columnwise=columnwise).double()
+    x2d = x.reshape(-1, x.shape[-1])
+    return x2d.T if columnwise else x2d
+
+
+def accumulation_tolerance(device_type: str, scheme: str, k: int) -> float:
+    """Allowed |error| per unit of sum |a||b|: fp32 sums on CPU and in bf16 dots; fp8 MMAs on CUDA sum a K
+    tile (<= 128) in reduced precision before promoting to fp32 (2^-9 stays far below a misapplied scale)."""
+    if device_type == "cuda" and gemm_reference.SCHEME_FAMILY[scheme] in ("tensorwise", "block"):
+        return 2.0**-9
+    return k * 2.0**-20  # 2^-24 per fp32 addition, with room
+
+
+def assert_matches_float64(got, qa, a_columnwise, qb, b_columnwise, bias, out_dtype):
+    """|got - exact| within the accumulation tolerance (of sum |a||b|) plus the output's rounding."""
+    a_values, b_values = dequantized_operand(qa, a_columnwise).cpu(), dequantized_operand(qb, b_columnwise).cpu()
+    expected = a_values @ b_values.T
+    magnitude = a_values.abs() @ b_values.abs().T
+    if bias is not None:
+        expected = expected + bias.double()
+        magnitude = magnitude + bias.double().abs()
+    assert got.dtype == out_dtype and got.shape == expected.shape
+    accumulation = accumulation_tolerance(got.device.type, qa.scheme, a_values.shape[1])
+    got = got.cpu().double()
+    assert torch.isfinite(got).all(), "non-finite output from finite operands"
+    rounding = 2.0**-8 if out_dtype == torch.bfloat16 else 0.0
+    bound = magnitude * accumulation + expected.abs() * rounding
+    error = (got - expected).abs()
+    worst = int((error - bound).argmax())
+    row, col = divmod(worst, expected.shape[1])
+    assert (error <= bound).all(), (
+        f"{int((error > bound).sum())} of {error.numel()} outside; worst at [{row}, {col}]: "
+        f"got {got[row, col].item()} want {expected[row, col].item()} bound {bound[row, col].item():.3g}"
+    )
+
+
+def _tensors(tokens, d_in, d_out, device, seed=0):
+    generator = torch.Generator().manual_seed(seed)
+
+    def sample(*shape):  # spread over a few binades, so scales differ between blocks
+        return torch.randn(shape, generator=generator) * torch.exp2(torch.randint(-3, 4, shape, generator=generator))
+
+    tensors = {"x": sample(tokens, d_in), "w": sample(d_out, d_in), "dy": sample(tokens, d_out)}
+    return {name: t.to(device) for name, t in tensors.items()}
+
+
+def _case_operands(case, device):
+    layout, (a_scheme, a_fmt), (b_scheme, b_fmt), shape, hadamard = CASES[case]
+    (a_name, a_columnwise), (b_name, b_columnwise) = LAYOUTS[layout]
+    tensors = _tensors(*shape, device)
+    qa = quantize(tensors[a_name], a_scheme, a_fmt, a_columnwise, hadamard)
+    qb = quantize(tensors[b_name], b_scheme, b_fmt, b_columnwise, hadamard)
+    return qa, qb, a_columnwise, b_columnwise
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
+@pytest.mark.parametrize("out_dtype, bias_dtype", EPILOGUES, ids=["fp32", "bf16-bias", "fp32-bias"])
+@pytest.mark.parametrize("case", CASES)
+def test_scaled_mm_matches_float64_of_dequantized_operands(device, implementation, out_dtype, bias_dtype, case):
+    qa, qb, a_columnwise, b_columnwise = _case_operands(case, device)
+    bias = None
+    if bias_dtype is not None:
+        n = dequantized_operand(qb, b_columnwise).shape[0]
+        bias = torch.randn(n, generator=torch.Generator().manual_seed(1)).to(device, bias_dtype)
+    got = IMPLEMENTATIONS[implementation](
+        qa, qb, a_columnwise=a_columnwise, b_columnwise=b_columnwise, out_dtype=out_dtype, bias=bias
+    )
+    assert_matches_float64(got, qa, a_columnwise, qb, b_columnwise, bias, out_dtype)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("scheme, fmt", [("tensorwise", "e4m3"), ("block1x128", "e4m3"), ("mxfp8", "e5m2")])
+def test_nan_in_a_row_poisons_that_row_only(device, scheme, fmt):
+    x = _tensors(40, 64, 40, "cpu")["x"]
+    x[3, 5] = float("nan")
+    qx = quantize(x.to(device), scheme, fmt, columnwise=False)
+    qw = quantize(_tensors(40, 64, 40, "cpu", seed=2)["w"].to(device), scheme, "e4m3", columnwise=False)
+    got = gemm.scaled_mm(qx, qw, out_dtype=torch.float32).cpu()
+    assert torch.isnan(got[3]).all()
+    assert torch.isfinite(torch.cat([got[:3], got[4:]])).all()
+
+
+def _gemm_operands(a_fmt="e4m3", b_fmt="e4m3", d_in=48, d_out=32, scheme="tensorwise"):
+    tensors = _tensors(32, d_in, d_out, "cpu")
+    a = gemm_reference.gemm_operand(quantize(tensors["x"], scheme, a_fmt, False), False, "a")
+    b = gemm_reference.gemm_operand(quantize(tensors["w"], scheme, b_fmt, False), False, "b")
+    return a, b
+
+
+def test_dispatch_to_torch_scaled_mm_follows_cudas_rules():
+    """CUDA's _scaled_mm needs K and N multiples of 16, no e5m2 x e5m2, a bf16 bias with bf16 out (CPU's is lenient)."""
+    takes = gemm._torch_scaled_mm_takes
+    assert takes(*_gemm_operands(), torch.bfloat16, None)
+    assert takes(*_gemm_operands("e5m2", "e4m3"), torch.float32, None)
+    assert takes(*_gemm_operands(), torch.bfloat16, torch.zeros(32, dtype=torch.bfloat16))
+    assert not takes(*_gemm_operands(d_in=40), torch.bfloat16, None)  # K = 40: CPU's _scaled_mm accepts it
+    assert not takes(*_gemm_operands(d_out=37), torch.bfloat16, None)  # N = 37
+    assert not takes(*_gemm_operands("e5m2", "e5m2"), torch.bfloat16, None)
+    assert not takes(*_gemm_operands(), torch.float32, torch.zeros(32))  # no bias with an fp32 output
+    assert not takes(*_gemm_operands(), torch.bfloat16, torch.zeros(32))  # an fp32 bias with a bf16 output
+    assert not takes(*_gemm_operands(scheme="block1x128"), torch.bfloat16, None)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("d_in, expect_cublas", [(64, True), (40, False)])
+def test_cuda_tensorwise_uses_torch_scaled_mm_only_where_it_can(monkeypatch, d_in, expect_cublas):
+    calls = []
+    original = torch._scaled_mm
+    monkeypatch.setattr(torch, "_scaled_mm", lambda *args, **kwargs: calls.append(1) or original(*args, **kwargs))
+    tensors = _tensors(48, d_in, 32, "cuda")
+    qx, qw = quantize(tensors["x"], "tensorwise", "e4m3", False), quantize(tensors["w"], "tensorwise", "e4m3", False)
+    got = gemm.scaled_mm(qx, qw, out_dtype=torch.bfloat16)
+    assert len(calls) == (1 if expect_cublas and gemm.TENSORWISE_USES_TORCH_SCALED_MM else 0)
+    assert_matches_float64(got, qx, False, qw, False, None, torch.bfloat16)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize(
+    "case", ["tensorwise-dgrad-hybrid", "block-dgrad-1x128x128x128", "mxfp8-dgrad-hybrid", "nvfp4-dgrad-1x16x16x16"]
+)
+def test_every_autotune_candidate_computes_the_same_product(device, case):
+    """Autotuning may pick any tile: each must be right (BLOCK_K 64 splits a 128-wide scale block in two)."""
+    qa, qb, a_columnwise, b_columnwise = _case_operands(case, device)
+    a, b = gemm_reference.gemm_operand(qa, a_columnwise, "a"), gemm_reference.gemm_operand(qb, b_columnwise, "b")
+    for tile in gemm._TILES[a.family]:
+        got = gemm._scaled_mm_triton(a, b, torch.float32, None, tile=tile)
+        assert_matches_float64(got, qa, a_columnwise, qb, b_columnwise, None, torch.float32)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", [case for case, (layout, *_) in CASES.items() if layout == "fprop"])
+def test_cuda_triton_kernel_on_many_tiles(case):
+    """A shape of several tiles each way through the compiled kernel itself (tensorwise bypasses cuBLAS here)."""
+    _, (a_scheme, a_fmt), (b_scheme, b_fmt), _, _ = CASES[case]
+    tensors = _tensors(520, 384, 650, "cuda")
+    qa, qb = quantize(tensors["x"], a_scheme, a_fmt, False), quantize(tensors["w"], b_scheme, b_fmt, False)
+    a, b = gemm_reference.gemm_operand(qa, False, "a"), gemm_reference.gemm_operand(qb, False, "b")
+    got = gemm._scaled_mm_triton(a, b, torch.bfloat16, None)
+    assert_matches_float64(got, qa, False, qb, False, None, torch.bfloat16)
+
+
+def test_autotune_pruning_reads_arguments_the_kernel_has():
+    """The pruner runs only on CUDA (the interpreter gets one config): check its logic and names here."""
+    configs = ["first", "second"]
+    assert gemm._tune_big_problems_only(configs, {"M": 1, "N": 8192}) == ["first"]
+    assert gemm._tune_big_problems_only(configs, {"M": 2048, "N": 2048}) == configs
+    assert {"M", "N"} <= set(gemm._scaled_mm_kernel.arg_names)
+
+
+def _plain(shape=(32, 64), scheme="tensorwise"):
+    return quantize(_tensors(shape[0], shape[1], 8, "cpu")["x"], scheme, "e4m3", columnwise=False)
+
+
+@pytest.mark.parametrize(
+    "make_call, error, match",
+    [
+        (lambda: gemm.scaled_mm(_plain(), _plain(scheme="mxfp8")), ValueError, "same scaling family"),
+        (lambda: gemm.scaled_mm(_plain((32, 64)), _plain((32, 96))), ValueError, "K differ"),
+        (lambda: gemm.scaled_mm(_plain(), _plain(), b_columnwise=True), ValueError, "no columnwise copy"),
+        (lambda: gemm.scaled_mm(_plain(), _plain(), out_dtype=torch.float16), TypeError, "out_dtype"),
+        (lambda: gemm.scaled_mm(_plain(), _plain(), bias=torch.zeros(31)), ValueError, r"shape \(32,\)"),
+        (lambda: gemm.scaled_mm(_plain(), torch.zeros(32, 64)), TypeError, "Quantized"),
+        (
+            lambda: gemm.scaled_mm(
+                R.quantize_nvfp4(torch.randn(32, 48), hadamard=True, rowwise=False, columnwise=True),
+                R.quantize_nvfp4(torch.randn(32, 40), hadamard=False, rowwise=False, columnwise=True),
+                a_columnwise=True, b_columnwise=True,
+            ),
+            ValueError, "Hadamard",
+        ),
+    ],
+    ids=["family", "k", "missing-copy", "out-dtype", "bias-shape", "not-quantized", "one-hadamard"],
+)
+def test_user_errors_name_the_fix(make_call, error, match):
+    with pytest.raises(error, match=match):
+        make_call()
