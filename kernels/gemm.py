@@ -21,8 +21,8 @@ in fp32: the interpreter's bf16 dot is wrong and its fp8 upcast turns NaN/inf co
 numbers (../shared/notes/cpu-feasibility.md). bf16 outputs are rounded to nearest even with bit
 operations (the interpreter's `.to(tl.bfloat16)` truncates).
 
-Per-tensor e4m3/e5m2 on CUDA goes to `torch._scaled_mm` (cuBLASLt) when it takes the case: see
-`TENSORWISE_USES_TORCH_SCALED_MM`.
+Per-tensor e4m3/e5m2 and 1x128 x 128x128 blocks go to `torch._scaled_mm` (cuBLASLt) on CUDA when it
+takes the case, a measured choice: see `TENSORWISE_USES_TORCH_SCALED_MM`, `BLOCKWISE_USES_TORCH_SCALED_MM`.
 """
 
 from __future__ import annotations
@@ -41,10 +41,13 @@ from kernels.formats import FORMATS, NVFP4_GLOBAL_MAX, SCHEME_BLOCKS
 from kernels.gemm_reference import GemmOperand, check_gemm, gemm_operand
 from kernels.reference import Quantized
 
-# Measured choice (benchmarks/bench_gemm.py, 8192^3 e4m3, bf16 out, one H200): torch._scaled_mm
-# <lead: fill> TFLOP/s, this kernel <lead: fill> TFLOP/s. Until that run, DESIGN.md's floors decide:
-# torch._scaled_mm 1425 TFLOP/s against 1278 for a naive Triton FP8 GEMM.
+# Measured choices (benchmarks/bench_gemm.py, 8192^3 e4m3, bf16 out, one H200, 2026-11-30):
+# tensorwise: torch._scaled_mm 1273 TFLOP/s, this kernel 934 -> cuBLASLt.
+# 1x128 x 128x128 blocks: torch._scaled_mm (torch 2.11 blockwise) 1103 TFLOP/s, this kernel 535 -> cuBLASLt
+# where the torch build runs it (older builds raise: then this kernel, remembered per process).
 TENSORWISE_USES_TORCH_SCALED_MM = True
+BLOCKWISE_USES_TORCH_SCALED_MM = True
+_blockwise_cublas_failed = False
 
 _NVFP4_GLOBAL_MAX = tl.constexpr(NVFP4_GLOBAL_MAX)
 _GROUP_M = 8  # tiles of A rows swept together, so their B tiles stay in L2
@@ -269,8 +272,20 @@ def _k_contiguous(data: Tensor) -> bool:
 def _torch_scaled_mm_takes(a: GemmOperand, b: GemmOperand, out_dtype: torch.dtype, bias: Tensor | None) -> bool:
     """Whether CUDA's torch._scaled_mm runs this case (CPU's accepts more: these are CUDA's rules)."""
     bias_ok = bias is None or (out_dtype == torch.bfloat16 and bias.dtype == torch.bfloat16)  # no bias with fp32 out
+    if a.family == "tensorwise":
+        family_ok = TENSORWISE_USES_TORCH_SCALED_MM
+    else:  # cuBLASLt's blockwise mode: 1x128 activations by 128x128 weights, whole blocks only
+        family_ok = (
+            a.family == "block"
+            and BLOCKWISE_USES_TORCH_SCALED_MM
+            and not _blockwise_cublas_failed
+            and (a.scale_rows, b.scale_rows) == (1, 128)
+            and a.k % 128 == 0
+            and b.rows % 128 == 0
+            and bias is None
+        )
     return (
-        a.family == "tensorwise"
+        family_ok
         and not (a.fmt == "e5m2" and b.fmt == "e5m2")  # cuBLASLt has no e5m2 x e5m2
         and a.k % 16 == 0  # K and N multiples of 16
         and b.rows % 16 == 0
@@ -281,11 +296,14 @@ def _torch_scaled_mm_takes(a: GemmOperand, b: GemmOperand, out_dtype: torch.dtyp
 
 
 def _torch_scaled_mm(a: GemmOperand, b: GemmOperand, out_dtype: torch.dtype, bias: Tensor | None) -> Tensor:
-    """Per-tensor FP8 through cuBLASLt; its scales are our scale_invs (it multiplies by them)."""
+    """FP8 through cuBLASLt; its scales are our scale_invs (it multiplies by them)."""
     a_fp8 = a.data.view(FORMATS[a.fmt].torch_dtype)
     b_fp8_t = b.data.view(FORMATS[b.fmt].torch_dtype).t()  # [K, N] column-major
     assert b_fp8_t.stride(0) == 1 and a.k % 16 == 0 and b.rows % 16 == 0, "checked by _torch_scaled_mm_takes"
-    return torch._scaled_mm(a_fp8, b_fp8_t, scale_a=a.scale_inv, scale_b=b.scale_inv, bias=bias, out_dtype=out_dtype)
+    scale_a, scale_b = a.scale_inv, b.scale_inv
+    if a.family == "block":  # cuBLASLt reads 1x128 scales M-major and 128x128 ones as [K/128, N/128]
+        scale_a, scale_b = a.scale_inv.t().contiguous().t(), b.scale_inv.t()
+    return torch._scaled_mm(a_fp8, b_fp8_t, scale_a=scale_a, scale_b=scale_b, bias=bias, out_dtype=out_dtype)
 
 
 def scaled_mm(
@@ -305,13 +323,15 @@ def scaled_mm(
         return gemm_reference.scaled_mm(
             a, b, a_columnwise=a_columnwise, b_columnwise=b_columnwise, out_dtype=out_dtype, bias=bias
         )
-    if (
-        backend is Backend.TRITON
-        and TENSORWISE_USES_TORCH_SCALED_MM
-        and _torch_scaled_mm_takes(a_operand, b_operand, out_dtype, bias)
-    ):
-        return _torch_scaled_mm(a_operand, b_operand, out_dtype, bias)
+    if backend is Backend.TRITON and _torch_scaled_mm_takes(a_operand, b_operand, out_dtype, bias):
+        try:
+            return _torch_scaled_mm(a_operand, b_operand, out_dtype, bias)
+        except (RuntimeError, ValueError):
+            if a_operand.family != "block":
+                raise
+            global _blockwise_cublas_failed  # this torch build has no blockwise _scaled_mm: use ours from now on
+            _blockwise_cublas_failed = True
     return _scaled_mm_triton(a_operand, b_operand, out_dtype, bias)
 
 
-__all__ = ["TENSORWISE_USES_TORCH_SCALED_MM", "scaled_mm"]
+__all__ = ["BLOCKWISE_USES_TORCH_SCALED_MM", "TENSORWISE_USES_TORCH_SCALED_MM", "scaled_mm"]
