@@ -130,21 +130,42 @@ def _quantize_everywhere(x, recipe, role: str, usage: tuple[bool, bool], compare
     name, kwargs = Quantizer(recipe, role, rowwise=rowwise, columnwise=columnwise, device=device).kernel_call(
         x.to(device)
     )
-    results = {b.value: _npz_arrays(getattr(implementation(b), name)(x.to(device), **kwargs)) for b in backends}
-    unavailable = "" if len(backends) > 1 or not compare else _backend.describe()
+    results = {}
+    for b in backends:
+        q = getattr(implementation(b), name)(x.to(device), **kwargs)
+        results[b.value] = _npz_arrays({field: getattr(q, field) for field in NPZ_KEYS.values()}, q.fmt)
+    if compare:
+        results["jax"] = _npz_arrays(_quantize_in_jax(x, name, kwargs), q.fmt)
+    unavailable = "" if len(backends) > 1 or not compare else f"Triton kernels: {_backend.describe()}"
     return results, unavailable
 
 
-def _npz_arrays(q) -> dict:
-    """The .npz arrays of one kernel result (numpy, on the host)."""
+def _quantize_in_jax(x, name: str, kwargs: dict) -> dict:
+    """The same quantizer call through jaxside (bf16 crosses as the same bit patterns)."""
+    import ml_dtypes
+    import torch
+
+    from jaxside.quantize import quantize_numpy
+
+    host = x.cpu()
+    values = host.view(torch.uint16).numpy().view(ml_dtypes.bfloat16) if host.dtype == torch.bfloat16 else host.numpy()
+    kwargs = {k: v.cpu().numpy() if isinstance(v, torch.Tensor) else v for k, v in kwargs.items()}
+    return quantize_numpy(values, name, **kwargs)
+
+
+def _npz_arrays(fields: dict, fmt: str) -> dict:
+    """The .npz arrays of one quantizer result (numpy, on the host); amaxes become NVFP4 global scale_invs."""
+    import numpy as np
+
     from kernels.formats import NVFP4_GLOBAL_MAX
 
     arrays = {}
     for key, field in NPZ_KEYS.items():
-        value = getattr(q, field)
-        if value is None or (field.endswith("amax") and q.fmt != "e2m1"):
+        value = fields.get(field)
+        if value is None or (field.endswith("amax") and fmt != "e2m1"):
             continue
-        arrays[key] = (value / NVFP4_GLOBAL_MAX if field.endswith("amax") else value).cpu().numpy()
+        value = value.cpu().numpy() if hasattr(value, "cpu") else np.asarray(value)
+        arrays[key] = (value / np.float32(NVFP4_GLOBAL_MAX)) if field.endswith("amax") else value
     return arrays
 
 

@@ -104,6 +104,29 @@ def test_compare_counts_mismatches_per_buffer(array_path, tmp_path, console):
     else:  # the interpreter (tests/conftest.py) or a GPU: a column of zero mismatches against the reference
         row = next(line for line in text.splitlines() if "columnwise_data" in line and "wrote" not in line)
         assert row.rstrip(" │|").split()[-1] == "0"
+    header = next(line for line in text.splitlines() if "buffer" in line)
+    assert header.rstrip(" ┃|").split()[-1] == "jax"  # jaxside is always one of the compared implementations
+    for buffer in ("data", "scale_inv", "columnwise_data", "columnwise_scale_inv"):
+        row = next(line for line in text.splitlines() if line.strip("│ ").startswith(buffer + " "))
+        assert row.rstrip(" │|").split()[-1] == "0", row
+
+
+def test_compare_reports_a_jax_mismatch(array_path, tmp_path, console, monkeypatch):
+    """The table is a real comparison: a flipped byte on the JAX side shows up and fails the command."""
+    from bridge.commands import quantize as command
+
+    honest = command._quantize_in_jax
+
+    def one_byte_off(*args):
+        buffers = honest(*args)
+        buffers["data"] = buffers["data"].copy()
+        buffers["data"].flat[0] ^= 1
+        return buffers
+
+    monkeypatch.setattr(command, "_quantize_in_jax", one_byte_off)
+    code = cli.main(["quantize", str(array_path), "--recipe", "mxfp8", "--out", str(tmp_path / "q.npz"), "--compare"])
+    row = next(line for line in console.getvalue().splitlines() if line.strip("│ ").startswith("data "))
+    assert code == 1 and row.rstrip(" │|").split()[-1] == "1"
 
 
 @pytest.mark.parametrize(
