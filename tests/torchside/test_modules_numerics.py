@@ -1,0 +1,282 @@
+"""FP8 modules against a float64 computation of the same quantized math, for every recipe.
+
+The reference here is written independently of torchside.modules: it quantizes each GEMM operand
+with kernels.reference (the byte-exact spec; the arguments are written out per recipe below),
+dequantizes (code * scale_inv, rounded to fp32 as the spec does), multiplies in float64, and rounds
+to the activation dtype exactly where the module writes a tensor in that dtype (norm output, GEMM
+outputs, activation ops, and their gradients), so that the same values reach every FP8 cast. Norms
+and activations are float64 torch ops.
+
+Most cases run the kernels' pure-torch reference backend (fast); INTERPRETER_CASES run the Triton
+kernels under TRITON_INTERPRET=1; GPU cases run compiled Triton on CUDA.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from kernels import reference as R
+from kernels._backend import Backend, backend_for
+from torchside.autocast import fp8_autocast
+from torchside.modules import LayerNormLinear, LayerNormMLP, Linear, ModuleConfig
+from torchside.quantization import FALLBACK_CALLS
+from torchside.recipe import (
+    DelayedScaling,
+    Float8BlockScaling,
+    Float8CurrentScaling,
+    Format,
+    MXFP8BlockScaling,
+    NVFP4BlockScaling,
+)
+
+RECIPES = {
+    "delayed": DelayedScaling(amax_history_len=8),
+    "current": Float8CurrentScaling(),
+    "current-e4m3-pow2": Float8CurrentScaling(fp8_format=Format.E4M3, power_2_scale=True),
+    "block": Float8BlockScaling(),
+    # fp32 block scales: with power-of-2 scales a 1x128 and a 128x128 cast differ only in subnormals
+    "block-fp32-scales": Float8BlockScaling(power_2_scale=False),
+    "mxfp8": MXFP8BlockScaling(),
+    "nvfp4": NVFP4BlockScaling(),
+}
+
+# ||module - float64|| / ||float64|| allowed per tensor (outputs and every gradient), by where the
+# kernels run and the activation dtype. Both sides cast the same values with the same rules, so what
+# differs is arithmetic:
+#  - the GEMMs and norms sum K <= 256 terms in fp32: at worst K * 2^-24 <= 2^-16 of the result;
+#  - the module rounds each result it returns to its dtype, the float64 model does not: 2^-24 (fp32)
+#    or 2^-9 (bf16) per element at most;
+#  - a value that fp32 and float64 put on opposite sides of a rounding boundary of the next cast
+#    would land one step apart (2^-3 of the value for E4M3): that needs a gap below 2^-16 of the
+#    value, about 2^-13 of the elements of a cast, and the seeds here hit none on CPU.
+# CPU: fp32 2^-14 (4x the accumulation bound), bf16 2^-8 (2x the final rounding).
+# CUDA: Hopper's FP8 tensor cores keep ~14 bits while accumulating inside one MMA (DeepSeek-V3
+# report, section 3.3.2), so a 2^-14 error reaches bf16 rounding boundaries and then a few FP8 steps
+# flip in chained casts: 2^-6. A skipped cast, a wrong scale or a transposed operand costs more
+# than 2^-5 (one E4M3 cast alone is ~2% rms).
+TOLERANCE = {("cpu", torch.float32): 2**-14, ("cpu", torch.bfloat16): 2**-8, ("cuda", torch.bfloat16): 2**-6}
+
+TOKENS = (2, 32)  # [B, S]: the modules flatten leading dims
+
+
+def _reference_quantize(x: torch.Tensor, recipe, role: str, *, scale=None, stochastic_seed=None) -> R.Quantized:
+    """kernels.reference quantization of `x` for `role`, with the recipe's documented arguments."""
+    both = {"rowwise": True, "columnwise": True}
+    if isinstance(recipe, DelayedScaling):
+        return R.quantize_tensorwise(x, recipe.fp8_format.for_role(role), scale, **both)
+    if isinstance(recipe, Float8CurrentScaling):
+        fmt = recipe.fp8_format.for_role(role)
+        return R.quantize_tensorwise(x, fmt, power_2_scale=recipe.power_2_scale, **both)
+    if isinstance(recipe, Float8BlockScaling):
+        block = (128, 128) if role == "weight" else (1, 128)
+        fmt = recipe.fp8_format.for_role(role)
+        return R.quantize_blockwise(x, fmt, block, power_2_scale=recipe.power_2_scale, **both)
+    if isinstance(recipe, MXFP8BlockScaling):
+        return R.quantize_mxfp8(x, recipe.fp8_format.for_role(role), scale_rounding="up", **both)
+    block = (16, 16) if role == "weight" else (1, 16)  # NVFP4: RHT on the wgrad operands, SR on grads
+    seed = stochastic_seed if role == "grad" else None
+    return R.quantize_nvfp4(x, block=block, hadamard=role != "weight", stochastic_seed=seed, **both)
+
+
+def _values(q: R.Quantized, columnwise: bool = False) -> torch.Tensor:
+    return R.dequantize(q, torch.float32, columnwise=columnwise).double()
+
+
+class _Round(torch.autograd.Function):
+    """Round to `dtype` forward and the gradient to `dtype` backward: where the module writes that dtype."""
+
+    @staticmethod
+    def forward(ctx, x, dtype):
+        ctx.dtype = dtype
+        return x.to(dtype).double()
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad.to(ctx.dtype).double(), None
+
+
+class QuantizedMath64:
+    """The float64 model of one module's FP8 math: which scale and seed each cast uses."""
+
+    def __init__(self, recipe, module, dtype: torch.dtype) -> None:
+        self.recipe, self.dtype = recipe, dtype
+        delayed = isinstance(recipe, DelayedScaling)
+        self.forward_scale = module.fp8_forward_scale.cpu().clone() if delayed else None
+        self.backward_scale = module.fp8_backward_scale.cpu().clone() if delayed else None
+
+    def quantize(self, x: torch.Tensor, role: str, gemm: int) -> R.Quantized:
+        scale = None
+        if self.forward_scale is not None:
+            slot = {"input": 2 * gemm, "weight": 2 * gemm + 1}.get(role, gemm)
+            scales = self.backward_scale if role == "grad" else self.forward_scale
+            scale = scales[slot : slot + 1]
+        seed = getattr(self.recipe, "stochastic_rounding_seed", 0)  # a fresh quantizer's first step
+        return _reference_quantize(x.to(self.dtype), self.recipe, role, scale=scale, stochastic_seed=seed)
+
+    def linear(self, x, w, b, gemm: int) -> torch.Tensor:
+        return _Linear64.apply(x, w, b, self, gemm)
+
+    def round(self, x: torch.Tensor) -> torch.Tensor:
+        return _Round.apply(x, self.dtype)
+
+
+class _Linear64(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, w, b, math: QuantizedMath64, gemm: int):
+        x2d = x.reshape(-1, x.shape[-1])
+        qx, qw = math.quantize(x2d, "input", gemm), math.quantize(w, "weight", gemm)
+        y = _values(qx) @ _values(qw).T
+        if b is not None:
+            y = y + b
+        ctx.math, ctx.gemm, ctx.qx, ctx.qw, ctx.x_shape, ctx.has_bias = math, gemm, qx, qw, x.shape, b is not None
+        return y.to(math.dtype).double().reshape(*x.shape[:-1], -1)
+
+    @staticmethod
+    def backward(ctx, dy):
+        dy2d = dy.reshape(-1, dy.shape[-1])
+        qdy = ctx.math.quantize(dy2d, "grad", ctx.gemm)
+        dx = _values(qdy) @ _values(ctx.qw, columnwise=True)
+        dw = _values(qdy, columnwise=True).T @ _values(ctx.qx, columnwise=True)
+        db = dy2d.sum(0) if ctx.has_bias else None
+        return dx.to(ctx.math.dtype).double().reshape(ctx.x_shape), dw, db, None, None
+
+
+def _norm64(module, params: dict, x) -> torch.Tensor:
+    norm = module.norm
+    weight = params["layer_norm_weight"] + (1.0 if norm.zero_centered_gamma else 0.0)
+    if norm.normalization == "LayerNorm":
+        return F.layer_norm(x, (x.shape[-1],), weight, params["layer_norm_bias"], norm.eps)
+    return x * torch.rsqrt(x.square().mean(-1, keepdim=True) + norm.eps) * weight
+
+
+ACTIVATIONS64 = {"gelu": lambda x: F.gelu(x, approximate="tanh"), "silu": F.silu}
+GATED64 = {"swiglu": "silu", "geglu": "gelu"}
+
+
+def _activation64(math: QuantizedMath64, name: str, h):
+    if name not in GATED64:
+        return math.round(ACTIVATIONS64[name](math.round(h)))
+    gate, linear = h.chunk(2, dim=-1)
+    return math.round(math.round(ACTIVATIONS64[GATED64[name]](math.round(gate))) * math.round(linear))
+
+
+def _forward64(module, params: dict, math: QuantizedMath64, x):
+    """The float64 model of `module`'s forward, with float64 `params` and x (values exact in their dtypes)."""
+    if isinstance(module, Linear):
+        return math.linear(x, params["weight"], params["bias"], 0)
+    normalized = math.round(_norm64(module, params, x))
+    if isinstance(module, LayerNormLinear):
+        return math.linear(normalized, params["weight"], params["bias"], 0)
+    h = math.linear(normalized, params["fc1_weight"], params["fc1_bias"], 0)
+    return math.linear(_activation64(math, module.activation, h), params["fc2_weight"], params["fc2_bias"], 1)
+
+
+CONFIG = ModuleConfig(amax_history_len=8)
+
+
+def _init(weight):
+    torch.nn.init.normal_(weight, std=0.1)  # larger than TE's 0.023, so outputs are O(1)
+
+
+MODULES = {
+    "linear": lambda dtype: Linear(64, 96, params_dtype=dtype, init_method=_init, config=CONFIG),
+    "layernorm_linear": lambda dtype: LayerNormLinear(64, 96, params_dtype=dtype, init_method=_init, config=CONFIG),
+    "rmsnorm_linear_zero_centered": lambda dtype: LayerNormLinear(
+        128, 64, normalization="RMSNorm", zero_centered_gamma=True, params_dtype=dtype, init_method=_init, config=CONFIG
+    ),
+    "mlp_gelu": lambda dtype: LayerNormMLP(64, 128, params_dtype=dtype, init_method=_init, config=CONFIG),
+    "mlp_swiglu_rmsnorm": lambda dtype: LayerNormMLP(
+        64, 64, activation="swiglu", normalization="RMSNorm", params_dtype=dtype, init_method=_init, config=CONFIG
+    ),
+}
+
+
+def _relative_error(actual: torch.Tensor, expected: torch.Tensor) -> float:
+    assert torch.isfinite(actual).all(), "NaN or inf in the module's result"
+    return ((actual.double() - expected).norm() / expected.norm()).item()
+
+
+def check_against_float64(module_name: str, recipe_name: str, dtype: torch.dtype, device: str = "cpu") -> dict:
+    """Run one FP8 forward and backward of the module and its float64 model; assert every relative error."""
+    generator = torch.Generator().manual_seed(1234)
+    torch.manual_seed(0)
+    module = MODULES[module_name](dtype)
+    with torch.no_grad():  # non-trivial gamma and biases, so that their use is checked too
+        for param in module.parameters():
+            if param.dim() == 1:
+                param.add_(0.1 * torch.randn(param.shape, generator=generator).to(dtype))
+    module.to(device)
+    recipe = RECIPES[recipe_name]
+    in_features = module.hidden_size if isinstance(module, LayerNormMLP) else module.in_features
+    x = torch.randn(*TOKENS, in_features, generator=generator).to(dtype)
+    if isinstance(recipe, DelayedScaling):  # a first step fills the histories: the checked step has real scales
+        with fp8_autocast(recipe=recipe):
+            module(x.to(device)).float().square().sum().backward()
+        module.zero_grad()
+    math = QuantizedMath64(recipe, module, dtype)
+    params64 = {n: p.detach().cpu().double().requires_grad_() for n, p in module.named_parameters()}
+    x_module = x.to(device, copy=True).requires_grad_()
+    with fp8_autocast(recipe=recipe):
+        y = module(x_module)
+    dy = torch.randn(y.shape, generator=generator).to(dtype)
+    y.backward(dy.to(device))
+    x64 = x.double().requires_grad_()
+    y64 = _forward64(module, params64, math, x64)
+    y64.backward(dy.double())
+
+    errors = {
+        "y": _relative_error(y.detach().cpu(), y64.detach()),
+        "dx": _relative_error(x_module.grad.cpu(), x64.grad),
+    }
+    for name, param in module.named_parameters():
+        errors[f"d{name}"] = _relative_error(param.grad.cpu(), params64[name].grad)
+    tolerance = TOLERANCE[torch.device(device).type, dtype]
+    failed = {name: f"{error:.2e}" for name, error in errors.items() if not error <= tolerance}
+    assert not failed, f"{module_name}/{recipe_name}/{dtype}: relative errors over {tolerance:.1e}: {failed}"
+    return errors
+
+
+@pytest.fixture
+def reference_kernels(monkeypatch):
+    """Run every kernel through its pure-torch reference (kernels._backend reads this when called)."""
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    assert backend_for("cpu") is Backend.REFERENCE
+
+
+@pytest.mark.parametrize("recipe_name", RECIPES)
+@pytest.mark.parametrize("module_name", MODULES)
+def test_fp32_matches_float64_quantized_math(reference_kernels, module_name, recipe_name):
+    check_against_float64(module_name, recipe_name, torch.float32)
+
+
+@pytest.mark.parametrize("recipe_name", ["delayed", "current", "block", "mxfp8", "nvfp4"])
+@pytest.mark.parametrize("module_name", ["linear", "mlp_gelu"])
+def test_bf16_matches_float64_quantized_math(reference_kernels, module_name, recipe_name):
+    check_against_float64(module_name, recipe_name, torch.bfloat16)
+
+
+INTERPRETER_CASES = [  # one per recipe family, every module kind
+    ("linear", "current", torch.bfloat16),
+    ("mlp_swiglu_rmsnorm", "delayed", torch.float32),
+    ("layernorm_linear", "block", torch.float32),
+    ("rmsnorm_linear_zero_centered", "mxfp8", torch.bfloat16),
+    ("mlp_gelu", "nvfp4", torch.float32),
+]
+
+
+@pytest.mark.parametrize("module_name, recipe_name, dtype", INTERPRETER_CASES)
+def test_triton_interpreter_matches_float64_quantized_math(module_name, recipe_name, dtype):
+    if backend_for("cpu") is not Backend.INTERPRETER:
+        pytest.skip("runs with TRITON_INTERPRET=1 (tests/conftest.py sets it without CUDA)")
+    check_against_float64(module_name, recipe_name, dtype)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("recipe_name", RECIPES)
+@pytest.mark.parametrize("module_name", MODULES)
+def test_cuda_matches_float64_quantized_math(module_name, recipe_name):
+    fallbacks = sum(FALLBACK_CALLS.values())
+    check_against_float64(module_name, recipe_name, torch.bfloat16, device="cuda")
+    assert sum(FALLBACK_CALLS.values()) == fallbacks, "a QuantizedTensor op ran on dequantized values"

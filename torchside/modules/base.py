@@ -1,0 +1,233 @@
+"""`FP8Module`: parameters made from specs, FP8 quantizer slots per GEMM operand, DelayedScaling state.
+
+A module declares its parameters as `ParamSpec`s (shape, init function, and for a GEMM weight the
+index of its GEMM) and how many GEMMs it runs. The base then
+
+- creates the parameters on `device` (meta included) and fills them with `reset_parameters()`;
+  under `quantized_model_init` the GEMM weights become FP8 QuantizedTensor parameters and no
+  high-precision copy is kept (unless asked for);
+- holds the DelayedScaling state of every GEMM operand in four fixed-shape fp32 buffers that any
+  recipe's state_dict carries as plain tensors (no pickled `_extra_state`):
+  `fp8_forward_scale` [2G] and `fp8_forward_amax_history` [amax_history_len, 2G] for the input
+  (slot 2g) and weight (slot 2g + 1) of GEMM g, `fp8_backward_scale` [G] and
+  `fp8_backward_amax_history` [amax_history_len, G] for its grad_output;
+- builds, in each forward, the quantizers of each GEMM from the active fp8_autocast frame.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor, nn
+
+from kernels.formats import FORMATS
+from torchside import autocast
+from torchside.modules.config import ModuleConfig, check_params_dtype
+from torchside.modules.functions import BackwardHook, GemmQuantizers
+from torchside.quantization import QuantizedTensor, Quantizer
+from torchside.recipe import DelayedScaling, Float8CurrentScaling, Recipe
+
+_STATE_BUFFERS = ("fp8_forward_scale", "fp8_forward_amax_history", "fp8_backward_scale", "fp8_backward_amax_history")
+
+
+def default_init_method(weight: Tensor) -> None:
+    """TransformerEngine's default weight init: normal, mean 0, std 0.023."""
+    nn.init.normal_(weight, mean=0.0, std=0.023)
+
+
+@dataclass(frozen=True)
+class ParamSpec:
+    """How one parameter is made: its shape, its in-place init, and the GEMM it is the weight of."""
+
+    shape: tuple[int, ...]
+    init: Callable[[Tensor], object]
+    gemm: int | None = None  # an index: this is that GEMM's weight operand (FP8 under quantized_model_init)
+
+
+@dataclass(frozen=True)
+class ForwardPlan:
+    """One forward's FP8 work: the quantizers of each GEMM and the hook the module's first function calls."""
+
+    gemms: tuple[GemmQuantizers, ...]
+    on_backward_done: BackwardHook
+
+
+def _share_state(quantizer: Quantizer, scale: Tensor, amax_history: Tensor) -> Quantizer:
+    """Point a DelayedScaling quantizer's state at views of the module buffers.
+
+    Adapter: Quantizer allocates its own state and has no argument for given tensors, so the two
+    fields of the frozen dataclass are set here, as its own __post_init__ does.
+    """
+    object.__setattr__(quantizer, "scale", scale)
+    object.__setattr__(quantizer, "amax_history", amax_history)
+    return quantizer
+
+
+def _initial_weight_recipe(recipe: Recipe) -> Recipe:
+    # An FP8 parameter is cast once, before any history exists: a DelayedScaling scale of 1 would
+    # flush an init of std 0.023 into E4M3 subnormals, so the first cast scales from the weight itself.
+    if isinstance(recipe, DelayedScaling):
+        return Float8CurrentScaling(fp8_format=recipe.fp8_format)
+    return recipe
+
+
+class FP8Module(nn.Module):
+    """Base of the FP8 modules: see the module docstring."""
+
+    def __init__(
+        self,
+        params: dict[str, ParamSpec],
+        num_gemms: int,
+        *,
+        params_dtype: torch.dtype | None,
+        device: torch.device | str | None,
+        config: ModuleConfig | None,
+    ) -> None:
+        super().__init__()
+        owner = type(self).__name__
+        self.config = ModuleConfig() if config is None else config
+        if not isinstance(self.config, ModuleConfig):
+            raise TypeError(f"{owner}(config={config!r}): pass a torchside.modules.ModuleConfig or None")
+        self.config.check_single_device(owner)
+        self.params_dtype = check_params_dtype(owner, params_dtype)
+        self.num_gemms = num_gemms
+        self._param_specs = dict(params)
+        self.quantized_init = autocast.model_init()  # the quantized_model_init built under; None: high precision
+        self._gemm_weight_names = {spec.gemm: name for name, spec in self._param_specs.items() if spec.gemm is not None}
+        self._quantizer_cache: tuple | None = None  # (key, state buffers, quantizers) of the last FP8 forward
+        if num_gemms:
+            history_len = self.config.amax_history_len
+            self.register_buffer("fp8_forward_scale", torch.ones(2 * num_gemms, device=device))
+            self.register_buffer("fp8_forward_amax_history", torch.zeros(history_len, 2 * num_gemms, device=device))
+            self.register_buffer("fp8_backward_scale", torch.ones(num_gemms, device=device))
+            self.register_buffer("fp8_backward_amax_history", torch.zeros(history_len, num_gemms, device=device))
+        for name, spec in self._param_specs.items():
+            empty = torch.empty(spec.shape, dtype=self.params_dtype, device=device)
+            self.register_parameter(name, nn.Parameter(empty))
+        if not any(p.is_meta for p in self.parameters()):
+            self.reset_parameters()
+
+    # ---- parameters
+
+    def reset_parameters(self) -> None:
+        """Fill every parameter from its spec (in spec order, so a seed fixes the values) and clear the FP8 state.
+
+        After building on the meta device, call `to_empty(device=...)` first.
+        """
+        for name, spec in self._param_specs.items():
+            param = getattr(self, name)
+            if param.is_meta:
+                raise ValueError(
+                    f"{type(self).__name__}.{name} is on the meta device: call module.to_empty(device=...) "
+                    "before reset_parameters()"
+                )
+            if spec.gemm is None or self.quantized_init is None:
+                with torch.no_grad():
+                    spec.init(param)
+                continue
+            values = torch.empty(spec.shape, dtype=self.params_dtype, device=param.device)
+            with torch.no_grad():
+                spec.init(values)
+            self.register_parameter(name, self._fp8_parameter(values))
+        for name in _STATE_BUFFERS if self.num_gemms else ():
+            getattr(self, name).fill_(1.0 if name.endswith("scale") else 0.0)
+
+    def _fp8_parameter(self, values: Tensor) -> nn.Parameter:
+        recipe = _initial_weight_recipe(self.quantized_init.recipe)
+        weight = Quantizer(recipe, "weight", rowwise=True, columnwise=True, device=values.device).quantize(values)
+        param = nn.Parameter(weight, requires_grad=True)
+        if self.quantized_init.preserve_high_precision_init_val:
+            param.high_precision_init_val = values.detach().to("cpu", copy=True)
+        return param
+
+    def _load_from_state_dict(self, state_dict, prefix, *args):
+        # A checkpoint loads into either kind of weight: quantize high-precision values for an FP8
+        # parameter, dequantize FP8 values for a high-precision one.
+        for name, spec in self._param_specs.items():
+            value = state_dict.get(prefix + name)
+            param = getattr(self, name)
+            if value is None or spec.gemm is None or param.is_meta:
+                continue
+            if isinstance(param, QuantizedTensor) and not isinstance(value, QuantizedTensor):
+                recipe = _initial_weight_recipe(self.quantized_init.recipe)
+                state_dict[prefix + name] = Quantizer(recipe, "weight", device=param.device).quantize(
+                    value.to(param.device, param.dtype)
+                )
+            elif isinstance(value, QuantizedTensor) and not isinstance(param, QuantizedTensor):
+                state_dict[prefix + name] = value.dequantize(param.dtype)
+        super()._load_from_state_dict(state_dict, prefix, *args)
+
+    # ---- FP8 quantizers
+
+    def fp8_plan(self, device: torch.device) -> ForwardPlan | None:
+        """The quantizers of this forward's GEMMs under the active fp8_autocast; None when FP8 is off."""
+        frame = autocast.fp8_frame()
+        if frame is None or not self.num_gemms:
+            return None
+        recipe = frame.recipe
+        forward_q, backward_q = self._quantizers(recipe, device)
+        on_backward_done = None
+        if isinstance(recipe, DelayedScaling):
+            forward_sync, backward_sync = frame.delayed_scaling_syncs()
+            fmax = {role: FORMATS[recipe.fp8_format.for_role(role)].max for role in ("input", "grad")}
+            forward_sync.add(self, self.fp8_forward_amax_history, self.fp8_forward_scale, fmax["input"])
+            if backward_sync.add(self, self.fp8_backward_amax_history, self.fp8_backward_scale, fmax["grad"]):
+                on_backward_done = backward_sync.reduce_and_update
+        gemms = []
+        for g in range(self.num_gemms):
+            weight_is_fp8 = isinstance(getattr(self, self._gemm_weight_names[g]), QuantizedTensor)
+            weight_q = None if weight_is_fp8 else forward_q[2 * g + 1]  # an FP8 parameter is cast already
+            gemms.append(GemmQuantizers(input=forward_q[2 * g], weight=weight_q, grad_output=backward_q[g]))
+        return ForwardPlan(tuple(gemms), on_backward_done)
+
+    def _quantizers(self, recipe: Recipe, device: torch.device) -> tuple[tuple[Quantizer, ...], tuple[Quantizer, ...]]:
+        """(forward slots, backward slots), reused while the recipe, usage and state buffers stay the same."""
+        columnwise = torch.is_grad_enabled()  # the copies dgrad and wgrad read
+        buffers = tuple(getattr(self, name) for name in _STATE_BUFFERS)
+        key = (recipe, torch.device(device), columnwise)
+        cached = self._quantizer_cache
+        if cached is not None and cached[0] == key and all(a is b for a, b in zip(cached[1], buffers, strict=True)):
+            return cached[2]
+        if isinstance(recipe, DelayedScaling) and recipe.amax_history_len != self.config.amax_history_len:
+            raise ValueError(
+                f"DelayedScaling(amax_history_len={recipe.amax_history_len}) does not fit this "
+                f"{type(self).__name__}'s {self.config.amax_history_len}-row amax history: build the modules "
+                f"with config=ModuleConfig(amax_history_len={recipe.amax_history_len})"
+            )
+        forward_q = tuple(
+            Quantizer(recipe, role, rowwise=True, columnwise=columnwise, device=device)
+            for _ in range(self.num_gemms)
+            for role in ("input", "weight")
+        )
+        backward_q = tuple(Quantizer(recipe, "grad", device=device) for _ in range(self.num_gemms))
+        if isinstance(recipe, DelayedScaling):
+            for slot, q in enumerate(forward_q):
+                _share_state(q, self.fp8_forward_scale[slot : slot + 1], self.fp8_forward_amax_history[:, slot])
+            for slot, q in enumerate(backward_q):
+                _share_state(q, self.fp8_backward_scale[slot : slot + 1], self.fp8_backward_amax_history[:, slot])
+        quantizers = (forward_q, backward_q)
+        self._quantizer_cache = (key, buffers, quantizers)
+        return quantizers
+
+
+def high_precision_init_val(param: Tensor) -> Tensor | None:
+    """The CPU copy of an FP8 parameter's initial value, kept by preserve_high_precision_init_val=True."""
+    return getattr(param, "high_precision_init_val", None)
+
+
+def clear_high_precision_init_val(param: Tensor) -> None:
+    """Drop the CPU copy of an FP8 parameter's initial value."""
+    if hasattr(param, "high_precision_init_val"):
+        del param.high_precision_init_val
+
+
+__all__ = [
+    "FP8Module",
+    "ForwardPlan",
+    "ParamSpec",
+    "clear_high_precision_init_val",
+    "default_init_method",
+    "high_precision_init_val",
+]

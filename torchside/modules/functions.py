@@ -1,0 +1,160 @@
+"""The modules' autograd functions: FP8 linear (fprop, dgrad, wgrad), normalization, FP8-weight dequantize.
+
+Shape legend: T tokens (all leading dims of the input, flattened), I in features, O out features.
+
+FP8 linear y = x @ w.T + b, three GEMMs through `kernels.gemm.scaled_mm` (out = A @ B^T, TN layout):
+
+    fprop  y_TO  = x rowwise [T, I]      @ (w rowwise [O, I])^T       (bias in the epilogue)
+    dgrad  dx_TI = dy rowwise [T, O]     @ (w columnwise [I, O])^T
+    wgrad  dw_OI = dy columnwise [O, T]  @ (x columnwise [I, T])^T
+
+y and dx are written in the activation dtype, dw in the weight's dtype, the bias grad is summed in
+fp32. The forward keeps only the columnwise copies the backward reads (FP8 bytes, never x itself).
+With FP8 off the modules call `torch.nn.functional.linear`: a plain matmul.
+
+`on_backward_done` is how the first FP8 module of an fp8_autocast region runs the region's
+backward DelayedScaling update: the module's first function in forward order calls it last.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from kernels import norm as norm_kernels
+from kernels.gemm import scaled_mm
+from kernels.gemm_reference import OUT_DTYPES
+from torchside.quantization import QuantizedStorage, QuantizedTensor, Quantizer
+
+BackwardHook = Callable[[], None] | None
+
+
+@dataclass(frozen=True)
+class GemmQuantizers:
+    """The quantizers of one GEMM's operands; `weight` is None when the weight is already an FP8 parameter."""
+
+    input: Quantizer
+    weight: Quantizer | None
+    grad_output: Quantizer
+
+
+def _columnwise_only(storage: QuantizedStorage) -> QuantizedStorage | None:
+    """The columnwise copy (what dgrad/wgrad read) without the rowwise bytes, or None if there is none."""
+    if not storage.columnwise:
+        return None
+    return dataclasses.replace(storage, rowwise_data=None, rowwise_scale_inv=None)
+
+
+def _quantized(weight: Tensor, quantizer: Quantizer | None) -> QuantizedStorage:
+    if isinstance(weight, QuantizedTensor):
+        return weight.quantized_storage
+    return quantizer.quantize(weight).quantized_storage
+
+
+class _FP8Linear(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, weight, bias, quantizers: GemmQuantizers, on_backward_done: BackwardHook):
+        x_TI = x.reshape(-1, x.shape[-1])
+        x_fp8 = quantizers.input.quantize(x_TI).quantized_storage
+        w_fp8 = _quantized(weight, quantizers.weight)
+        y_TO = scaled_mm(x_fp8.to_quantized(), w_fp8.to_quantized(), out_dtype=x.dtype, bias=bias)
+        # Keep only what the backward reads: x for wgrad, w for dgrad.
+        ctx.x_columnwise = _columnwise_only(x_fp8) if ctx.needs_input_grad[1] else None
+        ctx.w_columnwise = _columnwise_only(w_fp8) if ctx.needs_input_grad[0] else None
+        ctx.quantizers, ctx.on_backward_done = quantizers, on_backward_done
+        ctx.x_shape, ctx.x_dtype, ctx.w_dtype = x.shape, x.dtype, weight.dtype
+        ctx.bias_dtype = None if bias is None else bias.dtype
+        return y_TO.reshape(*x.shape[:-1], y_TO.shape[-1])
+
+    @staticmethod
+    def backward(ctx, dy):
+        dy_TO = dy.reshape(-1, dy.shape[-1])
+        dy_fp8 = ctx.quantizers.grad_output.quantize(dy_TO).quantized_storage.to_quantized()
+        dx = dw = dbias = None
+        if ctx.needs_input_grad[0]:
+            w_columnwise = ctx.w_columnwise.to_quantized()
+            dx = scaled_mm(dy_fp8, w_columnwise, b_columnwise=True, out_dtype=ctx.x_dtype).reshape(ctx.x_shape)
+        if ctx.needs_input_grad[1]:
+            x_columnwise = ctx.x_columnwise.to_quantized()
+            dw = scaled_mm(dy_fp8, x_columnwise, a_columnwise=True, b_columnwise=True, out_dtype=ctx.w_dtype)
+        if ctx.needs_input_grad[2]:
+            dbias = dy_TO.sum(dim=0, dtype=torch.float32).to(ctx.bias_dtype)
+        if ctx.on_backward_done is not None:
+            ctx.on_backward_done()
+        return dx, dw, dbias, None, None
+
+
+class _DequantizeWeight(torch.autograd.Function):
+    """An FP8 parameter's values with FP8 off; its gradient passes straight to the parameter."""
+
+    @staticmethod
+    def forward(ctx, weight: QuantizedTensor):
+        return weight.dequantize()
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad
+
+
+def linear(
+    x: Tensor,
+    weight: Tensor,
+    bias: Tensor | None,
+    quantizers: GemmQuantizers | None,
+    on_backward_done: BackwardHook = None,
+) -> Tensor:
+    """x @ weight.T + bias: FP8 GEMMs with `quantizers`, torch.nn.functional.linear when they are None."""
+    if quantizers is None:
+        if isinstance(weight, QuantizedTensor):
+            weight = _DequantizeWeight.apply(weight)
+        return F.linear(x, weight, bias)
+    if x.dtype not in OUT_DTYPES:
+        raise TypeError(f"an FP8 linear writes float32 or bfloat16; got an input of {x.dtype}: cast the input")
+    return _FP8Linear.apply(x, weight, bias, quantizers, on_backward_done)
+
+
+class _Normalization(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, weight, bias, rms: bool, eps: float, zero_centered_gamma: bool, on_backward_done: BackwardHook):
+        if rms:
+            result = norm_kernels.rms_norm_forward(x, weight, eps=eps, zero_centered_gamma=zero_centered_gamma)
+        else:
+            result = norm_kernels.layer_norm_forward(x, weight, bias, eps=eps, zero_centered_gamma=zero_centered_gamma)
+        ctx.save_for_backward(x, weight, result.mean, result.rstd)
+        ctx.rms, ctx.zero_centered_gamma, ctx.on_backward_done = rms, zero_centered_gamma, on_backward_done
+        return result.out
+
+    @staticmethod
+    def backward(ctx, dy):
+        x, weight, mean, rstd = ctx.saved_tensors
+        if ctx.rms:
+            grads = norm_kernels.rms_norm_backward(dy, x, weight, rstd, zero_centered_gamma=ctx.zero_centered_gamma)
+        else:
+            grads = norm_kernels.layer_norm_backward(
+                dy, x, weight, mean, rstd, zero_centered_gamma=ctx.zero_centered_gamma
+            )
+        if ctx.on_backward_done is not None:
+            ctx.on_backward_done()
+        return grads.dx, grads.dweight, grads.dbias, None, None, None, None
+
+
+def normalize(
+    x: Tensor,
+    weight: Tensor,
+    bias: Tensor | None,
+    *,
+    rms: bool,
+    eps: float,
+    zero_centered_gamma: bool,
+    on_backward_done: BackwardHook = None,
+) -> Tensor:
+    """LayerNorm (or RMSNorm when `rms`) over the last dim through kernels.norm, in x's dtype."""
+    return _Normalization.apply(x, weight, bias, rms, eps, zero_centered_gamma, on_backward_done)
+
+
+__all__ = ["BackwardHook", "GemmQuantizers", "linear", "normalize"]

@@ -1,0 +1,64 @@
+"""`LayerNormLinear`: a LayerNorm or RMSNorm, then a linear layer whose GEMMs run in FP8 inside fp8_autocast.
+
+Shape legend: T tokens (all leading dims), I in features (the normalized dim), O out features.
+Parameters: `layer_norm_weight` [I] (and `layer_norm_bias` [I] for LayerNorm), `weight` [O, I], `bias` [O].
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor, nn
+
+from torchside.modules.base import FP8Module, ParamSpec, default_init_method
+from torchside.modules.config import ModuleConfig, check_size
+from torchside.modules.functions import linear
+from torchside.modules.normalization import NormSettings
+
+
+class LayerNormLinear(FP8Module):
+    """Norm + linear with TransformerEngine's te.LayerNormLinear arguments (tensor parallelism: ModuleConfig, later)."""
+
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        *,
+        eps: float = 1e-5,
+        bias: bool = True,
+        normalization: str = "LayerNorm",
+        zero_centered_gamma: bool = False,
+        params_dtype: torch.dtype | None = None,
+        device: torch.device | str | None = None,
+        init_method=None,
+        return_bias: bool = False,
+        config: ModuleConfig | None = None,
+    ) -> None:
+        in_features = check_size("LayerNormLinear", "in_features", in_features)
+        out_features = check_size("LayerNormLinear", "out_features", out_features)
+        norm = NormSettings(normalization, eps, zero_centered_gamma)
+        params = norm.param_specs(in_features, prefix="layer_norm_")
+        params["weight"] = ParamSpec((out_features, in_features), init_method or default_init_method, gemm=0)
+        if bias:
+            params["bias"] = ParamSpec((out_features,), nn.init.zeros_)
+        super().__init__(params, 1, params_dtype=params_dtype, device=device, config=config)
+        if not bias:
+            self.register_parameter("bias", None)
+        self.in_features, self.out_features, self.return_bias = in_features, out_features, return_bias
+        self.norm = norm
+
+    def forward(self, x_TI: Tensor) -> Tensor | tuple[Tensor, Tensor | None]:
+        """y [..., O]; with return_bias, (y without the bias, bias) for the caller to fuse."""
+        plan = self.fp8_plan(x_TI.device)
+        quantizers, on_backward_done = (plan.gemms[0], plan.on_backward_done) if plan else (None, None)
+        normalized_TI = self.norm.apply(self, x_TI, prefix="layer_norm_", on_backward_done=on_backward_done)
+        y_TO = linear(normalized_TI, self.weight, None if self.return_bias else self.bias, quantizers)
+        return (y_TO, self.bias) if self.return_bias else y_TO
+
+    def extra_repr(self) -> str:
+        return (
+            f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, "
+            f"normalization={self.norm.normalization}"
+        )
+
+
+__all__ = ["LayerNormLinear"]

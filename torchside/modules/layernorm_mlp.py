@@ -1,0 +1,124 @@
+"""`LayerNormMLP`: norm, fc1, activation, fc2; both GEMMs run in FP8 inside fp8_autocast.
+
+Shape legend: T tokens (all leading dims), H hidden size, F ffn hidden size, F1 fc1's out features
+(F, or 2F for a gated activation). Parameters: `layer_norm_weight` [H] (and `layer_norm_bias` [H]),
+`fc1_weight` [F1, H], `fc1_bias` [F1], `fc2_weight` [H, F], `fc2_bias` [H].
+
+A gated activation (the `*glu` rows of ACTIVATIONS) applies its function to the first F features
+of fc1's output and multiplies by the last F, as TransformerEngine does. Activations run in the
+activation dtype through torch ops.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from torchside.modules.base import FP8Module, ParamSpec, default_init_method
+from torchside.modules.config import ModuleConfig, check_size
+from torchside.modules.functions import linear
+from torchside.modules.normalization import NormSettings
+
+
+def _gelu_tanh(x: Tensor) -> Tensor:
+    return F.gelu(x, approximate="tanh")  # TransformerEngine's "gelu" is the tanh approximation
+
+
+def _quick_gelu(x: Tensor) -> Tensor:
+    return x * torch.sigmoid(1.702 * x)
+
+
+def _squared_relu(x: Tensor) -> Tensor:
+    return torch.square(F.relu(x))
+
+
+@dataclass(frozen=True)
+class Activation:
+    function: Callable[[Tensor], Tensor]
+    gated: bool  # fc1 writes 2F features: function(first F) * last F
+
+
+ACTIVATIONS: dict[str, Activation] = {
+    "gelu": Activation(_gelu_tanh, gated=False),
+    "relu": Activation(F.relu, gated=False),
+    "silu": Activation(F.silu, gated=False),
+    "qgelu": Activation(_quick_gelu, gated=False),
+    "srelu": Activation(_squared_relu, gated=False),
+    "geglu": Activation(_gelu_tanh, gated=True),
+    "reglu": Activation(F.relu, gated=True),
+    "swiglu": Activation(F.silu, gated=True),
+    "qgeglu": Activation(_quick_gelu, gated=True),
+    "sreglu": Activation(_squared_relu, gated=True),
+}
+
+
+class LayerNormMLP(FP8Module):
+    """Norm + MLP with TransformerEngine's te.LayerNormMLP arguments (tensor parallelism: ModuleConfig, later)."""
+
+    def __init__(
+        self,
+        hidden_size: int,
+        ffn_hidden_size: int,
+        *,
+        eps: float = 1e-5,
+        bias: bool = True,
+        normalization: str = "LayerNorm",
+        activation: str = "gelu",
+        zero_centered_gamma: bool = False,
+        params_dtype: torch.dtype | None = None,
+        device: torch.device | str | None = None,
+        init_method=None,
+        output_layer_init_method=None,
+        return_bias: bool = False,
+        config: ModuleConfig | None = None,
+    ) -> None:
+        hidden_size = check_size("LayerNormMLP", "hidden_size", hidden_size)
+        ffn_hidden_size = check_size("LayerNormMLP", "ffn_hidden_size", ffn_hidden_size)
+        if activation not in ACTIVATIONS:
+            raise ValueError(f"LayerNormMLP(activation={activation!r}): use one of {', '.join(ACTIVATIONS)}")
+        norm = NormSettings(normalization, eps, zero_centered_gamma)
+        fc1_features = 2 * ffn_hidden_size if ACTIVATIONS[activation].gated else ffn_hidden_size
+        params = norm.param_specs(hidden_size, prefix="layer_norm_")
+        params["fc1_weight"] = ParamSpec((fc1_features, hidden_size), init_method or default_init_method, gemm=0)
+        if bias:
+            params["fc1_bias"] = ParamSpec((fc1_features,), nn.init.zeros_)
+        fc2_init = output_layer_init_method or default_init_method
+        params["fc2_weight"] = ParamSpec((hidden_size, ffn_hidden_size), fc2_init, gemm=1)
+        if bias:
+            params["fc2_bias"] = ParamSpec((hidden_size,), nn.init.zeros_)
+        super().__init__(params, 2, params_dtype=params_dtype, device=device, config=config)
+        if not bias:
+            self.register_parameter("fc1_bias", None)
+            self.register_parameter("fc2_bias", None)
+        self.hidden_size, self.ffn_hidden_size, self.return_bias = hidden_size, ffn_hidden_size, return_bias
+        self.activation = activation
+        self.norm = norm
+
+    def _activate(self, h_TF1: Tensor) -> Tensor:
+        activation = ACTIVATIONS[self.activation]
+        if not activation.gated:
+            return activation.function(h_TF1)
+        gate_TF, linear_TF = h_TF1.chunk(2, dim=-1)
+        return activation.function(gate_TF) * linear_TF
+
+    def forward(self, x_TH: Tensor) -> Tensor | tuple[Tensor, Tensor | None]:
+        """y [..., H]; with return_bias, (y without fc2's bias, fc2's bias) for the caller to fuse."""
+        plan = self.fp8_plan(x_TH.device)
+        fc1_q, fc2_q, on_backward_done = (*plan.gemms, plan.on_backward_done) if plan else (None, None, None)
+        normalized_TH = self.norm.apply(self, x_TH, prefix="layer_norm_", on_backward_done=on_backward_done)
+        h_TF1 = linear(normalized_TH, self.fc1_weight, self.fc1_bias, fc1_q)
+        y_TH = linear(self._activate(h_TF1), self.fc2_weight, None if self.return_bias else self.fc2_bias, fc2_q)
+        return (y_TH, self.fc2_bias) if self.return_bias else y_TH
+
+    def extra_repr(self) -> str:
+        return (
+            f"hidden_size={self.hidden_size}, ffn_hidden_size={self.ffn_hidden_size}, "
+            f"activation={self.activation}, normalization={self.norm.normalization}"
+        )
+
+
+__all__ = ["ACTIVATIONS", "Activation", "LayerNormMLP"]

@@ -1,0 +1,108 @@
+"""LayerNorm and RMSNorm modules, and the norm settings LayerNormLinear and LayerNormMLP share.
+
+Shape legend: T tokens (all leading dims), H hidden size (the normalized last dim).
+
+The math and the zero-centered gamma (stored weight = gamma - 1, initialized to 0) are those of
+`kernels.norm_reference`; the kernels run through `functions.normalize`. No GEMM: these modules
+have no FP8 state, only the parameters `weight` (and `bias` for LayerNorm).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor, nn
+
+from torchside.modules.base import FP8Module, ParamSpec
+from torchside.modules.config import ModuleConfig, check_size
+from torchside.modules.functions import BackwardHook, normalize
+
+NORMALIZATIONS = {"LayerNorm": True, "RMSNorm": False}  # name -> has a bias (and subtracts the mean)
+
+
+@dataclass(frozen=True)
+class NormSettings:
+    """Which norm, its epsilon and whether gamma is stored zero-centered."""
+
+    normalization: str = "LayerNorm"
+    eps: float = 1e-5
+    zero_centered_gamma: bool = False
+
+    def __post_init__(self) -> None:
+        if self.normalization not in NORMALIZATIONS:
+            raise ValueError(f"normalization={self.normalization!r}: use 'LayerNorm' or 'RMSNorm'")
+        eps = self.eps
+        if isinstance(eps, bool) or not isinstance(eps, int | float) or not math.isfinite(eps) or eps < 0:
+            raise ValueError(f"eps={eps!r}: pass a finite float >= 0, e.g. 1e-5")
+        if not isinstance(self.zero_centered_gamma, bool):
+            raise TypeError(f"zero_centered_gamma={self.zero_centered_gamma!r}: pass True or False")
+
+    @property
+    def has_bias(self) -> bool:
+        return NORMALIZATIONS[self.normalization]
+
+    def param_specs(self, hidden_size: int, prefix: str) -> dict[str, ParamSpec]:
+        """`{prefix}weight` (ones, or zeros when zero-centered) and, for LayerNorm, `{prefix}bias` (zeros)."""
+        gamma_init = nn.init.zeros_ if self.zero_centered_gamma else nn.init.ones_
+        specs = {f"{prefix}weight": ParamSpec((hidden_size,), gamma_init)}
+        if self.has_bias:
+            specs[f"{prefix}bias"] = ParamSpec((hidden_size,), nn.init.zeros_)
+        return specs
+
+    def apply(self, module: nn.Module, x_TH: Tensor, prefix: str, on_backward_done: BackwardHook = None) -> Tensor:
+        """Normalize x with `module`'s `{prefix}weight` / `{prefix}bias`."""
+        bias = getattr(module, f"{prefix}bias") if self.has_bias else None
+        return normalize(
+            x_TH,
+            getattr(module, f"{prefix}weight"),
+            bias,
+            rms=not self.has_bias,
+            eps=self.eps,
+            zero_centered_gamma=self.zero_centered_gamma,
+            on_backward_done=on_backward_done,
+        )
+
+
+class _Normalization(FP8Module):
+    normalization: str  # a key of NORMALIZATIONS, set by each subclass
+
+    def __init__(
+        self,
+        hidden_size: int,
+        *,
+        eps: float = 1e-5,
+        zero_centered_gamma: bool = False,
+        params_dtype: torch.dtype | None = None,
+        device: torch.device | str | None = None,
+        config: ModuleConfig | None = None,
+    ) -> None:
+        hidden_size = check_size(type(self).__name__, "hidden_size", hidden_size)
+        norm = NormSettings(self.normalization, eps, zero_centered_gamma)
+        super().__init__(
+            norm.param_specs(hidden_size, prefix=""), 0, params_dtype=params_dtype, device=device, config=config
+        )
+        self.hidden_size = hidden_size
+        self.norm = norm
+
+    def forward(self, x_TH: Tensor) -> Tensor:
+        return self.norm.apply(self, x_TH, prefix="")
+
+    def extra_repr(self) -> str:
+        return f"{self.hidden_size}, eps={self.norm.eps}, zero_centered_gamma={self.norm.zero_centered_gamma}"
+
+
+class LayerNorm(_Normalization):
+    """LayerNorm over the last dim: (x - mean) * rstd * gamma + bias (TransformerEngine's te.LayerNorm arguments)."""
+
+    normalization = "LayerNorm"
+
+
+class RMSNorm(_Normalization):
+    """RMSNorm over the last dim: x * rstd * gamma (TransformerEngine's te.RMSNorm arguments)."""
+
+    normalization = "RMSNorm"
+
+
+__all__ = ["NORMALIZATIONS", "LayerNorm", "NormSettings", "RMSNorm"]
