@@ -185,7 +185,10 @@ def _nvfp4_operand(
 ) -> tuple[Tensor, Tensor]:
     """(packed e2m1 bytes, e4m3 scale per block) of one operand."""
     global_encode = nvfp4_global_encode(global_amax)
-    block_scale = encode_fp8(block_amax(operand, block) / FORMATS["e2m1"].max * global_encode, "e4m3")
+    amax_per_block = block_amax(operand, block)
+    # A tensor divisor: CUDA torch turns division by a Python scalar into a multiply by its reciprocal.
+    e2m1_max = torch.full_like(amax_per_block, FORMATS["e2m1"].max)
+    block_scale = encode_fp8(amax_per_block / e2m1_max * global_encode, "e4m3")
     block_scale_f32 = decode_fp8(block_scale, "e4m3")
     encode = torch.where(block_scale_f32 == 0, 0.0, global_encode / block_scale_f32)
     values = operand * expand_blocks(encode, block, operand.shape)
