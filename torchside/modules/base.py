@@ -1,17 +1,21 @@
 """`FP8Module`: parameters made from specs, FP8 quantizer slots per GEMM operand, DelayedScaling state.
 
-A module declares its parameters as `ParamSpec`s (shape, init function, and for a GEMM weight the
-index of its GEMM) and how many GEMMs it runs. The base then
+A module declares its parameters as `ParamSpec`s (global shape, init function, role and parallel
+mode for the placement table, and for a GEMM weight the index of its GEMM) and how many GEMMs it
+runs. The base then
 
-- creates the parameters on `device` (meta included) and fills them with `reset_parameters()`;
-  under `quantized_model_init` the GEMM weights become FP8 QuantizedTensor parameters and no
-  high-precision copy is kept (unless asked for);
+- creates this rank's shard of every parameter on `device` (meta included; the shard shapes and
+  `set_device_mesh` come from `torchside.parallel.TensorParallelMixin`) and fills them with
+  `reset_parameters()`; under `quantized_model_init` the GEMM weights become FP8 QuantizedTensor
+  parameters, every shard scaled by the amax of the whole weight, and no high-precision copy is
+  kept (unless asked for);
 - holds the DelayedScaling state of every GEMM operand in four fixed-shape fp32 buffers that any
   recipe's state_dict carries as plain tensors (no pickled `_extra_state`):
   `fp8_forward_scale` [2G] and `fp8_forward_amax_history` [amax_history_len, 2G] for the input
   (slot 2g) and weight (slot 2g + 1) of GEMM g, `fp8_backward_scale` [G] and
   `fp8_backward_amax_history` [amax_history_len, G] for its grad_output;
-- builds, in each forward, the quantizers of each GEMM from the active fp8_autocast frame.
+- builds, in each forward, the quantizers of each GEMM from the active fp8_autocast frame, their
+  amax groups following the GEMM's tensor-parallel split.
 """
 
 from __future__ import annotations
@@ -20,14 +24,26 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 from torch import Tensor, nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor
 
 from kernels.formats import FORMATS
 from torchside import autocast
 from torchside.modules.config import ModuleConfig, check_params_dtype
-from torchside.modules.functions import BackwardHook, GemmQuantizers
+from torchside.modules.functions import BackwardHook, GemmQuantizers, gathers_fp8
+from torchside.parallel.module_mesh import (
+    TensorParallelMixin,
+    group_ranks,
+    local_tensor,
+    ranks_splitting,
+    rewrap_like,
+)
+from torchside.parallel.placements import check_recipe_fits_shard
+from torchside.parallel.tp_comm import has_per_tensor_scale
 from torchside.quantization import QuantizedTensor, Quantizer
-from torchside.recipe import DelayedScaling, Float8CurrentScaling, Recipe
+from torchside.recipe import DelayedScaling, Float8CurrentScaling, NVFP4BlockScaling, Recipe
 
 _STATE_BUFFERS = ("fp8_forward_scale", "fp8_forward_amax_history", "fp8_backward_scale", "fp8_backward_amax_history")
 
@@ -39,10 +55,12 @@ def default_init_method(weight: Tensor) -> None:
 
 @dataclass(frozen=True)
 class ParamSpec:
-    """How one parameter is made: its shape, its in-place init, and the GEMM it is the weight of."""
+    """How one parameter is made: global shape, in-place init, placement-table key, and the GEMM it feeds."""
 
-    shape: tuple[int, ...]
+    shape: tuple[int, ...]  # global: the constructor allocates this rank's shard of it
     init: Callable[[Tensor], object]
+    role: str  # a role of torchside.parallel.placements: "linear_weight", "linear_bias" or "norm"
+    parallel_mode: str | None = None  # "column", "row" or None: this parameter's TP split
     gemm: int | None = None  # an index: this is that GEMM's weight operand (FP8 under quantized_model_init)
 
 
@@ -73,7 +91,7 @@ def _initial_weight_recipe(recipe: Recipe) -> Recipe:
     return recipe
 
 
-class FP8Module(nn.Module):
+class FP8Module(TensorParallelMixin, nn.Module):
     """Base of the FP8 modules: see the module docstring."""
 
     def __init__(
@@ -84,13 +102,15 @@ class FP8Module(nn.Module):
         params_dtype: torch.dtype | None,
         device: torch.device | str | None,
         config: ModuleConfig | None,
+        tp_mesh: DeviceMesh | None = None,
+        weight_mesh: DeviceMesh | None = None,
     ) -> None:
         super().__init__()
         owner = type(self).__name__
         self.config = ModuleConfig() if config is None else config
         if not isinstance(self.config, ModuleConfig):
             raise TypeError(f"{owner}(config={config!r}): pass a torchside.modules.ModuleConfig or None")
-        self.config.check_single_device(owner)
+        self._init_tensor_parallel()
         self.params_dtype = check_params_dtype(owner, params_dtype)
         self.num_gemms = num_gemms
         self._param_specs = dict(params)
@@ -104,51 +124,94 @@ class FP8Module(nn.Module):
             self.register_buffer("fp8_backward_scale", torch.ones(num_gemms, device=device))
             self.register_buffer("fp8_backward_amax_history", torch.zeros(history_len, num_gemms, device=device))
         for name, spec in self._param_specs.items():
-            empty = torch.empty(spec.shape, dtype=self.params_dtype, device=device)
+            empty = torch.empty(self.tp_local_shape(name, spec), dtype=self.params_dtype, device=device)
             self.register_parameter(name, nn.Parameter(empty))
+        if tp_mesh is not None or weight_mesh is not None:
+            self.set_device_mesh(tp_mesh, weight_mesh)  # before the FP8 cast, which needs the weight's amax group
         if not any(p.is_meta for p in self.parameters()):
             self.reset_parameters()
+
+    @property
+    def builds_fp8_weights(self) -> bool:
+        """Whether reset_parameters makes the GEMM weights FP8 (built under quantized_model_init)."""
+        return self.quantized_init is not None
 
     # ---- parameters
 
     def reset_parameters(self) -> None:
-        """Fill every parameter from its spec (in spec order, so a seed fixes the values) and clear the FP8 state.
+        """Fill every parameter's local shard from its spec (spec order: a seed fixes the values); clear the FP8 state.
 
-        After building on the meta device, call `to_empty(device=...)` first.
+        After building on the meta device, call `to_empty(device=...)` first. Each rank fills its own
+        shard; runs that must equal a single-device initialization load a seed checkpoint instead.
         """
         for name, spec in self._param_specs.items():
-            param = getattr(self, name)
-            if param.is_meta:
+            local = local_tensor(getattr(self, name))
+            if local.is_meta:
                 raise ValueError(
                     f"{type(self).__name__}.{name} is on the meta device: call module.to_empty(device=...) "
                     "before reset_parameters()"
                 )
             if spec.gemm is None or self.quantized_init is None:
                 with torch.no_grad():
-                    spec.init(param)
+                    spec.init(local)
                 continue
-            values = torch.empty(spec.shape, dtype=self.params_dtype, device=param.device)
+            values = torch.empty(local.shape, dtype=self.params_dtype, device=local.device)
             with torch.no_grad():
                 spec.init(values)
-            self.register_parameter(name, self._fp8_parameter(values))
+            if isinstance(local, QuantizedTensor):
+                self.quantize_weight_(name, values)  # in place: FSDP2 keeps the storage of its shard
+            else:
+                self.register_parameter(name, self._fp8_parameter(name, values))
+            if self.quantized_init.preserve_high_precision_init_val:
+                getattr(self, name).high_precision_init_val = values.detach().to("cpu", copy=True)
         for name in _STATE_BUFFERS if self.num_gemms else ():
             getattr(self, name).fill_(1.0 if name.endswith("scale") else 0.0)
 
-    def _fp8_parameter(self, values: Tensor) -> nn.Parameter:
+    def quantize_weight_(self, name: str, values: Tensor) -> None:
+        """Cast high-precision values of this rank's shard into FP8 weight `name` in place (e.g. from a master)."""
+        owner = type(self).__name__
+        local = local_tensor(getattr(self, name))
+        if not isinstance(local, QuantizedTensor):
+            raise TypeError(f"{owner}.{name} is not an FP8 weight: build the module under quantized_model_init")
+        if tuple(values.shape) != tuple(local.shape):
+            raise ValueError(f"{owner}.{name}: values of shape {tuple(values.shape)} for a {tuple(local.shape)} shard")
+        fp8 = self._weight_quantizer(name).quantize(values.to(local.device, local.dtype))
+        with torch.no_grad():
+            local.copy_(fp8)
+
+    def _weight_quantizer(self, name: str) -> Quantizer:
+        """The quantizer of an FP8 weight: one scale for the whole weight, whichever ranks hold its shards."""
         recipe = _initial_weight_recipe(self.quantized_init.recipe)
-        weight = Quantizer(recipe, "weight", rowwise=True, columnwise=True, device=values.device).quantize(values)
-        param = nn.Parameter(weight, requires_grad=True)
-        if self.quantized_init.preserve_high_precision_init_val:
-            param.high_precision_init_val = values.detach().to("cpu", copy=True)
-        return param
+        spec = self._param_specs[name]
+        check_recipe_fits_shard(recipe, type(self).__name__, name, self.tp_local_shape(name, spec), self.tp_size)
+        group = None
+        if has_per_tensor_scale(recipe):
+            group = self.weight_shard_group(name)
+        elif isinstance(recipe, NVFP4BlockScaling) and ranks_splitting(getattr(self, name)) > self.tp_size:
+            raise ValueError(
+                f"{type(self).__name__}.{name}: an NVFP4 weight cast shard by shard needs one global amax over "
+                "its FSDP shards, which the NVFP4 quantizer cannot all-reduce yet: cast it before fully_shard "
+                "(build on the device, or use torchside.parallel.parallelize) and keep it frozen, or use another recipe"
+            )
+        return Quantizer(recipe, "weight", rowwise=True, columnwise=True, amax_reduction_group=group)
+
+    def _fp8_parameter(self, name: str, values: Tensor) -> nn.Parameter:
+        param = getattr(self, name)
+        if isinstance(param, DTensor) and param.device_mesh is not self._tp_mesh:
+            raise ValueError(
+                f"{type(self).__name__}.{name} was sharded before it became FP8: FSDP2 chooses the FP8 all-gather "
+                "at fully_shard, so build the model on the device or use torchside.parallel.parallelize, which "
+                "materializes FP8 blocks before sharding them"
+            )
+        return rewrap_like(param, self._weight_quantizer(name).quantize(values))
 
     def _load_from_state_dict(self, state_dict, prefix, *args):
         # A checkpoint loads into either kind of weight: quantize high-precision values for an FP8
-        # parameter, dequantize FP8 values for a high-precision one.
+        # parameter, dequantize FP8 values for a high-precision one (DTensors: DCP's resharding path).
         for name, spec in self._param_specs.items():
             value = state_dict.get(prefix + name)
             param = getattr(self, name)
-            if value is None or spec.gemm is None or param.is_meta:
+            if value is None or spec.gemm is None or param.is_meta or isinstance(param, DTensor):
                 continue
             if isinstance(param, QuantizedTensor) and not isinstance(value, QuantizedTensor):
                 recipe = _initial_weight_recipe(self.quantized_init.recipe)
@@ -170,6 +233,7 @@ class FP8Module(nn.Module):
         forward_q, backward_q = self._quantizers(recipe, device)
         on_backward_done = None
         if isinstance(recipe, DelayedScaling):
+            self._check_gathered_scales_agree(recipe, frame.amax_reduction_group)
             forward_sync, backward_sync = frame.delayed_scaling_syncs()
             fmax = {role: FORMATS[recipe.fp8_format.for_role(role)].max for role in ("input", "grad")}
             forward_sync.add(self, self.fp8_forward_amax_history, self.fp8_forward_scale, fmax["input"])
@@ -177,16 +241,31 @@ class FP8Module(nn.Module):
                 on_backward_done = backward_sync.reduce_and_update
         gemms = []
         for g in range(self.num_gemms):
-            weight_is_fp8 = isinstance(getattr(self, self._gemm_weight_names[g]), QuantizedTensor)
+            weight_is_fp8 = isinstance(local_tensor(getattr(self, self._gemm_weight_names[g])), QuantizedTensor)
             weight_q = None if weight_is_fp8 else forward_q[2 * g + 1]  # an FP8 parameter is cast already
             gemms.append(GemmQuantizers(input=forward_q[2 * g], weight=weight_q, grad_output=backward_q[g]))
         return ForwardPlan(tuple(gemms), on_backward_done)
 
+    def _gathers_fp8(self, gemm: int, recipe: Recipe) -> bool:
+        return gathers_fp8(self.linear_parallelism(self._gemm_weight_names[gemm]), recipe)
+
+    def _check_gathered_scales_agree(self, recipe: DelayedScaling, group: dist.ProcessGroup | None) -> None:
+        """FP8 bytes gathered over TP need one DelayedScaling scale on every TP rank: the region's amax group."""
+        if not any(self._gathers_fp8(g, recipe) for g in range(self.num_gemms)):
+            return
+        tp_ranks = set(group_ranks(self.tp_comm.group))
+        if group is None or not tp_ranks <= set(group_ranks(group)):
+            raise ValueError(
+                f"{type(self).__name__} all-gathers sequence-parallel activations as FP8 bytes, which needs one "
+                f"DelayedScaling scale on TP ranks {sorted(tp_ranks)}: pass fp8_autocast(amax_reduction_group=...) a "
+                "group containing them (e.g. dist.group.WORLD), or ModuleConfig(fp8_all_gather=False)"
+            )
+
     def _quantizers(self, recipe: Recipe, device: torch.device) -> tuple[tuple[Quantizer, ...], tuple[Quantizer, ...]]:
-        """(forward slots, backward slots), reused while the recipe, usage and state buffers stay the same."""
+        """(forward slots, backward slots), reused while the recipe, usage, groups and state buffers stay the same."""
         columnwise = torch.is_grad_enabled()  # the copies dgrad and wgrad read
         buffers = tuple(getattr(self, name) for name in _STATE_BUFFERS)
-        key = (recipe, torch.device(device), columnwise)
+        key = (recipe, torch.device(device), columnwise, id(self.tp_comm))
         cached = self._quantizer_cache
         if cached is not None and cached[0] == key and all(a is b for a, b in zip(cached[1], buffers, strict=True)):
             return cached[2]
@@ -196,18 +275,22 @@ class FP8Module(nn.Module):
                 f"{type(self).__name__}'s {self.config.amax_history_len}-row amax history: build the modules "
                 f"with config=ModuleConfig(amax_history_len={recipe.amax_history_len})"
             )
-        forward_q = tuple(
-            Quantizer(recipe, role, rowwise=True, columnwise=columnwise, device=device)
-            for _ in range(self.num_gemms)
-            for role in ("input", "weight")
-        )
-        backward_q = tuple(Quantizer(recipe, "grad", device=device) for _ in range(self.num_gemms))
+        forward_q, backward_q = [], []
+        for g, name in sorted(self._gemm_weight_names.items()):
+            spec = self._param_specs[name]
+            check_recipe_fits_shard(recipe, type(self).__name__, name, self.tp_local_shape(name, spec), self.tp_size)
+            # Float8CurrentScaling reduces each amax where its tensor is split: the single-device scale.
+            groups = self.amax_groups(name) if isinstance(recipe, Float8CurrentScaling) else (None, None, None)
+            input_columnwise = columnwise and not self._gathers_fp8(g, recipe)  # else rebuilt after the gather
+            forward_q.append(Quantizer(recipe, "input", True, input_columnwise, groups[0], device=device))
+            forward_q.append(Quantizer(recipe, "weight", True, columnwise, groups[1], device=device))
+            backward_q.append(Quantizer(recipe, "grad", amax_reduction_group=groups[2], device=device))
         if isinstance(recipe, DelayedScaling):
             for slot, q in enumerate(forward_q):
                 _share_state(q, self.fp8_forward_scale[slot : slot + 1], self.fp8_forward_amax_history[:, slot])
             for slot, q in enumerate(backward_q):
                 _share_state(q, self.fp8_backward_scale[slot : slot + 1], self.fp8_backward_amax_history[:, slot])
-        quantizers = (forward_q, backward_q)
+        quantizers = (tuple(forward_q), tuple(backward_q))
         self._quantizer_cache = (key, buffers, quantizers)
         return quantizers
 

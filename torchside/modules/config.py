@@ -1,9 +1,11 @@
 """`ModuleConfig`: the knobs a model's modules share, frozen and validated once.
 
-The tensor-parallel fields have TransformerEngine's names and meaning (`tp_group` wins over
-`tp_size`; `parallel_mode` None, "column" or "row"; `sequence_parallel` only with TP). They are
-validated now; only the single-device case (`parallel_mode=None`, no group, size 1) runs until
-the tensor-parallel issue adds the rest, and anything else raises NotImplementedError.
+The tensor-parallel fields have TransformerEngine's names and meaning: `tp_group` wins over
+`tp_size` (a `tp_size` of 1 takes the group's size; another size must match it); `parallel_mode`
+None, "column" (weight rows split) or "row" (weight columns split); `sequence_parallel` splits
+dim 0 of the activations outside the column/row pair over the TP group (sequence-first [S, B, H]
+inputs, as in TransformerEngine). A module may be built with `tp_size` alone (its local shard
+shapes) and get its group later from `set_device_mesh(tp_mesh=...)`.
 """
 
 from __future__ import annotations
@@ -13,13 +15,14 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-PARALLEL_MODES = (None, "column", "row")
+from torchside.parallel.placements import PARALLEL_MODES
+
 PARAMS_DTYPES = (torch.float32, torch.bfloat16)  # what the FP8 GEMM and the norm kernels write
 
 
 @dataclass(frozen=True)
 class ModuleConfig:
-    """Shared module settings: DelayedScaling state size and (for a later issue) tensor parallelism."""
+    """Shared module settings: DelayedScaling state size and tensor parallelism."""
 
     # Rows of the DelayedScaling amax history buffers. Fixed at construction so that every
     # state_dict has the same shapes; a DelayedScaling recipe must use the same length.
@@ -28,6 +31,9 @@ class ModuleConfig:
     tp_size: int = 1
     parallel_mode: str | None = None
     sequence_parallel: bool = False
+    # With sequence_parallel and a per-tensor recipe, the activation all-gather sends FP8 bytes
+    # (the amax reduced over the TP group first); False gathers high precision, then casts.
+    fp8_all_gather: bool = True
 
     def __post_init__(self) -> None:
         for name, value in (("amax_history_len", self.amax_history_len), ("tp_size", self.tp_size)):
@@ -37,23 +43,39 @@ class ModuleConfig:
             raise TypeError(f"ModuleConfig(tp_group={self.tp_group!r}): pass a ProcessGroup or None")
         if self.parallel_mode not in PARALLEL_MODES:
             raise ValueError(f"ModuleConfig(parallel_mode={self.parallel_mode!r}): use None, 'column' or 'row'")
-        if not isinstance(self.sequence_parallel, bool):
-            raise TypeError(f"ModuleConfig(sequence_parallel={self.sequence_parallel!r}): pass True or False")
+        for name in ("sequence_parallel", "fp8_all_gather"):
+            if not isinstance(getattr(self, name), bool):
+                raise TypeError(f"ModuleConfig({name}={getattr(self, name)!r}): pass True or False")
+        if self.tp_group is not None:
+            group_size = dist.get_world_size(self.tp_group)
+            if self.tp_size not in (1, group_size):
+                raise ValueError(
+                    f"ModuleConfig(tp_size={self.tp_size}) differs from the size {group_size} of tp_group: "
+                    "leave tp_size at 1 (it then takes the group's size) or pass the group's size"
+                )
+            object.__setattr__(self, "tp_size", group_size)  # frozen: set once, here
 
-    def check_single_device(self, owner: str) -> None:
-        """Raise NotImplementedError if tensor parallelism is asked for (it comes with a later issue)."""
-        asked = {
-            "parallel_mode": self.parallel_mode is not None,
-            "tp_group": self.tp_group is not None,
-            "tp_size": self.tp_size != 1,
-            "sequence_parallel": self.sequence_parallel,
-        }
-        wanted = [name for name, on in asked.items() if on]
-        if wanted:
-            raise NotImplementedError(
-                f"{owner}: tensor parallelism ({', '.join(wanted)}) is not implemented yet; build the module "
-                "with ModuleConfig(parallel_mode=None, tp_group=None, tp_size=1, sequence_parallel=False)"
-            )
+
+def check_parallel_mode(owner: str, config: ModuleConfig | None, allowed: tuple[str | None, ...]) -> str | None:
+    """The config's parallel_mode if `owner` supports it; ValueError otherwise.
+
+    A module that can be split (allowed has "column") must be, to take sequence-parallel input.
+    """
+    if config is None:
+        return None
+    if not isinstance(config, ModuleConfig):
+        raise TypeError(f"{owner}(config={config!r}): pass a torchside.modules.ModuleConfig or None")
+    mode = config.parallel_mode
+    if mode not in allowed:
+        choices = ", ".join(map(repr, allowed))
+        fix = "leave it None (the module's own layout decides)" if allowed == (None,) else f"use one of {choices}"
+        raise ValueError(f"{owner} does not support ModuleConfig(parallel_mode={mode!r}): {fix}")
+    if "column" in allowed and mode is None and config.sequence_parallel and config.tp_size > 1:
+        raise ValueError(
+            f"{owner} with sequence_parallel=True and tp_size={config.tp_size} must be split: pass "
+            "ModuleConfig(parallel_mode='column' or 'row'), or sequence_parallel=False for a replicated layer"
+        )
+    return mode
 
 
 def check_params_dtype(owner: str, params_dtype: torch.dtype | None) -> torch.dtype:
@@ -71,4 +93,11 @@ def check_size(owner: str, name: str, value: object) -> int:
     return value
 
 
-__all__ = ["PARALLEL_MODES", "PARAMS_DTYPES", "ModuleConfig", "check_params_dtype", "check_size"]
+__all__ = [
+    "PARALLEL_MODES",
+    "PARAMS_DTYPES",
+    "ModuleConfig",
+    "check_parallel_mode",
+    "check_params_dtype",
+    "check_size",
+]

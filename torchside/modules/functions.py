@@ -14,6 +14,15 @@ With FP8 off the modules call `torch.nn.functional.linear`: a plain matmul.
 
 `on_backward_done` is how the first FP8 module of an fp8_autocast region runs the region's
 backward DelayedScaling update: the module's first function in forward order calls it last.
+
+Tensor parallelism (`LinearParallelism`, collectives from `torchside.parallel.tp_comm`):
+
+    column  x -> [gather tokens (SP) | all-reduce dx (no SP)] -> GEMM with the local rows of w (+ local bias)
+    row     GEMM with the local columns of w -> [reduce-scatter tokens (SP) | all-reduce] -> + bias
+
+A column GEMM under sequence parallelism with a per-tensor recipe casts its local tokens (scale
+from the amax reduced over the TP group) and all-gathers the FP8 bytes inside `_FP8Linear`; its
+backward reduce-scatters dx. Other recipes gather in high precision and cast the full input.
 """
 
 from __future__ import annotations
@@ -29,7 +38,9 @@ from torch import Tensor
 from kernels import norm as norm_kernels
 from kernels.gemm import scaled_mm
 from kernels.gemm_reference import OUT_DTYPES
+from torchside.parallel.tp_comm import LinearParallelism, TPComm, has_per_tensor_scale, reduce_scatter_dim0
 from torchside.quantization import QuantizedStorage, QuantizedTensor, Quantizer
+from torchside.recipe import Recipe
 
 BackwardHook = Callable[[], None] | None
 
@@ -58,18 +69,24 @@ def _quantized(weight: Tensor, quantizer: Quantizer | None) -> QuantizedStorage:
 
 class _FP8Linear(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, weight, bias, quantizers: GemmQuantizers, on_backward_done: BackwardHook):
+    def forward(
+        ctx, x, weight, bias, quantizers: GemmQuantizers, on_backward_done: BackwardHook, gather: TPComm | None
+    ):
         x_TI = x.reshape(-1, x.shape[-1])
         x_fp8 = quantizers.input.quantize(x_TI).quantized_storage
+        x_shape = x.shape
+        if gather is not None:  # x holds this rank's tokens: gather every rank's FP8 bytes
+            x_fp8 = gather.gather_quantized_rows(x_fp8, columnwise=ctx.needs_input_grad[1])
+            x_shape = (x.shape[0] * gather.size, *x.shape[1:])
         w_fp8 = _quantized(weight, quantizers.weight)
         y_TO = scaled_mm(x_fp8.to_quantized(), w_fp8.to_quantized(), out_dtype=x.dtype, bias=bias)
         # Keep only what the backward reads: x for wgrad, w for dgrad.
         ctx.x_columnwise = _columnwise_only(x_fp8) if ctx.needs_input_grad[1] else None
         ctx.w_columnwise = _columnwise_only(w_fp8) if ctx.needs_input_grad[0] else None
-        ctx.quantizers, ctx.on_backward_done = quantizers, on_backward_done
-        ctx.x_shape, ctx.x_dtype, ctx.w_dtype = x.shape, x.dtype, weight.dtype
+        ctx.quantizers, ctx.on_backward_done, ctx.gather = quantizers, on_backward_done, gather
+        ctx.x_shape, ctx.x_dtype, ctx.w_dtype = x_shape, x.dtype, weight.dtype
         ctx.bias_dtype = None if bias is None else bias.dtype
-        return y_TO.reshape(*x.shape[:-1], y_TO.shape[-1])
+        return y_TO.reshape(*x_shape[:-1], y_TO.shape[-1])
 
     @staticmethod
     def backward(ctx, dy):
@@ -79,6 +96,8 @@ class _FP8Linear(torch.autograd.Function):
         if ctx.needs_input_grad[0]:
             w_columnwise = ctx.w_columnwise.to_quantized()
             dx = scaled_mm(dy_fp8, w_columnwise, b_columnwise=True, out_dtype=ctx.x_dtype).reshape(ctx.x_shape)
+            if ctx.gather is not None:
+                dx = reduce_scatter_dim0(dx, ctx.gather.group)
         if ctx.needs_input_grad[1]:
             x_columnwise = ctx.x_columnwise.to_quantized()
             dw = scaled_mm(dy_fp8, x_columnwise, a_columnwise=True, b_columnwise=True, out_dtype=ctx.w_dtype)
@@ -86,7 +105,7 @@ class _FP8Linear(torch.autograd.Function):
             dbias = dy_TO.sum(dim=0, dtype=torch.float32).to(ctx.bias_dtype)
         if ctx.on_backward_done is not None:
             ctx.on_backward_done()
-        return dx, dw, dbias, None, None
+        return dx, dw, dbias, None, None, None
 
 
 class _DequantizeWeight(torch.autograd.Function):
@@ -101,21 +120,54 @@ class _DequantizeWeight(torch.autograd.Function):
         return grad
 
 
-def linear(
+def _local_linear(
     x: Tensor,
     weight: Tensor,
     bias: Tensor | None,
     quantizers: GemmQuantizers | None,
-    on_backward_done: BackwardHook = None,
+    on_backward_done: BackwardHook,
+    gather: TPComm | None = None,
 ) -> Tensor:
-    """x @ weight.T + bias: FP8 GEMMs with `quantizers`, torch.nn.functional.linear when they are None."""
     if quantizers is None:
         if isinstance(weight, QuantizedTensor):
             weight = _DequantizeWeight.apply(weight)
         return F.linear(x, weight, bias)
     if x.dtype not in OUT_DTYPES:
         raise TypeError(f"an FP8 linear writes float32 or bfloat16; got an input of {x.dtype}: cast the input")
-    return _FP8Linear.apply(x, weight, bias, quantizers, on_backward_done)
+    return _FP8Linear.apply(x, weight, bias, quantizers, on_backward_done, gather)
+
+
+def gathers_fp8(parallel: LinearParallelism | None, recipe: Recipe) -> bool:
+    """Whether this GEMM all-gathers its sequence-parallel input as FP8 bytes under `recipe`."""
+    return (
+        parallel is not None
+        and parallel.mode == "column"
+        and parallel.sequence_parallel
+        and parallel.fp8_all_gather
+        and has_per_tensor_scale(recipe)
+    )
+
+
+def linear(
+    x: Tensor,
+    weight: Tensor,
+    bias: Tensor | None,
+    quantizers: GemmQuantizers | None,
+    on_backward_done: BackwardHook = None,
+    parallel: LinearParallelism | None = None,
+) -> Tensor:
+    """x @ weight.T + bias: FP8 GEMMs with `quantizers` (F.linear when None), split over TP by `parallel`."""
+    if parallel is None:
+        return _local_linear(x, weight, bias, quantizers, on_backward_done)
+    comm = parallel.comm
+    if parallel.mode == "column":
+        if quantizers is not None and gathers_fp8(parallel, quantizers.input.recipe):
+            return _local_linear(x, weight, bias, quantizers, on_backward_done, gather=comm)
+        x = comm.gather_tokens(x) if parallel.sequence_parallel else comm.all_reduce_grad(x)
+        return _local_linear(x, weight, bias, quantizers, on_backward_done)
+    y = _local_linear(x, weight, None, quantizers, on_backward_done)  # partial sums over the split in-features
+    y = comm.reduce_scatter_tokens(y) if parallel.sequence_parallel else comm.all_reduce(y)
+    return y if bias is None else y + bias  # once, after the sum
 
 
 class _Normalization(torch.autograd.Function):
@@ -157,4 +209,4 @@ def normalize(
     return _Normalization.apply(x, weight, bias, rms, eps, zero_centered_gamma, on_backward_done)
 
 
-__all__ = ["BackwardHook", "GemmQuantizers", "linear", "normalize"]
+__all__ = ["BackwardHook", "GemmQuantizers", "gathers_fp8", "linear", "normalize"]

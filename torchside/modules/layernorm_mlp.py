@@ -7,6 +7,10 @@ Shape legend: T tokens (all leading dims), H hidden size, F ffn hidden size, F1 
 A gated activation (the `*glu` rows of ACTIVATIONS) applies its function to the first F features
 of fc1's output and multiplies by the last F, as TransformerEngine does. Activations run in the
 activation dtype through torch ops.
+
+With tp_size > 1, fc1 is column-parallel (this rank: `fc1_weight` [F/tp, H], `fc1_bias` [F/tp]) and
+fc2 row-parallel (`fc2_weight` [H, F/tp]; `fc2_bias` [H] added after the reduction), so the
+activation runs on local features with no collective in between.
 """
 
 from __future__ import annotations
@@ -17,9 +21,10 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+from torch.distributed.device_mesh import DeviceMesh
 
 from torchside.modules.base import FP8Module, ParamSpec, default_init_method
-from torchside.modules.config import ModuleConfig, check_size
+from torchside.modules.config import ModuleConfig, check_parallel_mode, check_size
 from torchside.modules.functions import linear
 from torchside.modules.normalization import NormSettings
 
@@ -57,7 +62,7 @@ ACTIVATIONS: dict[str, Activation] = {
 
 
 class LayerNormMLP(FP8Module):
-    """Norm + MLP with TransformerEngine's te.LayerNormMLP arguments (tensor parallelism: ModuleConfig, later)."""
+    """Norm + MLP with TransformerEngine's te.LayerNormMLP arguments; TP settings come from `config`."""
 
     def __init__(
         self,
@@ -75,22 +80,35 @@ class LayerNormMLP(FP8Module):
         output_layer_init_method=None,
         return_bias: bool = False,
         config: ModuleConfig | None = None,
+        tp_mesh: DeviceMesh | None = None,
+        weight_mesh: DeviceMesh | None = None,
     ) -> None:
         hidden_size = check_size("LayerNormMLP", "hidden_size", hidden_size)
         ffn_hidden_size = check_size("LayerNormMLP", "ffn_hidden_size", ffn_hidden_size)
         if activation not in ACTIVATIONS:
             raise ValueError(f"LayerNormMLP(activation={activation!r}): use one of {', '.join(ACTIVATIONS)}")
+        check_parallel_mode("LayerNormMLP", config, (None,))
+        gated = ACTIVATIONS[activation].gated
+        if gated and config is not None and config.tp_size > 1:
+            # A rank's [gate; linear] rows are not a Shard(0) block of the global [gate; linear] weight.
+            raise ValueError(
+                f"LayerNormMLP(activation={activation!r}) with tp_size={config.tp_size}: gated activations are not "
+                "split over TP yet; use a non-gated activation (e.g. 'gelu') or tp_size=1"
+            )
         norm = NormSettings(normalization, eps, zero_centered_gamma)
-        fc1_features = 2 * ffn_hidden_size if ACTIVATIONS[activation].gated else ffn_hidden_size
+        fc1_features = 2 * ffn_hidden_size if gated else ffn_hidden_size
         params = norm.param_specs(hidden_size, prefix="layer_norm_")
-        params["fc1_weight"] = ParamSpec((fc1_features, hidden_size), init_method or default_init_method, gemm=0)
+        fc1_init = init_method or default_init_method
+        params["fc1_weight"] = ParamSpec((fc1_features, hidden_size), fc1_init, "linear_weight", "column", gemm=0)
         if bias:
-            params["fc1_bias"] = ParamSpec((fc1_features,), nn.init.zeros_)
+            params["fc1_bias"] = ParamSpec((fc1_features,), nn.init.zeros_, "linear_bias", "column")
         fc2_init = output_layer_init_method or default_init_method
-        params["fc2_weight"] = ParamSpec((hidden_size, ffn_hidden_size), fc2_init, gemm=1)
+        params["fc2_weight"] = ParamSpec((hidden_size, ffn_hidden_size), fc2_init, "linear_weight", "row", gemm=1)
         if bias:
-            params["fc2_bias"] = ParamSpec((hidden_size,), nn.init.zeros_)
-        super().__init__(params, 2, params_dtype=params_dtype, device=device, config=config)
+            params["fc2_bias"] = ParamSpec((hidden_size,), nn.init.zeros_, "linear_bias", "row")
+        super().__init__(
+            params, 2, params_dtype=params_dtype, device=device, config=config, tp_mesh=tp_mesh, weight_mesh=weight_mesh
+        )
         if not bias:
             self.register_parameter("fc1_bias", None)
             self.register_parameter("fc2_bias", None)
@@ -110,14 +128,23 @@ class LayerNormMLP(FP8Module):
         plan = self.fp8_plan(x_TH.device)
         fc1_q, fc2_q, on_backward_done = (*plan.gemms, plan.on_backward_done) if plan else (None, None, None)
         normalized_TH = self.norm.apply(self, x_TH, prefix="layer_norm_", on_backward_done=on_backward_done)
-        h_TF1 = linear(normalized_TH, self.fc1_weight, self.fc1_bias, fc1_q)
-        y_TH = linear(self._activate(h_TF1), self.fc2_weight, None if self.return_bias else self.fc2_bias, fc2_q)
-        return (y_TH, self.fc2_bias) if self.return_bias else y_TH
+        fc1 = self.forward_param("fc1_weight"), self.forward_param("fc1_bias")
+        h_TF1 = linear(normalized_TH, *fc1, fc1_q, None, self.linear_parallelism("fc1_weight"))
+        fc2_weight, fc2_bias = self.forward_param("fc2_weight"), self.forward_param("fc2_bias")
+        y_TH = linear(
+            self._activate(h_TF1),
+            fc2_weight,
+            None if self.return_bias else fc2_bias,
+            fc2_q,
+            None,
+            self.linear_parallelism("fc2_weight"),
+        )
+        return (y_TH, fc2_bias) if self.return_bias else y_TH
 
     def extra_repr(self) -> str:
         return (
             f"hidden_size={self.hidden_size}, ffn_hidden_size={self.ffn_hidden_size}, "
-            f"activation={self.activation}, normalization={self.norm.normalization}"
+            f"activation={self.activation}, normalization={self.norm.normalization}, tp_size={self.tp_size}"
         )
 
 

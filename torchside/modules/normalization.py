@@ -4,7 +4,9 @@ Shape legend: T tokens (all leading dims), H hidden size (the normalized last di
 
 The math and the zero-centered gamma (stored weight = gamma - 1, initialized to 0) are those of
 `kernels.norm_reference`; the kernels run through `functions.normalize`. No GEMM: these modules
-have no FP8 state, only the parameters `weight` (and `bias` for LayerNorm).
+have no FP8 state, only the parameters `weight` (and `bias` for LayerNorm), replicated over TP;
+under sequence parallelism each rank normalizes its own tokens and the parameter gradients are
+all-reduced over the TP group.
 """
 
 from __future__ import annotations
@@ -14,9 +16,10 @@ from dataclasses import dataclass
 
 import torch
 from torch import Tensor, nn
+from torch.distributed.device_mesh import DeviceMesh
 
 from torchside.modules.base import FP8Module, ParamSpec
-from torchside.modules.config import ModuleConfig, check_size
+from torchside.modules.config import ModuleConfig, check_parallel_mode, check_size
 from torchside.modules.functions import BackwardHook, normalize
 
 NORMALIZATIONS = {"LayerNorm": True, "RMSNorm": False}  # name -> has a bias (and subtracts the mean)
@@ -46,17 +49,17 @@ class NormSettings:
     def param_specs(self, hidden_size: int, prefix: str) -> dict[str, ParamSpec]:
         """`{prefix}weight` (ones, or zeros when zero-centered) and, for LayerNorm, `{prefix}bias` (zeros)."""
         gamma_init = nn.init.zeros_ if self.zero_centered_gamma else nn.init.ones_
-        specs = {f"{prefix}weight": ParamSpec((hidden_size,), gamma_init)}
+        specs = {f"{prefix}weight": ParamSpec((hidden_size,), gamma_init, "norm")}
         if self.has_bias:
-            specs[f"{prefix}bias"] = ParamSpec((hidden_size,), nn.init.zeros_)
+            specs[f"{prefix}bias"] = ParamSpec((hidden_size,), nn.init.zeros_, "norm")
         return specs
 
-    def apply(self, module: nn.Module, x_TH: Tensor, prefix: str, on_backward_done: BackwardHook = None) -> Tensor:
+    def apply(self, module: FP8Module, x_TH: Tensor, prefix: str, on_backward_done: BackwardHook = None) -> Tensor:
         """Normalize x with `module`'s `{prefix}weight` / `{prefix}bias`."""
-        bias = getattr(module, f"{prefix}bias") if self.has_bias else None
+        bias = module.forward_param(f"{prefix}bias") if self.has_bias else None
         return normalize(
             x_TH,
-            getattr(module, f"{prefix}weight"),
+            module.forward_param(f"{prefix}weight"),
             bias,
             rms=not self.has_bias,
             eps=self.eps,
@@ -77,11 +80,16 @@ class _Normalization(FP8Module):
         params_dtype: torch.dtype | None = None,
         device: torch.device | str | None = None,
         config: ModuleConfig | None = None,
+        tp_mesh: DeviceMesh | None = None,
+        weight_mesh: DeviceMesh | None = None,
     ) -> None:
-        hidden_size = check_size(type(self).__name__, "hidden_size", hidden_size)
+        owner = type(self).__name__
+        hidden_size = check_size(owner, "hidden_size", hidden_size)
+        check_parallel_mode(owner, config, (None,))
         norm = NormSettings(self.normalization, eps, zero_centered_gamma)
+        params = norm.param_specs(hidden_size, prefix="")
         super().__init__(
-            norm.param_specs(hidden_size, prefix=""), 0, params_dtype=params_dtype, device=device, config=config
+            params, 0, params_dtype=params_dtype, device=device, config=config, tp_mesh=tp_mesh, weight_mesh=weight_mesh
         )
         self.hidden_size = hidden_size
         self.norm = norm

@@ -17,6 +17,7 @@ from typing import Any, NamedTuple
 
 import torch
 from torch import Tensor
+from torch.distributed.tensor import DTensor
 
 from torchside.quantization.storage import BUFFERS, QuantizedStorage
 
@@ -96,6 +97,8 @@ def fsdp_post_all_gather(
         }
         full = dataclasses.replace(full, **transposed)
     if out is not None:
+        if isinstance(out, DTensor):  # a TP parameter: FSDP2 hands back the DTensor it built last time
+            out = out.to_local()
         # FSDP2 re-allocated the storages of `out`'s gathered views in place; rebuilt buffers need refilling.
         for name, t in out.quantized_storage.buffers().items():
             if t.data_ptr() != getattr(full, name).data_ptr():

@@ -1,0 +1,24 @@
+"""Tensor parallelism for the FP8 modules, and its composition with FSDP2.
+
+- `placements`: the one placement table, keyed by (parameter role, parallel mode);
+- `tp_comm`: the TP collectives as autograd functions (FP8-byte all-gather for sequence parallelism);
+- `module_mesh`: `TensorParallelMixin`, the one `set_device_mesh` every module inherits;
+- `compose`: `parallelize(model, mesh, tp_mesh=..., weight_mesh=...)`;
+- `layouts`: `parameter_layouts(model)`, every parameter's global shape, mesh and placements.
+"""
+
+from torchside.parallel.compose import materialize, parallelize
+from torchside.parallel.layouts import ParameterLayout, parameter_layouts
+from torchside.parallel.module_mesh import TensorParallelMixin
+from torchside.parallel.placements import tp_placement
+from torchside.parallel.tp_comm import TPComm
+
+__all__ = [
+    "ParameterLayout",
+    "TPComm",
+    "TensorParallelMixin",
+    "materialize",
+    "parallelize",
+    "parameter_layouts",
+    "tp_placement",
+]

@@ -1,0 +1,104 @@
+"""`parallelize`: the one place that orders tensor parallelism, FSDP2 and materialization.
+
+    1. set_device_mesh(tp_mesh, weight_mesh) on every outermost TP module (containers forward it);
+    2. fully_shard each block, then the root (FSDP2 turns a TP Shard(0) into _StridedShard(0, sf=tp));
+    3. materialize what is still on the meta device: to_empty, then reset_parameters.
+
+One exception to that order: a block that builds FP8 weights is materialized (and cast, every TP
+shard scaled by the whole weight's amax) just before its fully_shard, because FSDP2 decides at
+fully_shard whether a parameter all-gathers through the QuantizedTensor hooks. Block by block, the
+peak stays at one unsharded block.
+
+Meshes are passed in, already sliced by the caller (`world["dp"]`, `world["tp"]`, ...): nothing
+here reads a mesh dimension's name. `mesh` is the data-parallel mesh: 1-D for FSDP, 2-D
+(replicate, shard) for HSDP.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+from torchside.parallel.module_mesh import TensorParallelMixin
+
+
+def outermost_tp_modules(model: nn.Module) -> list[nn.Module]:
+    """The TP modules not inside another one: each gets set_device_mesh once (it forwards to its children)."""
+    found: list[nn.Module] = []
+
+    def visit(module: nn.Module) -> None:
+        if isinstance(module, TensorParallelMixin):
+            found.append(module)
+            return
+        for child in module.children():
+            visit(child)
+
+    visit(model)
+    return found
+
+
+def _holds_meta(module: nn.Module) -> bool:
+    return any(t.is_meta for t in (*module.parameters(recurse=False), *module.buffers(recurse=False)))
+
+
+def materialize(module: nn.Module, device: torch.device | str) -> None:
+    """Allocate every meta parameter and buffer under `module` on `device`, then re-initialize their modules."""
+    pending = [m for m in module.modules() if _holds_meta(m)]
+    for m in pending:
+        m.to_empty(device=device, recurse=False)
+    for m in pending:
+        if hasattr(m, "reset_parameters"):
+            m.reset_parameters()
+
+
+def _builds_fp8_weights_on_meta(block: nn.Module) -> bool:
+    return any(getattr(m, "builds_fp8_weights", False) and _holds_meta(m) for m in block.modules())
+
+
+def parallelize(
+    model: nn.Module,
+    mesh: DeviceMesh | None,
+    *,
+    tp_mesh: DeviceMesh | None = None,
+    weight_mesh: DeviceMesh | None = None,
+    blocks: Iterable[nn.Module] | None = None,
+    device: torch.device | str = "cpu",
+    reshard_after_forward: bool = True,
+    mp_policy: MixedPrecisionPolicy | None = None,
+) -> nn.Module:
+    """TP meshes, FSDP2 per block then on the root, and materialization of a meta-device model (module docstring).
+
+    `blocks` defaults to the outermost TP modules; `mesh=None` applies TP only. `weight_mesh` is the
+    1-D mesh of every rank that shards a weight (FSDP: the shard dim; FSDP x TP: (dp_shard, tp)
+    flattened), which per-tensor FP8 weights need to share one scale across FSDP shards.
+    """
+    if mesh is not None and not isinstance(mesh, DeviceMesh):
+        raise TypeError(f"parallelize(mesh={mesh!r}): pass the data-parallel DeviceMesh (1-D FSDP, 2-D HSDP) or None")
+    if mesh is not None and mesh.ndim > 2:
+        raise ValueError(
+            f"parallelize(mesh=...) got a {mesh.ndim}-D mesh: pass the data-parallel part only (1-D for FSDP, 2-D "
+            "(replicate, shard) for HSDP) and the TP part as tp_mesh"
+        )
+    tp_modules = outermost_tp_modules(model)
+    for module in tp_modules:
+        module.set_device_mesh(tp_mesh, weight_mesh)
+    if mesh is not None:
+        fsdp_options = {"mesh": mesh, "mp_policy": mp_policy or MixedPrecisionPolicy()}
+        for block in tp_modules if blocks is None else list(blocks):
+            if block is model:
+                break  # the model is itself the one block: sharded as the root below
+            if _builds_fp8_weights_on_meta(block):
+                materialize(block, device)
+            fully_shard(block, reshard_after_forward=reshard_after_forward, **fsdp_options)
+        if _builds_fp8_weights_on_meta(model):
+            materialize(model, device)
+        fully_shard(model, reshard_after_forward=False, **fsdp_options)  # the root is gathered first anyway
+    materialize(model, device)
+    return model
+
+
+__all__ = ["materialize", "outermost_tp_modules", "parallelize"]
