@@ -1,0 +1,227 @@
+"""Benchmark: a TransformerLayer training step with FP8 off and on; GroupedLinear against one dense FP8 GEMM.
+
+Part 1 (issue 5: Float8CurrentScaling >= 1.2x FP8 off). Llama-3-8B's layer: hidden 4096, 32 heads,
+8 KV groups, ffn 14336, SwiGLU, RMSNorm, no bias, RoPE, causal; seq 4096 x batch 2, bf16 parameters
+and activations; one step = forward + backward. Floor: the four projections' GEMM flops
+(2 * T * in * out each, x3 for forward + backward) at the GEMM peak (bf16 788 TFLOP/s, FP8 1425, both
+measured on the H200 in DESIGN.md) plus attention's (4 * B * S^2 * N * H, halved by the causal mask,
+x3; flash recomputes more) at the bf16 peak: attention stays bf16 in every case. Peers: the same block
+in plain torch (nn.Linear, nn.RMSNorm, SDPA; our apply_rotary_pos_emb) in bf16, and with torchao's
+Float8Linear (tensorwise, torch.compile) when `import torchao` works.
+
+Part 2 (issue 5: GroupedLinear within 15% of one dense FP8 GEMM of the same total size). 8 groups,
+uneven splits of 16384 tokens, 4096 -> 14336, bf16, Float8CurrentScaling: GroupedLinear forward +
+backward against Linear on all tokens; then the fprop GEMM alone, the grouped launch against one dense
+scaled_mm (cuBLASLt) and against kernels.gemm's own Triton kernel (the same tile code as the grouped
+launch, so the gap between those two is the cost of grouping). Floor: 2 * T * in * out (x3 for a step)
+at 1425 TFLOP/s.
+
+Run on a CUDA machine:  PYTHONPATH=. python3 benchmarks/bench_transformer_layer.py [--seq 4096 --batch 2]
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import datetime
+
+import torch
+import torch.nn.functional as F
+import triton
+from torch import nn
+from triton.testing import do_bench
+
+from kernels import gemm
+from kernels.grouped_gemm import grouped_scaled_mm
+from torchside.autocast import fp8_autocast
+from torchside.modules import Linear
+from torchside.modules.grouped_linear import GroupedLinear
+from torchside.modules.rotary import RotaryPositionEmbedding, apply_rotary_pos_emb
+from torchside.modules.transformer_config import TransformerConfig
+from torchside.modules.transformer_layer import TransformerLayer
+from torchside.quantization import FALLBACK_CALLS, Quantizer
+from torchside.recipe import DelayedScaling, Float8CurrentScaling
+
+PEAK_FLOPS = {"bf16": 788e12, "fp8": 1425e12}  # H200, measured (DESIGN.md)
+LAYER_CASES = {
+    "bf16 (FP8 off)": None,
+    "Float8CurrentScaling": Float8CurrentScaling(),
+    "DelayedScaling": DelayedScaling(),
+}
+SPLITS = [2861, 1024, 3517, 611, 2290, 1999, 3077, 1005]  # 16384 tokens over 8 experts, uneven on purpose
+GROUPED_IN, GROUPED_OUT = 4096, 14336
+
+
+def _ms(step, grads) -> float:
+    step()  # compiles and autotunes outside the timing
+    return do_bench(step, grad_to_none=grads, return_mode="median")
+
+
+def _row(name: str, ms: float, baseline_ms: float, floor_ms: float, note: str = "") -> None:
+    print(f"{name:<44}{ms:>9.2f}{baseline_ms / ms:>8.2f}x{floor_ms:>10.2f}{floor_ms / ms:>10.0%}  {note}")
+
+
+def _header(title: str, baseline: str) -> None:
+    print(f"\n{title}\n{'case':<44}{'ms':>9}{'vs ' + baseline:>9}{'floor ms':>10}{'of floor':>10}")
+    print("-" * 84)
+
+
+class PlainBlock(nn.Module):
+    """The same block in plain torch: the peer for FP8 off (and, converted by torchao, for FP8)."""
+
+    def __init__(self, args) -> None:
+        super().__init__()
+        d, h, n, g, f = args.hidden, args.hidden // args.heads, args.heads, args.groups, args.ffn
+        self.norm1, self.norm2 = nn.RMSNorm(d, eps=1e-5), nn.RMSNorm(d, eps=1e-5)
+        self.qkv = nn.Linear(d, (n + 2 * g) * h, bias=False)
+        self.proj = nn.Linear(n * h, d, bias=False)
+        self.fc1, self.fc2 = nn.Linear(d, 2 * f, bias=False), nn.Linear(f, d, bias=False)
+        self.split, self.shape = (n * h, g * h, g * h), (n, g, h)
+
+    def forward(self, x_SBD, freqs):
+        n, g, h = self.shape
+        q, k, v = self.qkv(self.norm1(x_SBD)).split(self.split, dim=-1)
+        q = apply_rotary_pos_emb(q.unflatten(-1, (n, h)), freqs)
+        k = apply_rotary_pos_emb(k.unflatten(-1, (g, h)), freqs)
+        q, k, v = (t.permute(1, 2, 0, 3) for t in (q, k, v.unflatten(-1, (g, h))))
+        context = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+        x_SBD = x_SBD + self.proj(context.permute(2, 0, 1, 3).flatten(2))
+        gate, linear = self.fc1(self.norm2(x_SBD)).chunk(2, dim=-1)
+        return x_SBD + self.fc2(F.silu(gate) * linear)
+
+
+def bench_layer(args) -> None:
+    tokens, head_dim = args.seq * args.batch, args.hidden // args.heads
+    qkv_out = (args.heads + 2 * args.groups) * head_dim
+    linear_flops = 3 * 2 * tokens * args.hidden * (qkv_out + args.hidden + 2 * args.ffn + args.ffn)
+    attention_flops = 3 * 4 * args.batch * args.seq**2 * args.heads * head_dim / 2
+    floors = {
+        "bf16": (linear_flops + attention_flops) / PEAK_FLOPS["bf16"] * 1e3,
+        "fp8": (linear_flops / PEAK_FLOPS["fp8"] + attention_flops / PEAK_FLOPS["bf16"]) * 1e3,
+    }
+    total_tflop = (linear_flops + attention_flops) / 1e12
+    print(f"TransformerLayer H={args.hidden} heads={args.heads} groups={args.groups} F={args.ffn} (SwiGLU, RMSNorm, "
+          f"RoPE), S={args.seq} B={args.batch}, bf16: {total_tflop:.1f} TFLOP per step")  # fmt: skip
+    config = TransformerConfig(normalization="RMSNorm", activation="swiglu", bias=False)
+    freqs = RotaryPositionEmbedding(head_dim)(args.seq).cuda()
+    generator = torch.Generator(device="cuda").manual_seed(1)
+    x = torch.randn(args.seq, args.batch, args.hidden, device="cuda", dtype=torch.bfloat16, generator=generator)
+    x.requires_grad_()
+    dy = torch.randn(x.shape, device="cuda", dtype=torch.bfloat16, generator=generator)
+    torch.manual_seed(0)
+    layer = TransformerLayer(args.hidden, args.ffn, args.heads, num_gqa_groups=args.groups,
+                             params_dtype=torch.bfloat16, device="cuda", config=config)  # fmt: skip
+    _header("Part 1: TransformerLayer forward + backward (target: Float8CurrentScaling >= 1.2x bf16)", "bf16")
+    fallbacks = sum(FALLBACK_CALLS.values())
+    baseline_ms = None
+    for name, recipe in LAYER_CASES.items():
+
+        def step(recipe=recipe):
+            with fp8_autocast(enabled=recipe is not None, recipe=recipe):
+                y = layer(x, rotary_pos_emb=freqs)
+            y.backward(dy)
+
+        ms = _ms(step, list(layer.parameters()) + [x])
+        baseline_ms = baseline_ms or ms
+        note = ""
+        if name == "Float8CurrentScaling":
+            note = "target 1.2x: " + ("met" if baseline_ms / ms >= 1.2 else "NOT met")
+        _row(name, ms, baseline_ms, floors["bf16" if recipe is None else "fp8"], note)
+    print(f"QuantizedTensor ops run on dequantized values: {sum(FALLBACK_CALLS.values()) - fallbacks} (must be 0)")
+    del layer
+    torch.cuda.empty_cache()
+    _bench_layer_peers(args, x, dy, freqs, baseline_ms, floors)
+
+
+def _bench_layer_peers(args, x, dy, freqs, baseline_ms: float, floors: dict) -> None:
+    torch.manual_seed(0)
+    plain = PlainBlock(args).to("cuda", torch.bfloat16)
+
+    def plain_step(model=plain):
+        model(x, freqs).backward(dy)
+
+    ms = _ms(plain_step, list(plain.parameters()) + [x])
+    _row("peer: plain torch block, bf16 eager", ms, baseline_ms, floors["bf16"])
+    try:
+        from torchao.float8 import convert_to_float8_training
+    except Exception as error:  # any import failure means no FP8 peer on this machine
+        print(f"peer torchao: not available ({type(error).__name__}: {error})")
+        return
+    compiled = torch.compile(convert_to_float8_training(plain))
+    ms = _ms(lambda: plain_step(compiled), list(plain.parameters()) + [x])
+    _row("peer: torchao Float8Linear tensorwise + compile", ms, baseline_ms, floors["fp8"])
+
+
+@contextlib.contextmanager
+def _triton_tensorwise_gemm():
+    """kernels.gemm's Triton kernel for tensorwise GEMMs instead of cuBLASLt (a measured switch in kernels.gemm)."""
+    saved = gemm.TENSORWISE_USES_TORCH_SCALED_MM
+    gemm.TENSORWISE_USES_TORCH_SCALED_MM = False
+    try:
+        yield
+    finally:
+        gemm.TENSORWISE_USES_TORCH_SCALED_MM = saved
+
+
+def bench_grouped(args) -> None:
+    tokens, recipe = sum(SPLITS), Float8CurrentScaling()
+    step_floor = 3 * 2 * tokens * GROUPED_IN * GROUPED_OUT / PEAK_FLOPS["fp8"] * 1e3
+    generator = torch.Generator(device="cuda").manual_seed(2)
+    x = torch.randn(tokens, GROUPED_IN, device="cuda", dtype=torch.bfloat16, generator=generator).requires_grad_()
+    dy = torch.randn(tokens, GROUPED_OUT, device="cuda", dtype=torch.bfloat16, generator=generator)
+    torch.manual_seed(0)
+    options = {"bias": False, "params_dtype": torch.bfloat16, "device": "cuda"}
+    grouped = GroupedLinear(len(SPLITS), GROUPED_IN, GROUPED_OUT, **options)
+    dense = Linear(GROUPED_IN, GROUPED_OUT, **options)
+    _header(f"Part 2: GroupedLinear {len(SPLITS)} groups {SPLITS}, {GROUPED_IN} -> {GROUPED_OUT}, "
+            "Float8CurrentScaling (target: within 15% of dense)", "dense")  # fmt: skip
+
+    def module_step(module, *extra):
+        with fp8_autocast(recipe=recipe):
+            y = module(x, *extra)
+        y.backward(dy)
+
+    dense_ms = _ms(lambda: module_step(dense), list(dense.parameters()) + [x])
+    grouped_ms = _ms(lambda: module_step(grouped, SPLITS), list(grouped.parameters()) + [x])
+    _row("Linear (dense), forward + backward", dense_ms, dense_ms, step_floor)
+    verdict = "met" if grouped_ms <= 1.15 * dense_ms else "NOT met"
+    _row("GroupedLinear, forward + backward", grouped_ms, dense_ms, step_floor, f"target <= 1.15x dense: {verdict}")
+
+    def quantized(t):  # rowwise only: what the fprop GEMM reads
+        return Quantizer(recipe, "input", columnwise=False, device="cuda").quantize(t).quantized_storage.to_quantized()
+
+    x_parts = [quantized(part) for part in x.detach().split(SPLITS)]
+    w_parts = [quantized(getattr(grouped, f"weight{g}").detach()) for g in range(len(SPLITS))]
+    x_all, w_all = quantized(x.detach()), quantized(dense.weight.detach())
+    y = torch.empty(tokens, GROUPED_OUT, device="cuda", dtype=torch.bfloat16)
+    gemm_floor = step_floor / 3
+    cublas_ms = _ms(lambda: gemm.scaled_mm(x_all, w_all), None)
+    with _triton_tensorwise_gemm():
+        triton_ms = _ms(lambda: gemm.scaled_mm(x_all, w_all), None)
+    grouped_gemm_ms = _ms(lambda: grouped_scaled_mm(x_parts, w_parts, out=list(y.split(SPLITS))), None)
+    _row("fprop GEMM: dense scaled_mm (cuBLASLt)", cublas_ms, cublas_ms, gemm_floor)
+    _row("fprop GEMM: dense kernels.gemm Triton kernel", triton_ms, cublas_ms, gemm_floor)
+    _row("fprop GEMM: grouped_scaled_mm, one launch", grouped_gemm_ms, cublas_ms, gemm_floor,
+         f"{grouped_gemm_ms / triton_ms:.2f}x the same kernel ungrouped")  # fmt: skip
+
+
+def main() -> None:
+    """Print both parts (the lead copies them into benchmarks/RESULTS.md)."""
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--hidden", type=int, default=4096)
+    parser.add_argument("--heads", type=int, default=32)
+    parser.add_argument("--groups", type=int, default=8)
+    parser.add_argument("--ffn", type=int, default=14336)
+    parser.add_argument("--seq", type=int, default=4096)
+    parser.add_argument("--batch", type=int, default=2)
+    args = parser.parse_args()
+    if not torch.cuda.is_available():
+        raise SystemExit("bench_transformer_layer needs a CUDA device")
+    print(f"# bench_transformer_layer {datetime.date.today()} on {torch.cuda.get_device_name()}, "
+          f"torch {torch.__version__}, triton {triton.__version__}")  # fmt: skip
+    bench_layer(args)
+    bench_grouped(args)
+
+
+if __name__ == "__main__":
+    main()

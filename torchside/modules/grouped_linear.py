@@ -1,0 +1,180 @@
+"""`GroupedLinear`: num_gemms linear layers over consecutive row groups of one input (MoE experts).
+
+Shape legend: T tokens (all leading dims of the input, flattened), I in features, O out features,
+E groups (num_gemms). Parameters `weight0` .. `weight{E-1}` [O, I] and `bias0` .. `bias{E-1}` [O],
+TransformerEngine's te.GroupedLinear names. `forward(x, m_splits)`: rows m_splits[0] of x go through
+group 0, the next m_splits[1] through group 1, and so on (a split may be 0).
+
+Inside fp8_autocast every group has its own FP8 quantizers (input, weight, grad; scales per group)
+and each of the three GEMM kinds runs as ONE grouped launch over all groups
+(`kernels.grouped_gemm.grouped_scaled_mm`):
+
+    fprop  y_g  = x_g @ w_g.T + b_g      dgrad  dx_g = dy_g @ w_g      wgrad  dw_g = dy_g.T @ x_g
+
+A group with no rows gets zero weight and bias gradients. MXFP8 and NVFP4 blocks run along the
+rows of the wgrad copies, so with gradients every split must be a multiple of 32 (MXFP8) or 16
+(NVFP4): pad the groups as TransformerEngine's Fp8Padding does. FP8 off: one torch linear per group.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+from torch import Tensor, nn
+
+from kernels.grouped_gemm import grouped_scaled_mm
+from torchside import autocast
+from torchside.modules.base import FP8Module, ParamSpec, default_init_method
+from torchside.modules.config import ModuleConfig, check_size
+from torchside.modules.functions import GemmQuantizers, _columnwise_only, _quantized, linear
+from torchside.modules.transformer_config import InitMethod, reject_tensor_parallelism
+from torchside.recipe import MXFP8BlockScaling, NVFP4BlockScaling
+
+_SPLIT_MULTIPLE = {MXFP8BlockScaling.__name__: 32, NVFP4BlockScaling.__name__: 16}  # rows per wgrad block
+
+
+class _GroupedFP8Linear(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, m_splits, quantizers: tuple[GemmQuantizers, ...], on_backward_done, has_bias, *params):
+        groups = len(m_splits)
+        weights, biases = params[:groups], params[groups:] if has_bias else None
+        x_TI = x.reshape(-1, x.shape[-1])
+        live = [g for g in range(groups) if m_splits[g]]  # groups with rows: the only ones in the launches
+        x_parts = x_TI.split(m_splits)
+        x_fp8 = {g: quantizers[g].input.quantize(x_parts[g]).quantized_storage for g in live}
+        w_fp8 = {g: _quantized(weights[g], quantizers[g].weight) for g in live}
+        y_TO = torch.empty(x_TI.shape[0], weights[0].shape[0], dtype=x.dtype, device=x.device)
+        y_parts = y_TO.split(m_splits)
+        if live:
+            grouped_scaled_mm(
+                [x_fp8[g].to_quantized() for g in live],
+                [w_fp8[g].to_quantized() for g in live],
+                out_dtype=x.dtype,
+                bias=[biases[g] for g in live] if has_bias else None,
+                out=[y_parts[g] for g in live],
+            )
+        needs_wgrad = any(ctx.needs_input_grad[5 : 5 + groups])
+        # Keep only what the backward reads: the columnwise copies (x for wgrad, w for dgrad).
+        ctx.x_columnwise = {g: _columnwise_only(x_fp8[g]) for g in live} if needs_wgrad else None
+        ctx.w_columnwise = {g: _columnwise_only(w_fp8[g]) for g in live} if ctx.needs_input_grad[0] else None
+        ctx.m_splits, ctx.live, ctx.quantizers, ctx.on_backward_done = m_splits, live, quantizers, on_backward_done
+        ctx.x_shape, ctx.x_dtype, ctx.w_shape, ctx.w_dtype = x.shape, x.dtype, weights[0].shape, weights[0].dtype
+        ctx.bias_dtype = biases[0].dtype if has_bias else None
+        return y_TO.reshape(*x.shape[:-1], y_TO.shape[-1])
+
+    @staticmethod
+    def backward(ctx, dy):
+        groups, live = len(ctx.m_splits), ctx.live
+        dy_TO = dy.reshape(-1, dy.shape[-1])
+        dy_parts = dy_TO.split(ctx.m_splits)
+        dy_fp8 = {g: ctx.quantizers[g].grad_output.quantize(dy_parts[g]).quantized_storage.to_quantized() for g in live}
+        dx = None
+        if ctx.needs_input_grad[0]:
+            dx_TI = torch.empty(dy_TO.shape[0], ctx.w_shape[1], dtype=ctx.x_dtype, device=dy.device)
+            dx_parts = dx_TI.split(ctx.m_splits)
+            if live:
+                grouped_scaled_mm(
+                    [dy_fp8[g] for g in live],
+                    [ctx.w_columnwise[g].to_quantized() for g in live],
+                    b_columnwise=True,
+                    out_dtype=ctx.x_dtype,
+                    out=[dx_parts[g] for g in live],
+                )
+            dx = dx_TI.reshape(ctx.x_shape)
+        weight_grads = [None] * groups
+        if ctx.x_columnwise is not None:
+            weight_grads = [  # an empty group's gradient is zero; the launch writes the others
+                (torch.empty if g in live else torch.zeros)(ctx.w_shape, dtype=ctx.w_dtype, device=dy.device)
+                for g in range(groups)
+            ]
+            if live:
+                grouped_scaled_mm(
+                    [dy_fp8[g] for g in live],
+                    [ctx.x_columnwise[g].to_quantized() for g in live],
+                    a_columnwise=True,
+                    b_columnwise=True,
+                    out_dtype=ctx.w_dtype,
+                    out=[weight_grads[g] for g in live],
+                )
+        bias_grads = []
+        if ctx.bias_dtype is not None:
+            bias_grads = [part.sum(dim=0, dtype=torch.float32).to(ctx.bias_dtype) for part in dy_parts]
+        if ctx.on_backward_done is not None:
+            ctx.on_backward_done()
+        return dx, None, None, None, None, *weight_grads, *bias_grads
+
+
+def _check_m_splits(m_splits: object, groups: int, tokens: int) -> list[int]:
+    if isinstance(m_splits, Tensor) or not isinstance(m_splits, Sequence) or len(m_splits) != groups:
+        raise ValueError(f"m_splits={m_splits!r}: pass a list of {groups} row counts (one per group) summing to T")
+    splits = list(m_splits)
+    if any(isinstance(m, bool) or not isinstance(m, int) or m < 0 for m in splits) or sum(splits) != tokens:
+        raise ValueError(
+            f"m_splits={splits} must be {groups} integers >= 0 that sum to the input's {tokens} rows "
+            "(the product of its leading dims)"
+        )
+    return splits
+
+
+class GroupedLinear(FP8Module):
+    """E linear layers on consecutive row groups of one input, with TransformerEngine's te.GroupedLinear arguments."""
+
+    def __init__(
+        self,
+        num_gemms: int,
+        in_features: int,
+        out_features: int,
+        *,
+        bias: bool = True,
+        params_dtype: torch.dtype | None = None,
+        device: torch.device | str | None = None,
+        init_method: InitMethod | None = None,
+        config: ModuleConfig | None = None,
+    ) -> None:
+        owner = "GroupedLinear"
+        reject_tensor_parallelism(owner, ModuleConfig() if config is None else config)
+        groups = check_size(owner, "num_gemms", num_gemms)
+        in_features = check_size(owner, "in_features", in_features)
+        out_features = check_size(owner, "out_features", out_features)
+        init = init_method or default_init_method
+        weight_shape = (out_features, in_features)
+        params = {f"weight{g}": ParamSpec(weight_shape, init, "linear_weight", gemm=g) for g in range(groups)}
+        if bias:
+            params |= {f"bias{g}": ParamSpec((out_features,), nn.init.zeros_, "linear_bias") for g in range(groups)}
+        super().__init__(params, groups, params_dtype=params_dtype, device=device, config=config)
+        self.in_features, self.out_features, self.use_bias = in_features, out_features, bias
+
+    def forward(self, x_TI: Tensor, m_splits: Sequence[int]) -> Tensor:
+        """y [..., O]: rows m_splits[g] of x (in order) through weight{g} and bias{g}."""
+        if not isinstance(x_TI, Tensor) or x_TI.dim() < 1 or x_TI.shape[-1] != self.in_features:
+            got = list(x_TI.shape) if isinstance(x_TI, Tensor) else type(x_TI).__name__
+            raise ValueError(f"GroupedLinear takes x [..., {self.in_features}], got {got}")
+        splits = _check_m_splits(m_splits, self.num_gemms, x_TI.numel() // self.in_features)
+        # forward_param: the local tensors FSDP2 keeps updating when the parameters are DTensors
+        weights = [self.forward_param(f"weight{g}") for g in range(self.num_gemms)]
+        biases = [self.forward_param(f"bias{g}") for g in range(self.num_gemms)] if self.use_bias else []
+        plan = self.fp8_plan(x_TI.device)
+        if plan is None:
+            x_parts = x_TI.reshape(-1, self.in_features).split(splits)
+            parts = [linear(x_parts[g], weights[g], biases[g] if biases else None, None) for g in range(self.num_gemms)]
+            return torch.cat(parts).reshape(*x_TI.shape[:-1], self.out_features)
+        recipe_name = type(autocast.fp8_frame().recipe).__name__
+        multiple = _SPLIT_MULTIPLE.get(recipe_name)
+        if multiple and torch.is_grad_enabled() and any(m % multiple for m in splits):
+            raise ValueError(
+                f"m_splits={splits}: with gradients, {recipe_name} needs every split to be a multiple of "
+                f"{multiple} (its wgrad blocks run along the rows): pad each group's rows"
+            )
+        return _GroupedFP8Linear.apply(
+            x_TI, tuple(splits), plan.gemms, plan.on_backward_done, bool(biases), *weights, *biases
+        )
+
+    def extra_repr(self) -> str:
+        return (
+            f"num_gemms={self.num_gemms}, in_features={self.in_features}, out_features={self.out_features}, "
+            f"bias={self.use_bias}"
+        )
+
+
+__all__ = ["GroupedLinear"]

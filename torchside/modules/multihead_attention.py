@@ -1,0 +1,163 @@
+"""`MultiheadAttention`: QKV projection, rotary embeddings, DotProductAttention, output projection.
+
+Shape legend: S sequence, B batch, D hidden size, N query heads, G key/value heads, H head dim.
+Hidden states are [S, B, D] ("sbhd") or [B, S, D] ("bshd"), as `TransformerConfig.qkv_format` says.
+
+The QKV projection is, by `fuse_qkv_params` and `input_layernorm`:
+
+| fuse_qkv_params | input_layernorm | submodules |
+|---|---|---|
+| True | True | `layernorm_qkv`: LayerNormLinear D -> (N + 2G) H |
+| True | False | `qkv`: Linear D -> (N + 2G) H |
+| False | True | `layernorm` (LayerNorm or RMSNorm), then Linears `query`, `key`, `value` |
+| False | False | Linears `query` D -> N H, `key` and `value` D -> G H |
+
+The fused weight is [Q; K; V] stacked by rows (TransformerEngine's `qkv_weight_interleaved=False`
+layout). With separate weights the norm is its own module, because a LayerNormLinear cannot hand
+its normalized input to the other two projections; each projection casts that input to FP8 itself.
+The GEMMs of the QKV and output (`proj`) projections run in FP8 inside fp8_autocast; attention
+runs in the activation dtype (see DotProductAttention).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor, nn
+
+from torchside.modules.attention import AttentionMask, DotProductAttention
+from torchside.modules.base import FP8Module
+from torchside.modules.config import check_size
+from torchside.modules.layernorm_linear import LayerNormLinear
+from torchside.modules.linear import Linear
+from torchside.modules.normalization import LayerNorm, RMSNorm
+from torchside.modules.rotary import apply_rotary_pos_emb
+from torchside.modules.transformer_config import InitMethod, TransformerConfig, reject_tensor_parallelism
+
+RotaryFreqs = Tensor | tuple[Tensor, Tensor] | None
+
+
+def _head_dim(owner: str, hidden_size: int, num_attention_heads: int, config: TransformerConfig) -> int:
+    """config.kv_channels, or hidden_size / num_attention_heads when that divides evenly."""
+    if config.kv_channels is not None:
+        return config.kv_channels
+    if hidden_size % num_attention_heads:
+        raise ValueError(
+            f"{owner}: hidden_size={hidden_size} is not a multiple of num_attention_heads={num_attention_heads}; "
+            "set TransformerConfig(kv_channels=...) to choose the head dim"
+        )
+    return hidden_size // num_attention_heads
+
+
+def reset_fp8_submodules(module: nn.Module) -> None:
+    """reset_parameters() of every FP8 submodule (after building on meta and `to_empty`)."""
+    for child in module.modules():
+        if isinstance(child, FP8Module):
+            child.reset_parameters()
+
+
+class MultiheadAttention(nn.Module):
+    """Self-attention with TransformerEngine's te.MultiheadAttention structure; see the module docstring."""
+
+    def __init__(
+        self,
+        hidden_size: int,
+        num_attention_heads: int,
+        *,
+        num_gqa_groups: int | None = None,
+        input_layernorm: bool = False,
+        params_dtype: torch.dtype | None = None,
+        device: torch.device | str | None = None,
+        init_method: InitMethod | None = None,
+        output_layer_init_method: InitMethod | None = None,
+        config: TransformerConfig | None = None,
+    ) -> None:
+        super().__init__()
+        owner = "MultiheadAttention"
+        config = TransformerConfig() if config is None else config
+        if not isinstance(config, TransformerConfig):
+            raise TypeError(f"{owner}(config={config!r}): pass a torchside.modules.TransformerConfig or None")
+        if not isinstance(input_layernorm, bool):
+            raise TypeError(f"{owner}(input_layernorm={input_layernorm!r}): pass True or False")
+        reject_tensor_parallelism(owner, config.module_config)
+        self.hidden_size = check_size(owner, "hidden_size", hidden_size)
+        heads = check_size(owner, "num_attention_heads", num_attention_heads)
+        head_dim = _head_dim(owner, hidden_size, heads, config)
+        self.config, self.input_layernorm = config, input_layernorm
+        # DotProductAttention checks num_gqa_groups; built first so a bad value fails before any weight.
+        self.core_attention = DotProductAttention(
+            heads,
+            head_dim,
+            num_gqa_groups=num_gqa_groups,
+            attention_dropout=config.attention_dropout,
+            qkv_format=config.qkv_format,
+            attn_mask_type=config.attn_mask_type,
+            softmax_scale=config.softmax_scale,
+            config=config.module_config,
+        )
+        groups = self.core_attention.num_gqa_groups
+        self.split_features = (heads * head_dim, groups * head_dim, groups * head_dim)  # q, k, v
+        common = {"params_dtype": params_dtype, "device": device, "config": config.module_config}
+        projection = {"bias": config.has_qkv_bias, "init_method": init_method, **common}
+        norm = config.norm_settings()
+        norm_args = {"eps": norm.eps, "zero_centered_gamma": norm.zero_centered_gamma}
+        if config.fuse_qkv_params and input_layernorm:
+            self.layernorm_qkv = LayerNormLinear(
+                hidden_size, sum(self.split_features), normalization=norm.normalization, **norm_args, **projection
+            )
+        elif config.fuse_qkv_params:
+            self.qkv = Linear(hidden_size, sum(self.split_features), **projection)
+        else:
+            if input_layernorm:
+                norm_class = LayerNorm if norm.normalization == "LayerNorm" else RMSNorm
+                self.layernorm = norm_class(hidden_size, **norm_args, **common)
+            self.query = Linear(hidden_size, self.split_features[0], **projection)
+            self.key = Linear(hidden_size, self.split_features[1], **projection)
+            self.value = Linear(hidden_size, self.split_features[2], **projection)
+        self.proj = Linear(
+            heads * head_dim, hidden_size, bias=config.bias, init_method=output_layer_init_method, **common
+        )
+
+    def reset_parameters(self) -> None:
+        """Fill every parameter again (after building on meta: call `to_empty(device=...)` first)."""
+        reset_fp8_submodules(self)
+
+    def _qkv(self, hidden_states: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        """q [.., N, H], k and v [.., G, H] with the leading dims of hidden_states."""
+        if self.config.fuse_qkv_params:
+            fused = self.layernorm_qkv if self.input_layernorm else self.qkv
+            q, k, v = fused(hidden_states).split(self.split_features, dim=-1)
+        else:
+            x = self.layernorm(hidden_states) if self.input_layernorm else hidden_states
+            q, k, v = self.query(x), self.key(x), self.value(x)
+        head_dim = self.core_attention.kv_channels
+        return tuple(t.unflatten(-1, (-1, head_dim)) for t in (q, k, v))
+
+    def forward(
+        self,
+        hidden_states: Tensor,
+        attention_mask: AttentionMask = None,
+        attn_mask_type: str | None = None,
+        rotary_pos_emb: RotaryFreqs = None,
+    ) -> Tensor:
+        """Attention output, shaped like hidden_states; rotary_pos_emb: freqs, or (query freqs, key freqs)."""
+        x = hidden_states
+        if not isinstance(x, Tensor) or x.dim() != 3 or x.shape[-1] != self.hidden_size:
+            got = list(x.shape) if isinstance(x, Tensor) else type(x).__name__
+            layout = "[S, B, D]" if self.config.qkv_format == "sbhd" else "[B, S, D]"
+            raise ValueError(f"MultiheadAttention takes hidden_states {layout} with D={self.hidden_size}, got {got}")
+        q, k, v = self._qkv(hidden_states)
+        if rotary_pos_emb is not None:
+            q_freqs, k_freqs = rotary_pos_emb if isinstance(rotary_pos_emb, tuple) else (rotary_pos_emb,) * 2
+            q = apply_rotary_pos_emb(q, q_freqs, self.config.qkv_format)
+            k = apply_rotary_pos_emb(k, k_freqs, self.config.qkv_format)
+        context = self.core_attention(q, k, v, attention_mask=attention_mask, attn_mask_type=attn_mask_type)
+        return self.proj(context)
+
+    def extra_repr(self) -> str:
+        return (
+            f"hidden_size={self.hidden_size}, input_layernorm={self.input_layernorm}, "
+            f"fuse_qkv_params={self.config.fuse_qkv_params}"
+        )
+
+
+__all__ = ["MultiheadAttention", "RotaryFreqs", "reset_fp8_submodules"]

@@ -1,0 +1,73 @@
+"""Rotary position embeddings (RoPE) in TransformerEngine's layout: non-interleaved halves.
+
+Shape legend: S sequence, B batch, N heads, H head dim, R rotated dims (R <= H, even).
+
+`RotaryPositionEmbedding(H)(S)` gives the angles `freqs_S11R` [S, 1, 1, R], fp32: position p
+times `rotary_base ** (-2i / R)` for i < R/2, the R/2 angles written twice (cat(f, f)), which is
+the tensor `te.attention.RotaryPositionEmbedding` returns. `apply_rotary_pos_emb` rotates the pair
+of channels (i, i + R/2) of every head by its angle and leaves channels R.. H unchanged. It
+computes in fp32 and rounds once to the input's dtype.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor, nn
+
+from torchside.modules.config import check_size
+from torchside.modules.transformer_config import QKV_FORMATS, check_choice
+
+
+class RotaryPositionEmbedding(nn.Module):
+    """The rotary angles of positions offset .. offset + S - 1 (see the module docstring)."""
+
+    def __init__(self, dim: int, rotary_percent: float = 1.0, rotary_base: float = 10000.0) -> None:
+        super().__init__()
+        dim = check_size("RotaryPositionEmbedding", "dim", dim)
+        percent = rotary_percent
+        if isinstance(percent, bool) or not isinstance(percent, int | float) or not 0 < percent <= 1:
+            raise ValueError(f"RotaryPositionEmbedding(rotary_percent={rotary_percent!r}): pass a float in (0, 1]")
+        rotary_dim = int(dim * rotary_percent)
+        if rotary_dim < 2 or rotary_dim % 2:
+            raise ValueError(
+                f"RotaryPositionEmbedding(dim={dim}, rotary_percent={rotary_percent}) rotates {rotary_dim} "
+                "channels; that must be an even number >= 2: change dim or rotary_percent"
+            )
+        if isinstance(rotary_base, bool) or not isinstance(rotary_base, int | float) or rotary_base <= 1:
+            raise ValueError(f"RotaryPositionEmbedding(rotary_base={rotary_base!r}): pass a float > 1, e.g. 10000.0")
+        self.rotary_dim, self.rotary_base = rotary_dim, float(rotary_base)
+        exponents = torch.arange(0, rotary_dim, 2, dtype=torch.float32) / rotary_dim
+        self.register_buffer("inv_freq", self.rotary_base**-exponents, persistent=False)
+
+    def forward(self, max_seq_len: int, offset: int = 0) -> Tensor:
+        """freqs [max_seq_len, 1, 1, R] (fp32) for positions offset, offset + 1, ..."""
+        check_size("RotaryPositionEmbedding.forward", "max_seq_len", max_seq_len)
+        positions = torch.arange(offset, offset + max_seq_len, dtype=torch.float32, device=self.inv_freq.device)
+        angles_SR2 = torch.outer(positions, self.inv_freq)
+        return torch.cat([angles_SR2, angles_SR2], dim=-1)[:, None, None, :]
+
+    def extra_repr(self) -> str:
+        return f"rotary_dim={self.rotary_dim}, rotary_base={self.rotary_base}"
+
+
+def apply_rotary_pos_emb(t: Tensor, freqs: Tensor, tensor_format: str = "sbhd") -> Tensor:
+    """Rotate t ([S, B, N, H] for "sbhd", [B, S, N, H] for "bshd") by freqs [>= S, 1, 1, R]."""
+    check_choice("apply_rotary_pos_emb", "tensor_format", tensor_format, QKV_FORMATS)
+    seq = t.shape[0] if tensor_format == "sbhd" else t.shape[1]
+    if freqs.dim() != 4 or freqs.shape[1:3] != (1, 1) or freqs.shape[0] < seq or freqs.shape[-1] > t.shape[-1]:
+        raise ValueError(
+            f"freqs must be [S >= {seq}, 1, 1, R <= {t.shape[-1]}] (RotaryPositionEmbedding's output) for t "
+            f"{list(t.shape)} in {tensor_format!r}, got {list(freqs.shape)}"
+        )
+    rotary_dim = freqs.shape[-1]
+    angles = freqs[:seq].float()
+    if tensor_format == "bshd":
+        angles = angles.transpose(0, 1)  # [1, S, 1, R]
+    rotated, passed = t[..., :rotary_dim].float(), t[..., rotary_dim:]
+    first, second = rotated.chunk(2, dim=-1)
+    turned = torch.cat([-second, first], dim=-1)  # the pair (a, b) -> (-b, a): a rotation by 90 degrees
+    out = rotated * angles.cos() + turned * angles.sin()
+    return torch.cat([out.to(t.dtype), passed], dim=-1)
+
+
+__all__ = ["RotaryPositionEmbedding", "apply_rotary_pos_emb"]

@@ -1,0 +1,112 @@
+"""`TransformerLayer`: a pre-norm transformer block (Llama's, GPT's) with FP8 GEMMs inside fp8_autocast.
+
+Shape legend: S sequence, B batch, D hidden size, F ffn hidden size. Hidden states are [S, B, D]
+("sbhd") or [B, S, D] ("bshd").
+
+    h   = x + dropout(self_attention(x))      self_attention: norm -> QKV -> attention -> proj
+    out = h + dropout(layernorm_mlp(h))       layernorm_mlp: norm -> fc1 -> activation -> fc2
+
+`self_attention` is a MultiheadAttention with its input norm, `layernorm_mlp` a LayerNormMLP;
+both norms are `TransformerConfig.normalization`. Dropout (`hidden_dropout`) acts in training only.
+"""
+
+from __future__ import annotations
+
+from typing import NoReturn
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from torchside.modules.attention import AttentionMask
+from torchside.modules.config import check_size
+from torchside.modules.layernorm_mlp import LayerNormMLP
+from torchside.modules.multihead_attention import MultiheadAttention, RotaryFreqs, reset_fp8_submodules
+from torchside.modules.transformer_config import InitMethod, TransformerConfig, reject_tensor_parallelism
+
+
+class TransformerLayer(nn.Module):
+    """Pre-norm self-attention + MLP block with TransformerEngine's te.TransformerLayer sizes; knobs in the config."""
+
+    def __init__(
+        self,
+        hidden_size: int,
+        ffn_hidden_size: int,
+        num_attention_heads: int,
+        *,
+        num_gqa_groups: int | None = None,
+        params_dtype: torch.dtype | None = None,
+        device: torch.device | str | None = None,
+        init_method: InitMethod | None = None,
+        output_layer_init_method: InitMethod | None = None,
+        config: TransformerConfig | None = None,
+    ) -> None:
+        super().__init__()
+        owner = "TransformerLayer"
+        config = TransformerConfig() if config is None else config
+        if not isinstance(config, TransformerConfig):
+            raise TypeError(f"{owner}(config={config!r}): pass a torchside.modules.TransformerConfig or None")
+        reject_tensor_parallelism(owner, config.module_config)
+        check_size(owner, "ffn_hidden_size", ffn_hidden_size)
+        self.config = config
+        inits = {"init_method": init_method, "output_layer_init_method": output_layer_init_method}
+        self.self_attention = MultiheadAttention(
+            hidden_size,
+            num_attention_heads,
+            num_gqa_groups=num_gqa_groups,
+            input_layernorm=True,
+            params_dtype=params_dtype,
+            device=device,
+            config=config,
+            **inits,
+        )
+        norm = config.norm_settings()
+        self.layernorm_mlp = LayerNormMLP(
+            hidden_size,
+            ffn_hidden_size,
+            eps=norm.eps,
+            bias=config.bias,
+            normalization=norm.normalization,
+            activation=config.activation,
+            zero_centered_gamma=norm.zero_centered_gamma,
+            params_dtype=params_dtype,
+            device=device,
+            config=config.module_config,
+            **inits,
+        )
+
+    def reset_parameters(self) -> None:
+        """Fill every parameter again (after building on meta: call `to_empty(device=...)` first)."""
+        reset_fp8_submodules(self)
+
+    def set_parallel_mode(self, enabled: bool = True) -> NoReturn:
+        """Tensor parallelism for the whole layer (QKV/fc1 column, proj/fc2 row): not implemented yet."""
+        raise NotImplementedError(
+            f"TransformerLayer.set_parallel_mode({enabled!r}): tensor parallelism of TransformerLayer is issue 6 "
+            "and not implemented yet; run the layer on a single device"
+        )
+
+    def forward(
+        self,
+        hidden_states: Tensor,
+        attention_mask: AttentionMask = None,
+        self_attn_mask_type: str | None = None,
+        rotary_pos_emb: RotaryFreqs = None,
+    ) -> Tensor:
+        """The block's output, shaped like hidden_states ([S, B, D] or [B, S, D] by qkv_format)."""
+        dropout = self.config.hidden_dropout
+        attention_out = self.self_attention(
+            hidden_states,
+            attention_mask=attention_mask,
+            attn_mask_type=self_attn_mask_type,
+            rotary_pos_emb=rotary_pos_emb,
+        )
+        hidden = hidden_states + F.dropout(attention_out, dropout, self.training)
+        return hidden + F.dropout(self.layernorm_mlp(hidden), dropout, self.training)
+
+    def extra_repr(self) -> str:
+        c = self.config
+        return f"normalization={c.normalization}, activation={c.activation}, hidden_dropout={c.hidden_dropout}"
+
+
+__all__ = ["TransformerLayer"]
