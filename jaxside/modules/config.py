@@ -1,0 +1,64 @@
+"""`ModuleConfig`: the knobs a model's modules share (the twin of torchside.modules.config), and argument checks.
+
+Tensor parallelism needs no process group here: a module only names the parallel mode its
+parameters follow (jaxside.sharding's rules), and a mesh from `make_mesh` decides the rest.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import jax.numpy as jnp
+import numpy as np
+
+from jaxside.sharding import PARALLEL_MODES
+
+PARAMS_DTYPES = (np.dtype(jnp.float32), np.dtype(jnp.bfloat16))  # what the FP8 GEMM and the norms write
+
+# The Flax kernel [in, out] of a linear layer, by parallel mode: the axis TP splits must be one whose
+# activations TP splits too (jaxside.sharding checks it), so a row layer reads "mlp" and writes "embed".
+KERNEL_AXES = {"column": ("embed", "mlp"), "row": ("mlp", "embed"), None: ("embed", "mlp")}
+
+
+@dataclass(frozen=True)
+class ModuleConfig:
+    """Shared module settings: DelayedScaling state size and the parallel mode of a linear layer's parameters."""
+
+    # Rows of the DelayedScaling amax histories, fixed at construction (as torchside): a
+    # DelayedScaling recipe must use the same length.
+    amax_history_len: int = 1024
+    parallel_mode: str | None = None  # None, "column" or "row" (torchside's parallel_mode)
+
+    def __post_init__(self) -> None:
+        length = self.amax_history_len
+        if isinstance(length, bool) or not isinstance(length, int) or length < 1:
+            raise ValueError(f"ModuleConfig(amax_history_len={length!r}): pass an integer >= 1")
+        if self.parallel_mode not in PARALLEL_MODES:
+            raise ValueError(f"ModuleConfig(parallel_mode={self.parallel_mode!r}): use None, 'column' or 'row'")
+
+
+def check_config(owner: str, config: ModuleConfig | None) -> ModuleConfig:
+    """config, or the default ModuleConfig when None; TypeError for anything else."""
+    if config is None:
+        return ModuleConfig()
+    if not isinstance(config, ModuleConfig):
+        raise TypeError(f"{owner}(config={config!r}): pass a jaxside.modules.ModuleConfig or None")
+    return config
+
+
+def check_params_dtype(owner: str, params_dtype) -> np.dtype:
+    """params_dtype as a numpy dtype; TypeError unless fp32 or bf16."""
+    try:
+        dtype = np.dtype(params_dtype)
+    except TypeError:
+        dtype = None
+    if dtype not in PARAMS_DTYPES:
+        raise TypeError(f"{owner}(params_dtype={params_dtype!r}): use jnp.float32 or jnp.bfloat16")
+    return dtype
+
+
+def check_size(owner: str, name: str, value: object) -> int:
+    """A feature count: an int >= 1, else ValueError."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{owner}({name}={value!r}): pass an integer >= 1")
+    return value

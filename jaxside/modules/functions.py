@@ -1,0 +1,228 @@
+"""The modules' differentiable functions: the FP8 linear (a jax.custom_vjp), the high-precision linear, the norms.
+
+Shape legend: T tokens (all leading dims of the input, flattened), I in features, O out features.
+A Flax kernel is [I, O]. The FP8 math quantizes w_OI = kernel.T, the torch weight, so every operand
+is the matrix torchside quantizes, with the same blocks and therefore the same bytes:
+
+    fprop  y_TO       = x rowwise [T, I] @ (w rowwise [O, I])^T          (+ bias, in fp32)
+    dgrad  dx_TI      = dy rowwise [T, O] @ w columnwise [O, I]
+    wgrad  dkernel_IO = (x columnwise [T, I])^T @ dy columnwise [T, O]
+
+(a columnwise copy is the quantized transpose; here it is used through its values in the logical
+layout, which is the same product as torchside's `scaled_mm(..., b_columnwise=True)`). Each GEMM
+multiplies the dequantized operands (exact fp32) at HIGHEST precision with fp32 accumulation and
+rounds once: y and dx to the activation dtype, dkernel to the kernel's; the bias grad is summed in
+fp32. The forward keeps only the columnwise copies the backward reads.
+
+DelayedScaling state crosses the custom_vjp as arrays: `scales` (input, weight, grad) are read, the
+forward returns the amaxes of x and w for the history, and the grad's amax leaves the backward as
+the cotangent of `grad_amax_sink` ([amax, 1]: the 1 counts the backward pass), since a cotangent is
+the only value a backward can return.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from functools import partial
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import Array, lax
+
+from jaxside.quantize import (
+    Quantized,
+    dequantize,
+    quantize_blockwise,
+    quantize_mxfp8,
+    quantize_nvfp4,
+    quantize_tensorwise,
+)
+from jaxside.recipe import (
+    DelayedScaling,
+    Float8BlockScaling,
+    Float8CurrentScaling,
+    MXFP8BlockScaling,
+    NVFP4BlockScaling,
+    Recipe,
+)
+
+ACTIVATION_DTYPES = (np.dtype(jnp.float32), np.dtype(jnp.bfloat16))  # what the GEMMs and norms write
+
+
+def quantize_operand(x2d, recipe: Recipe, role: str, *, scale=None, seed=None, columnwise: bool = True) -> Quantized:
+    """x2d quantized as torchside's Quantizer(recipe, role) does: rowwise, and columnwise when asked.
+
+    scale: the DelayedScaling scale, fp32 (1,); seed: the stochastic-rounding seed of NVFP4 grads.
+    """
+    usage = {"rowwise": True, "columnwise": columnwise}
+    if isinstance(recipe, NVFP4BlockScaling):
+        return quantize_nvfp4(
+            x2d,
+            block=recipe.block_for(role),
+            hadamard=recipe.hadamard_for(role),
+            stochastic_seed=seed if recipe.stochastic_for(role) else None,
+            **usage,
+        )
+    fmt = recipe.fp8_format.for_role(role)
+    if isinstance(recipe, DelayedScaling):
+        if scale is None:
+            raise ValueError("DelayedScaling quantizes with a given scale: pass the module's scale for this role")
+        return quantize_tensorwise(x2d, fmt, scale, **usage)
+    if isinstance(recipe, Float8CurrentScaling):
+        return quantize_tensorwise(
+            x2d, fmt, power_2_scale=recipe.power_2_scale, amax_epsilon=recipe.amax_epsilon, **usage
+        )
+    if isinstance(recipe, Float8BlockScaling):
+        return quantize_blockwise(x2d, fmt, recipe.block_for(role), power_2_scale=recipe.power_2_scale, **usage)
+    if isinstance(recipe, MXFP8BlockScaling):
+        return quantize_mxfp8(x2d, fmt, scale_rounding=recipe.scale_rounding, **usage)
+    raise TypeError(f"recipe={recipe!r} is not a jaxside.recipe recipe")
+
+
+def _values(q: Quantized, columnwise: bool = False) -> Array:
+    """An operand's fp32 values in the logical [rows, cols] layout (a Hadamard-rotated copy comes back unrotated).
+
+    The other copy is dropped first: dequantize then compiles once per copy and shape, not once more
+    for every combination of buffers a caller happens to hold.
+    """
+    other = ("data", "scale_inv") if columnwise else ("columnwise_data", "columnwise_scale_inv")
+    return dequantize(dataclasses.replace(q, **dict.fromkeys(other)), jnp.float32, columnwise=columnwise)
+
+
+def _matmul(a, b, out_dtype, bias=None) -> Array:
+    """a @ b with fp32 accumulation (never TF32 or bf16 passes), plus bias in fp32, rounded once to out_dtype."""
+    out = jnp.matmul(a, b, precision=lax.Precision.HIGHEST, preferred_element_type=jnp.float32)
+    if bias is not None:
+        out = out + bias.astype(jnp.float32)
+    return out.astype(out_dtype)
+
+
+def _columnwise_only(q: Quantized) -> Quantized:
+    """The copy the backward reads, without the rowwise bytes (so they need not live until then)."""
+    return dataclasses.replace(q, data=None, scale_inv=None)
+
+
+def _check_activation(x, what: str) -> None:
+    if np.dtype(x.dtype) not in ACTIVATION_DTYPES:
+        raise TypeError(f"{what} writes float32 or bfloat16; got an input of {x.dtype}: cast the input")
+
+
+# ----------------------------------------------------------------------------- linear
+
+
+@dataclass(frozen=True)
+class _LinearStatic:
+    recipe: Recipe
+    kernel_dtype: np.dtype
+    bias_dtype: np.dtype | None
+
+
+def _slot(scales, index: int):
+    return None if scales is None else scales[index : index + 1]
+
+
+def _fp8_forward(static: _LinearStatic, x, kernel, bias, scales, columnwise: bool):
+    x_TI = x.reshape(-1, x.shape[-1])
+    qx = quantize_operand(x_TI, static.recipe, "input", scale=_slot(scales, 0), columnwise=columnwise)
+    qw = quantize_operand(kernel.T, static.recipe, "weight", scale=_slot(scales, 1), columnwise=columnwise)
+    y_TO = _matmul(_values(qx), _values(qw).T, x.dtype, bias)
+    amaxes = None if scales is None else jnp.concatenate([qx.amax, qw.amax])
+    return y_TO.reshape(*x.shape[:-1], y_TO.shape[-1]), amaxes, qx, qw
+
+
+@partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _fp8_linear(static: _LinearStatic, x, kernel, bias, scales, grad_amax_sink, seed):
+    y, amaxes, _, _ = _fp8_forward(static, x, kernel, bias, scales, columnwise=False)
+    return y, amaxes
+
+
+def _fp8_linear_fwd(static: _LinearStatic, x, kernel, bias, scales, grad_amax_sink, seed):
+    y, amaxes, qx, qw = _fp8_forward(static, x, kernel, bias, scales, columnwise=True)
+    residuals = (_columnwise_only(qx), _columnwise_only(qw), scales, grad_amax_sink, seed)
+    return (y, amaxes), residuals
+
+
+def _fp8_linear_bwd(static: _LinearStatic, residuals, cotangents):
+    x_columnwise, w_columnwise, scales, grad_amax_sink, seed = residuals
+    dy = cotangents[0]  # the amaxes' cotangent carries nothing
+    dy_TO = dy.reshape(-1, dy.shape[-1])
+    qdy = quantize_operand(dy_TO, static.recipe, "grad", scale=_slot(scales, 2), seed=seed, columnwise=True)
+    dx_TI = _matmul(_values(qdy), _values(w_columnwise, columnwise=True), dy.dtype)
+    dkernel_IO = _matmul(_values(x_columnwise, columnwise=True).T, _values(qdy, columnwise=True), static.kernel_dtype)
+    dbias = None if static.bias_dtype is None else dy_TO.astype(jnp.float32).sum(axis=0).astype(static.bias_dtype)
+    sink_cotangent = None if grad_amax_sink is None else jnp.concatenate([qdy.amax, jnp.ones(1, jnp.float32)])
+    dx = dx_TI.reshape(*dy.shape[:-1], dx_TI.shape[-1])
+    return dx, dkernel_IO, dbias, None, sink_cotangent, None
+
+
+_fp8_linear.defvjp(_fp8_linear_fwd, _fp8_linear_bwd)
+
+
+def fp8_linear(
+    x, kernel, bias, recipe: Recipe, *, scales=None, grad_amax_sink=None, seed=None
+) -> tuple[Array, Array | None]:
+    """x @ kernel + bias with FP8 GEMMs under `recipe`; returns (y, the fp32 [2] amaxes of x and w, or None).
+
+    DelayedScaling only: `scales`, fp32 [3], of the input, weight and grad, and `grad_amax_sink`,
+    fp32 [2], whose gradient is [grad amax, 1]; the amaxes are returned for the history. `seed`: the
+    uint32 seed of the NVFP4 grads' stochastic rounding.
+    """
+    _check_activation(x, "an FP8 linear")
+    delayed = isinstance(recipe, DelayedScaling)
+    if delayed != (scales is not None) or delayed != (grad_amax_sink is not None):
+        raise ValueError("pass scales and grad_amax_sink exactly when the recipe is DelayedScaling")
+    static = _LinearStatic(recipe, np.dtype(kernel.dtype), None if bias is None else np.dtype(bias.dtype))
+    return _fp8_linear(static, x, kernel, bias, scales, grad_amax_sink, seed)
+
+
+def linear(x, kernel, bias) -> Array:
+    """x @ kernel + bias in high precision (FP8 off): fp32 accumulation, rounded once to x's dtype."""
+    return _matmul(x, kernel, x.dtype, bias)
+
+
+# ----------------------------------------------------------------------------- normalization
+
+
+def _gamma(weight, zero_centered_gamma: bool) -> Array:
+    return weight.astype(jnp.float32) + 1.0 if zero_centered_gamma else weight.astype(jnp.float32)
+
+
+def _norm_forward(x, weight, bias, rms: bool, eps: float, zero_centered_gamma: bool):
+    x2d = x.reshape(-1, x.shape[-1]).astype(jnp.float32)
+    mean = None if rms else jnp.mean(x2d, axis=1)
+    centered = x2d if rms else x2d - mean[:, None]
+    rstd = lax.rsqrt(jnp.mean(centered * centered, axis=1) + eps)
+    y = centered * rstd[:, None] * _gamma(weight, zero_centered_gamma)
+    if bias is not None:
+        y = y + bias.astype(jnp.float32)
+    return y.reshape(x.shape).astype(x.dtype), (x, weight, mean, rstd)
+
+
+@partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5))
+def _normalize(x, weight, bias, rms: bool, eps: float, zero_centered_gamma: bool):
+    return _norm_forward(x, weight, bias, rms, eps, zero_centered_gamma)[0]
+
+
+def _normalize_bwd(rms: bool, eps: float, zero_centered_gamma: bool, residuals, dy):
+    x, weight, mean, rstd = residuals
+    x2d, dy2d = x.reshape(-1, x.shape[-1]).astype(jnp.float32), dy.reshape(-1, x.shape[-1]).astype(jnp.float32)
+    xhat = (x2d if mean is None else x2d - mean[:, None]) * rstd[:, None]
+    gdy = _gamma(weight, zero_centered_gamma) * dy2d
+    inner = gdy - xhat * jnp.mean(xhat * gdy, axis=1, keepdims=True)
+    if mean is not None:
+        inner = inner - jnp.mean(gdy, axis=1, keepdims=True)
+    dx = (inner * rstd[:, None]).reshape(x.shape).astype(x.dtype)
+    dweight = jnp.sum(dy2d * xhat, axis=0).astype(weight.dtype)
+    dbias = None if mean is None else jnp.sum(dy2d, axis=0).astype(weight.dtype)
+    return dx, dweight, dbias
+
+
+_normalize.defvjp(lambda x, w, b, rms, eps, zcg: _norm_forward(x, w, b, rms, eps, zcg), _normalize_bwd)
+
+
+def normalize(x, weight, bias, *, rms: bool, eps: float, zero_centered_gamma: bool) -> Array:
+    """LayerNorm (RMSNorm when `rms`) over the last dim in fp32, written in x's dtype; kernels.norm's math and grads."""
+    _check_activation(x, "a norm")
+    return _normalize(x, weight, bias, rms, float(eps), zero_centered_gamma)
