@@ -5,7 +5,8 @@ copy bandwidth in DESIGN.md), the fraction of the floor reached, the floor for t
 kernels really move (current scaling and NVFP4 read x twice: the global amax must be known
 before the first cast), and the peer measured in the same run: torch eager doing the same
 math (a plain amax + scale + cast + transpose for tensorwise, kernels.reference otherwise).
-Every Triton result is also checked byte-for-byte against the reference.
+Every Triton result is also checked byte-for-byte against the reference. Two-pass cases also
+show the global-amax launch alone ("amax ms"); the autotuned tile of each kernel closes the table.
 
 Run on a CUDA machine:  PYTHONPATH=. python3 benchmarks/bench_quantize.py [--rows 16384 --cols 8192]
 """
@@ -73,6 +74,12 @@ def _peer_reference(case: Case, x: torch.Tensor) -> reference.Quantized:
     return getattr(reference, case.function)(x, **case.kwargs)
 
 
+def _amax_ms(case: Case, x: torch.Tensor) -> float:
+    """The first launch of a two-pass case alone: the global amax (of RHT(x.T) too for the wgrad case)."""
+    hadamard = bool(case.kwargs.get("hadamard"))
+    return do_bench(lambda: triton_quantize._global_amax(x, hadamard=hadamard), return_mode="median")
+
+
 def _output_bytes(q: reference.Quantized) -> int:
     buffers = (q.data, q.scale_inv, q.columnwise_data, q.columnwise_scale_inv)
     return sum(b.numel() * b.element_size() for b in buffers if b is not None)
@@ -102,7 +109,7 @@ def main() -> None:
     print(f"# torch copy (x.clone): {copy_ms:.3f} ms = {2 * input_bytes / copy_ms / 1e9:.2f} TB/s "
           f"(floor {2 * input_bytes / COPY_BANDWIDTH * 1e3:.3f} ms)")
     header = (f"{'case':<28}{'ms':>8}{'floor ms':>10}{'of floor':>10}{'target':>8}"
-              f"{'floor as run':>14}{'of that':>9}{'peer ms':>9}{'speedup':>9}  exact")
+              f"{'floor as run':>14}{'of that':>9}{'amax ms':>9}{'peer ms':>9}{'speedup':>9}  exact")
     print(header)
     print("-" * len(header))
     for case in _cases(device):
@@ -113,10 +120,13 @@ def main() -> None:
         peer_ms = do_bench(_peer(case, x), return_mode="median")
         floor_ms = (input_bytes + _output_bytes(q)) / COPY_BANDWIDTH * 1e3
         as_run_ms = (case.passes_over_x * input_bytes + _output_bytes(q)) / COPY_BANDWIDTH * 1e3
+        amax = "" if case.passes_over_x == 1 else f"{_amax_ms(case, x):.3f}"
         print(f"{case.name:<28}{ms:>8.3f}{floor_ms:>10.3f}{floor_ms / ms:>10.0%}{case.target:>8.0%}"
-              f"{as_run_ms:>14.3f}{as_run_ms / ms:>9.0%}{peer_ms:>9.3f}{peer_ms / ms:>8.1f}x  "
+              f"{as_run_ms:>14.3f}{as_run_ms / ms:>9.0%}{amax:>9}{peer_ms:>9.3f}{peer_ms / ms:>8.1f}x  "
               f"{'yes' if exact else 'NO'}")
         torch.cuda.empty_cache()
+    for name in triton_quantize._KERNELS:  # the config each kernel's autotuner kept for this shape
+        print(f"# {name}: {getattr(triton_quantize._kernel(name, tuned=True), 'best_config', None)}")
     print("\nfloor: one read of x plus the outputs at 4.24 TB/s; 'floor as run' counts the second read of x "
           "that current scaling and NVFP4 make for their global amax. Peers: tensorwise = eager amax, scale, "
           "cast, transpose; others = kernels.reference (torch eager). Hopper has no MXFP8/NVFP4 tensor cores: "

@@ -53,14 +53,15 @@ def describe() -> str:
 
 
 def autotune_configs(candidates: list[dict]) -> list:
-    """One triton.Config per candidate ({meta-parameter: value, "num_warps": n, optionally "num_stages": s}).
+    """One triton.Config per candidate ({meta-parameter: value, "num_warps": n, optionally "num_stages": s
+    and "maxnreg": r, a register cap per thread that trades a few spills for more programs per SM}).
 
     Under the interpreter only the first candidate: autotuning over several needs a GPU driver.
     """
     import triton
 
     chosen = candidates[:1] if interpreting() else candidates
-    launch_options = ("num_warps", "num_stages")
+    launch_options = ("num_warps", "num_stages", "maxnreg")
     return [
         triton.Config(
             {name: value for name, value in c.items() if name not in launch_options},

@@ -1,12 +1,14 @@
-"""Triton twins of kernels.formats: casts as integer bit operations, block scales, the hash, the RHT.
+"""Triton twins of kernels.formats: casts as bit operations, block scales, the hash, the RHT.
 
-Why bit operations: the interpreter's own fp8/bf16 casts round wrongly and do not saturate
-(../shared/notes/cpu-feasibility.md), and integer arithmetic means the same thing on every
-backend. The one float operation in a cast is an IEEE fp32 add that rounds subnormal results
-(correctly rounded everywhere, never fused: its operand comes from a bitcast). The
-interpreter also mis-scales bf16 subnormals when upcasting, so bf16 is widened by its bits
-(`to_f32`). A format reaches a kernel as the constexprs of `format_constants` (one table, no
-per-format copies). Codes are int32 tensors holding the byte.
+Why not Triton's casts: the interpreter's own fp8/bf16 casts round wrongly and do not saturate
+(../shared/notes/cpu-feasibility.md). Our casts use integer bit operations plus IEEE fp32
+arithmetic that is exact or explicitly rounded (products by powers of two, one fma), which
+means the same thing in numpy and on the GPU; rounding with the fp32 pipe instead of the
+integer one is what makes them fast on Hopper (see f32_to_code). The interpreter also
+mis-scales bf16 subnormals when upcasting, so bf16 is widened by its bits (`to_f32`). A format
+reaches a kernel as the constexprs of `format_constants` (one table, no per-format copies).
+Codes are int32 tensors holding the byte. The "runs" helpers at the end lay a tile out for
+per-block work (see there).
 """
 
 from __future__ import annotations
@@ -44,51 +46,66 @@ def _bits_f32(like, BITS: tl.constexpr):
 
 
 @triton.jit
-def _magnitude_code(
-    magnitude, EXPONENT_BITS: tl.constexpr, MANTISSA_BITS: tl.constexpr, ROUND_TO_NEAREST: tl.constexpr
+def f32_to_code(
+    x, EXPONENT_BITS: tl.constexpr, MANTISSA_BITS: tl.constexpr, MAX_BITS: tl.constexpr, NAN_CODE: tl.constexpr,
+    IN_RANGE: tl.constexpr = False, TOP: tl.constexpr = False,
 ):
-    """Code of a non-negative fp32 (as int32 bits, at most the format's max): nearest-even or truncated."""
+    """fp32 -> code (int32): canonical NaN, saturate to +-max (inf too), round to nearest even.
+
+    Rounding with float ops rather than integer ones: on Hopper the integer pipe is half as wide as
+    the fp32 one and the casts were bound by it. Scaling by 2^(BIAS - 127) puts the format's exponent
+    in fp32's exponent field and its subnormals on fp32's subnormals, so the code is a shift of the
+    scaled value's bits. magic = 2^(max(exponent(value), 1 - BIAS) + 23 - MANTISSA_BITS), scaled alike,
+    makes fp32's ulp of value * 2^(BIAS - 127) + magic the scaled grid step at value: one fma (the
+    product is exact inside it) rounds to the grid, ties to even, and taking magic away is exact. The
+    add is an explicit fma on purpose: ptxas may reassociate a plain add and a plain sub of magic.
+
+    IN_RANGE: the caller has checked (once per tile, see `rounding_limit`) that no x is NaN and every
+    |x| is below the rounding limit, so the clamp and the NaN test are skipped and the sign comes from
+    x * 0 (+-0) on the fp32 pipe. TOP: the code in the top bits of the int32, zeros below (packing
+    codes into words then takes one shift each). No nested helpers: the interpreter pays per jit call.
+    """
     BIAS: tl.constexpr = (1 << (EXPONENT_BITS - 1)) - 1
     SHIFT: tl.constexpr = 23 - MANTISSA_BITS
-    # Normal range: drop SHIFT mantissa bits (a carry rolls into the exponent), then rebias.
-    if ROUND_TO_NEAREST:
-        normal = (magnitude + ((1 << (SHIFT - 1)) - 1) + ((magnitude >> SHIFT) & 1)) >> SHIFT
+    TO_MAGIC: tl.constexpr = 2.0 ** (SHIFT + BIAS - 127)  # a normal fp32: value's exponent, shifted
+    UNBIAS: tl.constexpr = 2.0 ** (BIAS - 127)
+    if IN_RANGE:
+        value = tl.abs(x)
+        sign = (x * 0.0).to(tl.int32, bitcast=True)
     else:
-        normal = magnitude >> SHIFT
-    normal = normal - ((127 - BIAS) << MANTISSA_BITS)
-    # Subnormal range: count units of the smallest subnormal, 2^(1 - BIAS - MANTISSA_BITS).
-    value = magnitude.to(tl.float32, bitcast=True)
-    if ROUND_TO_NEAREST:  # add 2^(24 - BIAS - MANTISSA_BITS), whose fp32 ulp is that unit: IEEE add rounds to even
-        MAGIC_BITS: tl.constexpr = (151 - BIAS - MANTISSA_BITS) << 23
-        subnormal = (value + _bits_f32(value, MAGIC_BITS)).to(tl.int32, bitcast=True) - MAGIC_BITS
-    else:  # exact power-of-two product, then truncation toward zero
-        subnormal = (value * _bits_f32(value, (126 + BIAS + MANTISSA_BITS) << 23)).to(tl.int32)
-    return tl.where(magnitude >= ((128 - BIAS) << 23), normal, subnormal)
+        bits = x.to(tl.int32, bitcast=True)
+        magnitude = bits & 0x7FFFFFFF
+        value = tl.minimum(magnitude, MAX_BITS).to(tl.float32, bitcast=True)
+        sign = bits & -2147483648
+    exponent = (value * TO_MAGIC).to(tl.int32, bitcast=True) & 0x7F800000
+    magic = tl.maximum(exponent, (SHIFT + 1) << 23).to(tl.float32, bitcast=True)  # floor: 2^(1 - BIAS + SHIFT)
+    grid = (tl.fma(value, UNBIAS, magic) - magic).to(tl.int32, bitcast=True)  # the code at bit SHIFT
+    # The code's bits to the top of the word under the sign (one shift-add), then down.
+    SIGN_SHIFT: tl.constexpr = 31 - EXPONENT_BITS - MANTISSA_BITS
+    code = (grid << (8 - EXPONENT_BITS)) + sign
+    if not TOP:
+        code = (code.to(tl.uint32, bitcast=True) >> SIGN_SHIFT).to(tl.int32)
+    if not IN_RANGE:
+        code = tl.where(magnitude > 0x7F800000, NAN_CODE << (SIGN_SHIFT if TOP else 0), code)
+    return code
 
 
 @triton.jit
-def f32_to_code(
-    x, EXPONENT_BITS: tl.constexpr, MANTISSA_BITS: tl.constexpr, MAX_BITS: tl.constexpr, NAN_CODE: tl.constexpr
-):
-    """fp32 -> code (int32): canonical NaN, saturate to +-max (inf too), round to nearest even."""
-    bits = x.to(tl.int32, bitcast=True)
-    magnitude = bits & 0x7FFFFFFF
-    code = _magnitude_code(tl.minimum(magnitude, MAX_BITS), EXPONENT_BITS, MANTISSA_BITS, True)
-    code = code | (((bits >> 31) & 1) << (EXPONENT_BITS + MANTISSA_BITS))
-    return tl.where(magnitude > 0x7F800000, NAN_CODE, code)
+def rounding_limit(MAX_BITS: tl.constexpr, MANTISSA_BITS: tl.constexpr):
+    """The midpoint above the format's max (448 -> 464 for e4m3): every |x| below it rounds to at most max."""
+    return tl.full([], MAX_BITS + (1 << (22 - MANTISSA_BITS)), tl.int32).to(tl.float32, bitcast=True)
 
 
 @triton.jit
 def code_to_f32(code, EXPONENT_BITS: tl.constexpr, MANTISSA_BITS: tl.constexpr, NAN_MAGNITUDE: tl.constexpr):
-    """Code (int32) -> fp32; NAN_MAGNITUDE is the magnitude code that means NaN (-1: none)."""
+    """Code (int32) -> fp32; NAN_MAGNITUDE is the magnitude code that means NaN (-1: none).
+
+    The magnitude code laid into fp32's exponent and mantissa fields is the value * 2^(BIAS - 127),
+    subnormals included (the mirror of f32_to_code), so one exact product decodes it.
+    """
     BIAS: tl.constexpr = (1 << (EXPONENT_BITS - 1)) - 1
     magnitude = code & ((1 << (EXPONENT_BITS + MANTISSA_BITS)) - 1)
-    exponent = magnitude >> MANTISSA_BITS
-    mantissa = magnitude & ((1 << MANTISSA_BITS) - 1)
-    normal = (((exponent + (127 - BIAS)) << 23) | (mantissa << (23 - MANTISSA_BITS))).to(tl.float32, bitcast=True)
-    # A subnormal is mantissa * 2^(1 - BIAS - MANTISSA_BITS): an exact product with that power of two.
-    unit = tl.full(code.shape, (128 - BIAS - MANTISSA_BITS) << 23, tl.int32).to(tl.float32, bitcast=True)
-    value = tl.where(exponent == 0, mantissa.to(tl.float32) * unit, normal)
+    value = (magnitude << (23 - MANTISSA_BITS)).to(tl.float32, bitcast=True) * 2.0 ** (127 - BIAS)
     value = tl.where((code >> (EXPONENT_BITS + MANTISSA_BITS)) & 1 == 1, -value, value)
     return tl.where(magnitude == NAN_MAGNITUDE, _bits_f32(value, _FP32_NAN_BITS), value)
 
@@ -105,24 +122,31 @@ def e4m3_code_to_f32(code):
 
 
 @triton.jit
-def f32_to_e2m1_code(x):
+def f32_to_e2m1_code(x, IN_RANGE: tl.constexpr = False, TOP: tl.constexpr = False):
     """e2m1 (max 6 = 0x40C00000, NaN -> 0): the NVFP4 elements, nearest-even."""
-    return f32_to_code(x, 2, 1, 0x40C00000, 0)
+    return f32_to_code(x, 2, 1, 0x40C00000, 0, IN_RANGE, TOP)
 
 
 @triton.jit
 def f32_to_e2m1_code_stochastic(x, random_bits):
-    """e2m1 with stochastic rounding: up iff top-24-bits / 2^24 < (|x| - lower) / (upper - lower)."""
+    """e2m1 with stochastic rounding: up iff top-24-bits / 2^24 < (|x| - lower) / (upper - lower).
+
+    Float ops as in f32_to_code: n = |x| rounded to the grid (nearest), lower = n or the grid point
+    below it, the step g = magic * 2^-23 is a power of two, so r = |x| - lower and uniform * g are
+    exact and up iff uniform * g < r.
+    """
     bits = x.to(tl.int32, bitcast=True)
-    magnitude = tl.minimum(bits & 0x7FFFFFFF, 0x40C00000)
-    lower_code = _magnitude_code(magnitude, 2, 1, False)
-    lower = code_to_f32(lower_code, 2, 1, -1)
-    upper = code_to_f32(tl.minimum(lower_code + 1, 7), 2, 1, -1)
-    step = tl.where(upper > lower, upper - lower, 1.0)  # a power of two: the quotient is exact
-    fraction = tl.where(upper > lower, tl.math.div_rn(magnitude.to(tl.float32, bitcast=True) - lower, step), 0.0)
-    uniform = (random_bits >> 8).to(tl.float32) * (1.0 / 16777216.0)
-    code = lower_code + (uniform < fraction).to(tl.int32)
-    code = code | (((bits >> 31) & 1) << 3)
+    value = tl.minimum(bits & 0x7FFFFFFF, 0x40C00000).to(tl.float32, bitcast=True)  # |x| clamped to 6
+    exponent = (value * 2.0**-104).to(tl.int32, bitcast=True) & 0x7F800000
+    magic = tl.maximum(exponent, 23 << 23).to(tl.float32, bitcast=True)  # 2^(max(exponent, 0) + 22 - 126)
+    nearest = tl.fma(value, 2.0**-126, magic) - magic  # the nearest grid value * 2^-126: the code at bit 22
+    below = value - nearest * 2.0**126  # exact: |below| <= half a step
+    step = magic * 2.0**103
+    remainder = tl.where(below < 0, below + step, below)
+    code = (nearest.to(tl.int32, bitcast=True) >> 22) - (below < 0).to(tl.int32)
+    uniform_step = (random_bits >> 8).to(tl.float32) * (step * 2.0**-24)
+    code = code + (uniform_step < remainder).to(tl.int32)
+    code = code | ((bits >> 28) & 8)
     return tl.where((bits & 0x7FFFFFFF) > 0x7F800000, 0, code)
 
 
@@ -191,24 +215,96 @@ def hash32(x):
     return x ^ (x >> 16)
 
 
-@triton.jit
-def _butterfly(x, ROWS: tl.constexpr, COLS: tl.constexpr, STRIDE: tl.constexpr):
-    """One Walsh-Hadamard stage: element i pairs with i + STRIDE (bit STRIDE of i clear): (a+b, a-b)."""
-    pairs = tl.reshape(x, [ROWS, COLS // (2 * STRIDE), 2, STRIDE])
-    a, b = tl.split(tl.permute(pairs, [0, 1, 3, 2]))
-    pairs = tl.permute(tl.join(a + b, a - b), [0, 1, 3, 2])
-    return tl.reshape(pairs, [ROWS, COLS])
+# ----------------------------------------------------------------------------- runs
+# A run is BLOCK consecutive elements of an operand row; "runs" is a tuple of BLOCK tensors holding
+# element j of every run. Splitting a tile this way puts each run in one thread's registers (Triton
+# must, to split), which Triton 3.x layouts otherwise do not guarantee: block maxima become register
+# maxima, each block scale is computed once, and a transposed tile moves through shared memory with
+# ldmatrix.trans. Joining the runs back into one tensor lets Triton re-layout them, so they stay apart.
 
 
 @triton.jit
-def hadamard_rows(x, ROWS: tl.constexpr, COLS: tl.constexpr):
-    """The random Hadamard transform on each 16-element tile of the rows, in the reference's order."""
-    column = tl.arange(0, COLS) % 16
-    sign_bits = tl.full(column.shape, _HADAMARD_SIGN_BITS, tl.int32)
-    signs = 1.0 - 2.0 * ((sign_bits >> column) & 1).to(tl.float32)
-    x = x * signs[None, :]
-    x = _butterfly(x, ROWS, COLS, 1)
-    x = _butterfly(x, ROWS, COLS, 2)
-    x = _butterfly(x, ROWS, COLS, 4)
-    x = _butterfly(x, ROWS, COLS, 8)
-    return x * 0.25
+def split_runs(tile, LOG2_RUN: tl.constexpr):
+    """[R, C] -> tuple of 2**LOG2_RUN tensors [R, C // 2**LOG2_RUN]: element j of every run along C.
+
+    Each split halves the runs by their top index bit, so the pieces come out in index order.
+    """
+    R: tl.constexpr = tile.shape[0]
+    C: tl.constexpr = tile.shape[1]
+    RUN: tl.constexpr = 1 << LOG2_RUN
+    runs = (tl.reshape(tile, [R, C // RUN, RUN]),)
+    for level in tl.static_range(LOG2_RUN):
+        pieces = ()
+        for p in tl.static_range(1 << level):
+            low, high = tl.split(tl.permute(tl.reshape(runs[p], [R, C // RUN, 2, RUN >> (level + 1)]), [0, 1, 3, 2]))
+            pieces = pieces + (low, high)
+        runs = pieces
+    out = ()
+    for j in tl.static_range(RUN):
+        out = out + (tl.reshape(runs[j], [R, C // RUN]),)
+    return out
+
+
+@triton.jit
+def join_runs(runs):
+    """Inverse of split_runs: a tuple of 2**n tensors [R, C'] -> [R, C' * 2**n]."""
+    R: tl.constexpr = runs[0].shape[0]
+    C: tl.constexpr = runs[0].shape[1]
+    pieces = ()
+    for j in tl.static_range(len(runs)):
+        pieces = pieces + (tl.reshape(runs[j], [R, C, 1]),)
+    for level in tl.static_range(len(runs).bit_length() - 1):  # concatenate neighbouring pieces
+        joined = ()
+        for p in tl.static_range(len(pieces) // 2):
+            low = pieces[2 * p]
+            high = pieces[2 * p + 1]
+            pair = tl.permute(tl.join(low, high), [0, 1, 3, 2])
+            joined = joined + (tl.reshape(pair, [R, C, 2 * low.shape[2]]),)
+        pieces = joined
+    return tl.reshape(pieces[0], [R, C * len(runs)])
+
+
+@triton.jit
+def runs_f32(runs):
+    """Upcast each run, as to_f32 inline (the interpreter pays per jit call); split before upcasting,
+    so that a transposed tile moves 2-byte bf16 through shared memory, not fp32."""
+    values = ()
+    for j in tl.static_range(len(runs)):
+        run = runs[j]
+        if run.dtype == tl.bfloat16:
+            run = (run.to(tl.int16, bitcast=True).to(tl.int32) << 16).to(tl.float32, bitcast=True)
+        values = values + (run.to(tl.float32),)
+    return values
+
+
+@triton.jit
+def runs_amax_bits(values):
+    """Block amax bits (NaN wins) over a tuple of fp32 runs: one register max per element."""
+    amax = values[0].to(tl.int32, bitcast=True) & 0x7FFFFFFF
+    for j in tl.static_range(1, len(values)):
+        amax = tl.maximum(amax, values[j].to(tl.int32, bitcast=True) & 0x7FFFFFFF)
+    return amax
+
+
+@triton.jit
+def hadamard_runs(runs):
+    """The random Hadamard transform of 16-element tiles held as 16 tensors (element i of every tile),
+    in the reference's order: signs, butterflies of stride 1, 2, 4, 8 ((a, b) -> (a + b, a - b)), * 1/4."""
+    x = ()
+    for i in tl.static_range(16):
+        if (_HADAMARD_SIGN_BITS >> i) & 1:
+            x = x + (-runs[i],)
+        else:
+            x = x + (runs[i],)
+    for stage in tl.static_range(4):  # stride 1 << stage
+        y = ()
+        for i in tl.static_range(16):
+            if (i >> stage) & 1:
+                y = y + (x[i - (1 << stage)] - x[i],)
+            else:
+                y = y + (x[i] + x[i + (1 << stage)],)
+        x = y
+    out = ()
+    for i in tl.static_range(16):
+        out = out + (x[i] * 0.25,)
+    return out

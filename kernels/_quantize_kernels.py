@@ -4,6 +4,22 @@ Every kernel loads a [BLOCK_M, BLOCK_K] tile of x once and writes both the rowwi
 ([M, K]) and the columnwise ones (the rowwise quantization of x.T, stored [K, M]) from it.
 Casts, scales and the Hadamard transform come from kernels._casts; amaxes are taken on the
 int32 bits of |x|, where integer max is float max and NaN wins (as torch.amax propagates it).
+
+Why they are shaped this way (each choice read off the sm_90 SASS of Triton 3.6, the GPU's):
+- The casts are bound by the integer pipe, so each tile first checks from its amaxes and
+  scales that no value is NaN or past the rounding limit and then casts on the short
+  IN_RANGE path of f32_to_code (`_cast`); tiles with NaN, inf or overflow take the full one.
+- One scale per tile (tensorwise, 128x128): the codes are cast once and transposed as whole
+  int32 words. With PACK4 (M % 4 == 0) the tile's rows are interleaved so that a thread's four
+  row repeats are four consecutive x rows, packed into one word in registers; shared memory
+  then moves 4 bytes per access instead of 1.
+- Scales along the columns (1x128, MXFP8, NVFP4): the bf16 tile is transposed first and each
+  operand is split into runs (kernels._casts.split_runs: element j of every 16 consecutive
+  elements of an operand row, as 16 tensors). That puts each run in one thread, so Triton
+  transposes with ldmatrix.trans, block maxima are register maxima, each block scale is
+  computed once, and the codes are packed into int32 words in registers (`_store_runs`).
+- Loads are 128-bit; stores are 128-bit (fp8) or 64-bit (a 16-block of e2m1); masks stay
+  uniform per vector because Triton specializes sizes divisible by 16.
 """
 
 from __future__ import annotations
@@ -20,41 +36,145 @@ from kernels._casts import (
     f32_to_e2m1_code,
     f32_to_e2m1_code_stochastic,
     f32_to_e4m3_code,
-    hadamard_rows,
+    hadamard_runs,
     hash32,
+    join_runs,
+    rounding_limit,
+    runs_amax_bits,
+    runs_f32,
     scale_from_amax,
+    split_runs,
     to_f32,
 )
 from kernels.formats import NVFP4_GLOBAL_MAX
 
 _NVFP4_GLOBAL_MAX = tl.constexpr(NVFP4_GLOBAL_MAX)
+_FP32_INF_BITS = tl.constexpr(0x7F800000)
+_E2M1_LIMIT = tl.constexpr(7.0)  # the midpoint above e2m1's max 6
+
+
+# ----------------------------------------------------------------------------- tiles
 
 
 @triton.jit
-def _load_tile(x_ptr, M, K, stride_m, stride_k, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr):
-    """This program's tile of x as fp32 (0 outside x) with its row and column indices (int64)."""
-    rows = tl.program_id(0).to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
+def _load_tile(x_ptr, M, K, stride_m, stride_k, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, PACK4: tl.constexpr):
+    """This program's tile of x in its own dtype (0 outside x) with its row and column indices (int64).
+
+    PACK4: tile row q * (BLOCK_M // 4) + t holds x row 4t + q (see _store_transposed).
+    """
+    i = tl.arange(0, BLOCK_M)
+    if PACK4:
+        i = 4 * (i % (BLOCK_M // 4)) + i // (BLOCK_M // 4)
+    rows = tl.program_id(0).to(tl.int64) * BLOCK_M + i
     cols = tl.program_id(1).to(tl.int64) * BLOCK_K + tl.arange(0, BLOCK_K)
     inside = (rows[:, None] < M) & (cols[None, :] < K)
-    x = tl.load(x_ptr + rows[:, None] * stride_m + cols[None, :] * stride_k, mask=inside, other=0.0)
-    return to_f32(x), rows, cols
+    return tl.load(x_ptr + rows[:, None] * stride_m + cols[None, :] * stride_k, mask=inside, other=0.0), rows, cols
 
 
 @triton.jit
 def _store_tile(out_ptr, values, rows, cols, R, C):
-    """Store a tile into a row-major [R, C] uint8 (or fp32) buffer, masked to its bounds."""
+    """Store a tile into a row-major [R, C] buffer of out_ptr's type, masked to its bounds."""
     inside = (rows[:, None] < R) & (cols[None, :] < C)
     tl.store(out_ptr + rows[:, None] * C + cols[None, :], values.to(out_ptr.dtype.element_ty), mask=inside)
 
 
 @triton.jit
-def _tile_max(magnitude):
-    return tl.max(tl.max(magnitude, axis=1), axis=0)
+def _store_transposed(out_ptr, codes, rows, cols, M, K, BLOCK_M: tl.constexpr, PACK4: tl.constexpr):
+    """Store the transpose of a tile of byte codes (int32 0..255) into the row-major [K, M] uint8 buffer."""
+    if PACK4:  # rows interleaved by _load_tile: one int32 holds rows 4t..4t+3
+        Q: tl.constexpr = BLOCK_M // 4
+        # A sum, not shifts and ors of split pieces: for those, Triton 3.6 recomputes the whole
+        # cast in the transposed layout instead of transposing the words.
+        words = tl.sum(tl.reshape(codes, [4, Q, codes.shape[1]]) << (8 * tl.arange(0, 4))[:, None, None], axis=0)
+        word_cols = tl.program_id(0).to(tl.int64) * Q + tl.arange(0, Q)
+        _store_tile(out_ptr.to(tl.pointer_type(tl.int32)), tl.trans(words), cols, word_cols, K, M // 4)
+    else:
+        _store_tile(out_ptr, tl.trans(codes), cols, rows, K, M)
+
+
+@triton.jit
+def _store_runs(out_ptr, codes, rows, first_col, R, C, BITS: tl.constexpr, WORDS: tl.constexpr):
+    """Store code runs (a tuple of int32 tensors [ROWS, COLS / n], each code in the top BITS bits with
+    zeros below) into a row-major [R, C * BITS / 8] byte buffer, from operand column first_col.
+
+    WORDS: packed into little-endian int32 words in registers (C * BITS % 32 == 0): one shift and
+    one or per code. Otherwise shifted down to bytes and joined back into a tile (masked store).
+    """
+    N: tl.constexpr = len(codes)
+    PER: tl.constexpr = 32 // BITS if WORDS else 8 // BITS  # codes per stored unit
+    packed = ()
+    for w in tl.static_range(N // PER):
+        unit = (codes[w * PER].to(tl.uint32, bitcast=True) >> (32 - BITS)).to(tl.int32)
+        for i in tl.static_range(1, PER):
+            unit = unit | (codes[w * PER + i].to(tl.uint32, bitcast=True) >> (32 - BITS * (i + 1))).to(tl.int32)
+        packed = packed + (unit,)
+    if WORDS:
+        out_ptr = out_ptr.to(tl.pointer_type(tl.int32))
+    tile = join_runs(packed)
+    cols = first_col // PER + tl.arange(0, tile.shape[1])
+    _store_tile(out_ptr, tile, rows, cols, R, C // PER)
+
+
+@triton.jit
+def _tile_max(values):
+    return tl.max(tl.max(values, axis=1), axis=0)
+
+
+@triton.jit
+def _all_below(values, limit):
+    """Whether every |value| of a 2-D tensor is below limit (False if any is NaN)."""
+    return _tile_max(values.to(tl.int32, bitcast=True) & 0x7FFFFFFF).to(tl.float32, bitcast=True) < limit
 
 
 @triton.jit
 def _reciprocal_rn(x):
     return tl.math.div_rn(tl.full(x.shape, 1.0, tl.float32), x)
+
+
+# ----------------------------------------------------------------------------- casts of a tile
+
+
+@triton.jit
+def _cast(
+    y, in_range, EXPONENT_BITS: tl.constexpr, MANTISSA_BITS: tl.constexpr, MAX_BITS: tl.constexpr,
+    NAN_CODE: tl.constexpr,
+):
+    """f32_to_code of a tile, on the short IN_RANGE path when the whole tile is known to be in range."""
+    if in_range:
+        codes = f32_to_code(y, EXPONENT_BITS, MANTISSA_BITS, MAX_BITS, NAN_CODE, True)
+    else:
+        codes = f32_to_code(y, EXPONENT_BITS, MANTISSA_BITS, MAX_BITS, NAN_CODE, False)
+    return codes
+
+
+@triton.jit
+def _cast_runs(
+    runs, scale, EXPONENT_BITS: tl.constexpr, MANTISSA_BITS: tl.constexpr, MAX_BITS: tl.constexpr,
+    NAN_CODE: tl.constexpr, IN_RANGE: tl.constexpr,
+):
+    """Codes of fp32 runs * scale (one scale per run element): a tuple like runs."""
+    codes = ()
+    for j in tl.static_range(len(runs)):
+        y = runs[j] * scale
+        codes = codes + (f32_to_code(y, EXPONENT_BITS, MANTISSA_BITS, MAX_BITS, NAN_CODE, IN_RANGE, True),)
+    return codes
+
+
+@triton.jit
+def _fp8_operand(
+    runs, scale, in_range, out_ptr, rows, first_col, R, C,
+    EXPONENT_BITS: tl.constexpr, MANTISSA_BITS: tl.constexpr, MAX_BITS: tl.constexpr, NAN_CODE: tl.constexpr,
+    WORDS: tl.constexpr,
+):
+    """Cast the runs of an operand tile (scale: one per block, shaped like a run) and store the bytes."""
+    if in_range:
+        codes = _cast_runs(runs, scale, EXPONENT_BITS, MANTISSA_BITS, MAX_BITS, NAN_CODE, True)
+    else:
+        codes = _cast_runs(runs, scale, EXPONENT_BITS, MANTISSA_BITS, MAX_BITS, NAN_CODE, False)
+    _store_runs(out_ptr, codes, rows, first_col, R, C, 8, WORDS)
+
+
+# ----------------------------------------------------------------------------- kernels
 
 
 @triton.jit
@@ -64,11 +184,11 @@ def _amax_kernel(
     HADAMARD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
     """Global amax by atomic max of the tiles' |x| bits (the first launch of current scaling and NVFP4)."""
-    x, rows, cols = _load_tile(x_ptr, M, K, stride_m, stride_k, BLOCK_M, BLOCK_K)
+    x, rows, cols = _load_tile(x_ptr, M, K, stride_m, stride_k, BLOCK_M, BLOCK_K, False)
     tl.atomic_max(amax_bits_ptr, _tile_max(abs_bits(x)))
     if HADAMARD:  # the columnwise NVFP4 operand is RHT(x.T): its 16-tiles run down x's columns
-        rotated = hadamard_rows(tl.trans(x), BLOCK_K, BLOCK_M)
-        tl.atomic_max(amax_bits_ptr + 1, _tile_max(abs_bits(rotated)))
+        rotated = hadamard_runs(runs_f32(split_runs(tl.trans(x), 4)))
+        tl.atomic_max(amax_bits_ptr + 1, _tile_max(runs_amax_bits(rotated)))
 
 
 @triton.jit
@@ -78,20 +198,25 @@ def _tensorwise_kernel(
     M, K, stride_m, stride_k,
     EXPONENT_BITS: tl.constexpr, MANTISSA_BITS: tl.constexpr, MAX_BITS: tl.constexpr, NAN_CODE: tl.constexpr,
     FMAX: tl.constexpr, POWER_2: tl.constexpr, EPSILON: tl.constexpr, GIVEN_SCALE: tl.constexpr,
-    ROWWISE: tl.constexpr, COLUMNWISE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
+    ROWWISE: tl.constexpr, COLUMNWISE: tl.constexpr, PACK4: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
     """x * scale -> fp8 rowwise and transposed; a given (delayed) scale lets the amax fuse into this pass."""
-    x, rows, cols = _load_tile(x_ptr, M, K, stride_m, stride_k, BLOCK_M, BLOCK_K)
-    if GIVEN_SCALE:
+    x, rows, cols = _load_tile(x_ptr, M, K, stride_m, stride_k, BLOCK_M, BLOCK_K, PACK4)
+    x = to_f32(x)
+    if GIVEN_SCALE:  # in range when this tile's amax is
         scale = tl.load(scale_ptr)
-        tl.atomic_max(amax_bits_ptr, _tile_max(abs_bits(x)))
-    else:
-        scale = scale_from_amax(tl.load(amax_bits_ptr).to(tl.float32, bitcast=True), FMAX, POWER_2, EPSILON)
-    codes = f32_to_code(x * scale, EXPONENT_BITS, MANTISSA_BITS, MAX_BITS, NAN_CODE).to(tl.uint8)
+        amax_bits = _tile_max(abs_bits(x))
+        tl.atomic_max(amax_bits_ptr, amax_bits)
+    else:  # the global amax: finite means every |x * scale| <= max (up to rounding), so in range
+        amax_bits = tl.load(amax_bits_ptr)
+        scale = scale_from_amax(amax_bits.to(tl.float32, bitcast=True), FMAX, POWER_2, EPSILON)
+    in_range = tl.abs(amax_bits.to(tl.float32, bitcast=True) * scale) < rounding_limit(MAX_BITS, MANTISSA_BITS)
+    codes = _cast(x * scale, in_range, EXPONENT_BITS, MANTISSA_BITS, MAX_BITS, NAN_CODE)
     if ROWWISE:
         _store_tile(data_ptr, codes, rows, cols, M, K)
     if COLUMNWISE:
-        _store_tile(columnwise_ptr, tl.trans(codes), cols, rows, K, M)
+        _store_transposed(columnwise_ptr, codes, rows, cols, M, K, BLOCK_M, PACK4)
     if (tl.program_id(0) == 0) & (tl.program_id(1) == 0):
         tl.store(scale_inv_ptr, _reciprocal_rn(scale))
 
@@ -102,34 +227,74 @@ def _blockwise_kernel(
     M, K, stride_m, stride_k,
     EXPONENT_BITS: tl.constexpr, MANTISSA_BITS: tl.constexpr, MAX_BITS: tl.constexpr, NAN_CODE: tl.constexpr,
     FMAX: tl.constexpr, POWER_2: tl.constexpr, SQUARE: tl.constexpr,  # SQUARE: 128x128 blocks, else 1x128
-    ROWWISE: tl.constexpr, COLUMNWISE: tl.constexpr, BLOCK: tl.constexpr,
+    ROWWISE: tl.constexpr, COLUMNWISE: tl.constexpr, PACK4: tl.constexpr, BLOCK: tl.constexpr,
 ):
-    """fp32-scaled blocks; the tile is one 128x128 block, or 128 row blocks and 128 column blocks of 1x128."""
-    x, rows, cols = _load_tile(x_ptr, M, K, stride_m, stride_k, BLOCK, BLOCK)
-    magnitude = abs_bits(x)
+    """fp32-scaled blocks; the tile is one 128x128 block, or 128 row blocks and 128 column blocks of 1x128.
+
+    A block's scale is fmax / its amax, so a finite block is in range.
+    """
+    x, rows, cols = _load_tile(x_ptr, M, K, stride_m, stride_k, BLOCK, BLOCK, PACK4 and SQUARE)
     row_blocks = tl.cdiv(M, BLOCK)
     col_blocks = tl.cdiv(K, BLOCK)
     if SQUARE:  # one scale; the columnwise copy is the transpose of the rowwise one
-        scale = scale_from_amax(_tile_max(magnitude).to(tl.float32, bitcast=True), FMAX, POWER_2, 0.0)
-        codes = f32_to_code(x * scale, EXPONENT_BITS, MANTISSA_BITS, MAX_BITS, NAN_CODE)
+        values = to_f32(x)
+        amax_bits = _tile_max(abs_bits(values))
+        scale = scale_from_amax(amax_bits.to(tl.float32, bitcast=True), FMAX, POWER_2, 0.0)
+        codes = _cast(values * scale, amax_bits < _FP32_INF_BITS, EXPONENT_BITS, MANTISSA_BITS, MAX_BITS, NAN_CODE)
         if ROWWISE:
             _store_tile(data_ptr, codes, rows, cols, M, K)
             tl.store(scale_inv_ptr + tl.program_id(0) * col_blocks + tl.program_id(1), _reciprocal_rn(scale))
         if COLUMNWISE:
-            _store_tile(columnwise_ptr, tl.trans(codes), cols, rows, K, M)
+            _store_transposed(columnwise_ptr, codes, rows, cols, M, K, BLOCK, PACK4)
             tl.store(columnwise_scale_inv_ptr + tl.program_id(1) * row_blocks + tl.program_id(0), _reciprocal_rn(scale))
     else:
         if ROWWISE:  # a 1x128 block per row of the tile
-            scale = scale_from_amax(tl.max(magnitude, axis=1).to(tl.float32, bitcast=True), FMAX, POWER_2, 0.0)
-            codes = f32_to_code(x * scale[:, None], EXPONENT_BITS, MANTISSA_BITS, MAX_BITS, NAN_CODE)
+            values = to_f32(x)
+            amax_bits = tl.max(abs_bits(values), axis=1)
+            scale = scale_from_amax(amax_bits.to(tl.float32, bitcast=True), FMAX, POWER_2, 0.0)
+            in_range = tl.max(amax_bits, axis=0) < _FP32_INF_BITS
+            codes = _cast(values * scale[:, None], in_range, EXPONENT_BITS, MANTISSA_BITS, MAX_BITS, NAN_CODE)
             _store_tile(data_ptr, codes, rows, cols, M, K)
             tl.store(scale_inv_ptr + rows * col_blocks + tl.program_id(1), _reciprocal_rn(scale), mask=rows < M)
-        if COLUMNWISE:  # a 1x128 block of x.T per column of the tile
-            scale = scale_from_amax(tl.max(magnitude, axis=0).to(tl.float32, bitcast=True), FMAX, POWER_2, 0.0)
-            codes = f32_to_code(x * scale[None, :], EXPONENT_BITS, MANTISSA_BITS, MAX_BITS, NAN_CODE)
-            _store_tile(columnwise_ptr, tl.trans(codes), cols, rows, K, M)
+        if COLUMNWISE:  # a 1x128 block of x.T per column of the tile: 8 runs of 16 down each column
+            runs = runs_f32(split_runs(tl.trans(x), 4))  # 16 tensors [BLOCK, BLOCK // 16]
+            partial = runs_amax_bits(runs)
+            amax_bits = tl.max(partial, axis=1)
+            scale = scale_from_amax(amax_bits.to(tl.float32, bitcast=True), FMAX, POWER_2, 0.0)
+            in_range = tl.max(amax_bits, axis=0) < _FP32_INF_BITS
+            _fp8_operand(
+                runs, tl.broadcast_to(scale[:, None], partial.shape), in_range, columnwise_ptr, cols,
+                tl.program_id(0) * BLOCK, K, M, EXPONENT_BITS, MANTISSA_BITS, MAX_BITS, NAN_CODE, PACK4,
+            )
             scale_inv_ptrs = columnwise_scale_inv_ptr + cols * row_blocks + tl.program_id(0)
             tl.store(scale_inv_ptrs, _reciprocal_rn(scale), mask=cols < K)
+
+
+@triton.jit
+def _mxfp8_operand(
+    tile, rows, first_col, R, C, data_ptr, scale_ptr,  # tile: [ROWS, COLS] of an operand [R, C]
+    EXPONENT_BITS: tl.constexpr, MANTISSA_BITS: tl.constexpr, MAX_BITS: tl.constexpr, NAN_CODE: tl.constexpr,
+    INV_FMAX: tl.constexpr, MAX_EXPONENT: tl.constexpr, ROUND_UP: tl.constexpr,
+):
+    """E8M0 scale per 32 elements of an operand row and the codes, stored (C % 32 == 0).
+
+    Rounding the scale up keeps a finite block within max; rounding it down (floor) does not, so
+    a floor tile is in range only when every block's amax * multiplier is.
+    """
+    runs = runs_f32(split_runs(tile, 4))  # 16 tensors [ROWS, COLS // 16]: half a block each
+    ROWS: tl.constexpr = tile.shape[0]
+    HALVES: tl.constexpr = tile.shape[1] // 16
+    amax = tl.max(tl.reshape(runs_amax_bits(runs), [ROWS, HALVES // 2, 2]), axis=2)
+    exponent = e8m0_from_amax_bits(amax, INV_FMAX, MAX_EXPONENT, ROUND_UP)
+    multiplier = e8m0_encode_multiplier(exponent)
+    in_range = _all_below(amax.to(tl.float32, bitcast=True) * multiplier, rounding_limit(MAX_BITS, MANTISSA_BITS))
+    multiplier = tl.reshape(tl.broadcast_to(multiplier[:, :, None], [ROWS, HALVES // 2, 2]), [ROWS, HALVES])
+    _fp8_operand(
+        runs, multiplier, in_range, data_ptr, rows, first_col, R, C,
+        EXPONENT_BITS, MANTISSA_BITS, MAX_BITS, NAN_CODE, True,
+    )
+    scale_cols = first_col // 32 + tl.arange(0, amax.shape[1])
+    _store_tile(scale_ptr, exponent, rows, scale_cols, R, C // 32)
 
 
 @triton.jit
@@ -141,72 +306,68 @@ def _mxfp8_kernel(
     ROWWISE: tl.constexpr, COLUMNWISE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
     """E8M0 scale per 32 elements along rows (rowwise) and along columns (columnwise) of one tile."""
-    x, rows, cols = _load_tile(x_ptr, M, K, stride_m, stride_k, BLOCK_M, BLOCK_K)
-    magnitude = abs_bits(x)
+    x, rows, cols = _load_tile(x_ptr, M, K, stride_m, stride_k, BLOCK_M, BLOCK_K, False)
     if ROWWISE:
-        amax = tl.max(tl.reshape(magnitude, [BLOCK_M, BLOCK_K // 32, 32]), axis=2)
-        exponent = e8m0_from_amax_bits(amax, INV_FMAX, MAX_EXPONENT, ROUND_UP)
-        scaled = tl.reshape(x, [BLOCK_M, BLOCK_K // 32, 32]) * e8m0_encode_multiplier(exponent)[:, :, None]
-        codes = f32_to_code(tl.reshape(scaled, [BLOCK_M, BLOCK_K]), EXPONENT_BITS, MANTISSA_BITS, MAX_BITS, NAN_CODE)
-        _store_tile(data_ptr, codes, rows, cols, M, K)
-        scale_cols = tl.program_id(1) * (BLOCK_K // 32) + tl.arange(0, BLOCK_K // 32)
-        _store_tile(scale_ptr, exponent, rows, scale_cols, M, K // 32)
+        _mxfp8_operand(
+            x, rows, tl.program_id(1) * BLOCK_K, M, K, data_ptr, scale_ptr,
+            EXPONENT_BITS, MANTISSA_BITS, MAX_BITS, NAN_CODE, INV_FMAX, MAX_EXPONENT, ROUND_UP,
+        )
     if COLUMNWISE:
-        amax = tl.max(tl.reshape(magnitude, [BLOCK_M // 32, 32, BLOCK_K]), axis=1)
-        exponent = e8m0_from_amax_bits(amax, INV_FMAX, MAX_EXPONENT, ROUND_UP)
-        scaled = tl.reshape(x, [BLOCK_M // 32, 32, BLOCK_K]) * e8m0_encode_multiplier(exponent)[:, None, :]
-        codes = f32_to_code(tl.reshape(scaled, [BLOCK_M, BLOCK_K]), EXPONENT_BITS, MANTISSA_BITS, MAX_BITS, NAN_CODE)
-        _store_tile(columnwise_ptr, tl.trans(codes), cols, rows, K, M)
-        scale_cols = tl.program_id(0) * (BLOCK_M // 32) + tl.arange(0, BLOCK_M // 32)
-        _store_tile(columnwise_scale_ptr, tl.trans(exponent), cols, scale_cols, K, M // 32)
+        _mxfp8_operand(
+            tl.trans(x), cols, tl.program_id(0) * BLOCK_M, K, M, columnwise_ptr, columnwise_scale_ptr,
+            EXPONENT_BITS, MANTISSA_BITS, MAX_BITS, NAN_CODE, INV_FMAX, MAX_EXPONENT, ROUND_UP,
+        )
 
 
 @triton.jit
-def _nvfp4_operand_tile(
-    x, global_encode, rows, cols, C, key,  # x: a [ROWS, COLS] tile of an operand with C columns
-    ROWS: tl.constexpr, COLS: tl.constexpr, SQUARE: tl.constexpr, STOCHASTIC: tl.constexpr,
+def _e2m1_runs(values, encode, index, key, STOCHASTIC: tl.constexpr, IN_RANGE: tl.constexpr):
+    """e2m1 codes (top nibble) of runs * encode; stochastic rounding hashes (index + j) ^ key for run j."""
+    codes = ()
+    for j in tl.static_range(len(values)):
+        if STOCHASTIC:
+            code = f32_to_e2m1_code_stochastic(values[j] * encode, hash32((index + j) ^ key)) << 28
+        else:
+            code = f32_to_e2m1_code(values[j] * encode, IN_RANGE, True)
+        codes = codes + (code,)
+    return codes
+
+
+@triton.jit
+def _nvfp4_operand(
+    tile, first_row, first_col, R, C, data_ptr, scale_ptr, amax_bits_ptr, key,  # tile: [ROWS, COLS] of [R, C]
+    SQUARE: tl.constexpr, HADAMARD: tl.constexpr, STOCHASTIC: tl.constexpr,
 ):
-    """(packed e2m1 bytes [ROWS, COLS/2], e4m3 block scales) of one operand tile."""
-    magnitude = abs_bits(x)
-    if SQUARE:  # 16x16 blocks: [ROWS/16, COLS/16] scales
-        block_amax = tl.max(tl.max(tl.reshape(magnitude, [ROWS // 16, 16, COLS // 16, 16]), axis=3), axis=1)
-    else:  # 1x16 blocks: [ROWS, COLS/16] scales
-        block_amax = tl.max(tl.reshape(magnitude, [ROWS, COLS // 16, 16]), axis=2)
-    block_amax = block_amax.to(tl.float32, bitcast=True)
-    block_amax_over_6 = tl.math.div_rn(block_amax, tl.full(block_amax.shape, 6.0, tl.float32))
-    block_scale = f32_to_e4m3_code(block_amax_over_6 * global_encode)
+    """E2M1 codes and e4m3 block scales of an operand tile under its global amax, stored (C % 16 == 0)."""
+    ROWS: tl.constexpr = tile.shape[0]
+    BLOCKS: tl.constexpr = tile.shape[1] // 16
+    rows = first_row + tl.arange(0, ROWS)
+    values = runs_f32(split_runs(tile, 4))  # 16 tensors [ROWS, BLOCKS]
+    if HADAMARD:
+        values = hadamard_runs(values)
+    global_encode = scale_from_amax(tl.load(amax_bits_ptr).to(tl.float32, bitcast=True), _NVFP4_GLOBAL_MAX, False, 0.0)
+    amax = runs_amax_bits(values)
+    if SQUARE:  # 16x16 blocks: the max over 16 operand rows too
+        amax = tl.max(tl.reshape(amax, [ROWS // 16, 16, BLOCKS]), axis=1)
+    amax = amax.to(tl.float32, bitcast=True)
+    block_scale = f32_to_e4m3_code(tl.math.div_rn(amax, tl.full(amax.shape, 6.0, tl.float32)) * global_encode)
     block_scale_f32 = e4m3_code_to_f32(block_scale)
-    encode = tl.math.div_rn(tl.full(block_scale_f32.shape, 1.0, tl.float32) * global_encode, block_scale_f32)
+    encode = tl.math.div_rn(tl.full(amax.shape, 1.0, tl.float32) * global_encode, block_scale_f32)
     encode = tl.where(block_scale_f32 == 0, 0.0, encode)
-    if SQUARE:
-        values = tl.reshape(x, [ROWS // 16, 16, COLS // 16, 16]) * encode[:, None, :, None]
-    else:
-        values = tl.reshape(x, [ROWS, COLS // 16, 16]) * encode[:, :, None]
-    values = tl.reshape(values, [ROWS, COLS])
-    if STOCHASTIC:  # element index in the operand, mod 2^32, hashed with the seed's key
-        index = (rows[:, None] * C + cols[None, :]).to(tl.uint32)
-        codes = f32_to_e2m1_code_stochastic(values, hash32(index ^ key.to(tl.uint32, bitcast=True)))
-    else:
-        codes = f32_to_e2m1_code(values)
-    low, high = tl.split(tl.reshape(codes, [ROWS, COLS // 2, 2]))
-    return low | (high << 4), block_scale
-
-
-@triton.jit
-def _nvfp4_store(
-    data_ptr, scale_ptr, packed, block_scale, R, C, ROW_TILE, COL_TILE,
-    ROWS: tl.constexpr, COLS: tl.constexpr, SQUARE: tl.constexpr,
-):
-    """Write one operand tile's packed bytes ([R, C/2]) and block scales ([R or ceil(R/16), C/16])."""
-    rows = ROW_TILE.to(tl.int64) * ROWS + tl.arange(0, ROWS)
-    packed_cols = COL_TILE.to(tl.int64) * (COLS // 2) + tl.arange(0, COLS // 2)
-    _store_tile(data_ptr, packed, rows, packed_cols, R, C // 2)
-    scale_cols = COL_TILE.to(tl.int64) * (COLS // 16) + tl.arange(0, COLS // 16)
+    in_range = _all_below(amax * encode, _E2M1_LIMIT)
+    scale_cols = first_col // 16 + tl.arange(0, BLOCKS)
     if SQUARE:  # one row of scales per 16 operand rows
-        scale_rows = ROW_TILE.to(tl.int64) * (ROWS // 16) + tl.arange(0, ROWS // 16)
-        _store_tile(scale_ptr, block_scale, scale_rows, scale_cols, tl.cdiv(R, 16), C // 16)
+        _store_tile(scale_ptr, block_scale, first_row // 16 + tl.arange(0, ROWS // 16), scale_cols, tl.cdiv(R, 16), C // 16)
+        encode = tl.reshape(tl.broadcast_to(encode[:, None, :], [ROWS // 16, 16, BLOCKS]), [ROWS, BLOCKS])
     else:
         _store_tile(scale_ptr, block_scale, rows, scale_cols, R, C // 16)
+    if STOCHASTIC:  # element index in the operand, mod 2^32, hashed with the seed's key
+        index = (rows[:, None] * C + first_col + 16 * tl.arange(0, BLOCKS)[None, :]).to(tl.uint32)
+        codes = _e2m1_runs(values, encode, index, key.to(tl.uint32, bitcast=True), True, False)
+    elif in_range:
+        codes = _e2m1_runs(values, encode, encode, key, False, True)
+    else:
+        codes = _e2m1_runs(values, encode, encode, key, False, False)
+    _store_runs(data_ptr, codes, rows, first_col, R, C, 4, True)
 
 
 @triton.jit(do_not_specialize=["key"])
@@ -217,28 +378,14 @@ def _nvfp4_kernel(
     ROWWISE: tl.constexpr, COLUMNWISE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
     """E2M1 with e4m3 block scales under the global scale from _amax_kernel; RHT on the columnwise operand."""
-    x, rows, cols = _load_tile(x_ptr, M, K, stride_m, stride_k, BLOCK_M, BLOCK_K)
+    x, rows, cols = _load_tile(x_ptr, M, K, stride_m, stride_k, BLOCK_M, BLOCK_K, False)
     if ROWWISE:
-        amax = tl.load(amax_bits_ptr).to(tl.float32, bitcast=True)
-        global_encode = scale_from_amax(amax, _NVFP4_GLOBAL_MAX, False, 0.0)
-        packed, block_scale = _nvfp4_operand_tile(
-            x, global_encode, rows, cols, K, key, BLOCK_M, BLOCK_K, SQUARE, STOCHASTIC
+        _nvfp4_operand(
+            x, tl.program_id(0).to(tl.int64) * BLOCK_M, tl.program_id(1) * BLOCK_K, M, K, data_ptr, scale_ptr,
+            amax_bits_ptr, key, SQUARE, False, STOCHASTIC,
         )
-        _nvfp4_store(
-            data_ptr, scale_ptr, packed, block_scale, M, K, tl.program_id(0), tl.program_id(1), BLOCK_M, BLOCK_K, SQUARE
-        )
-    if COLUMNWISE:
-        operand = tl.trans(x)  # a [BLOCK_K, BLOCK_M] tile of x.T
-        if HADAMARD:
-            operand = hadamard_rows(operand, BLOCK_K, BLOCK_M)
-            amax = tl.load(amax_bits_ptr + 1).to(tl.float32, bitcast=True)
-        else:
-            amax = tl.load(amax_bits_ptr).to(tl.float32, bitcast=True)
-        global_encode = scale_from_amax(amax, _NVFP4_GLOBAL_MAX, False, 0.0)
-        packed, block_scale = _nvfp4_operand_tile(
-            operand, global_encode, cols, rows, M, key, BLOCK_K, BLOCK_M, SQUARE, STOCHASTIC
-        )
-        _nvfp4_store(
-            columnwise_ptr, columnwise_scale_ptr, packed, block_scale, K, M, tl.program_id(1), tl.program_id(0),
-            BLOCK_K, BLOCK_M, SQUARE,
+    if COLUMNWISE:  # x.T, whose global amax is the second one when it is rotated
+        _nvfp4_operand(
+            tl.trans(x), tl.program_id(1).to(tl.int64) * BLOCK_K, tl.program_id(0) * BLOCK_M, K, M, columnwise_ptr,
+            columnwise_scale_ptr, amax_bits_ptr + HADAMARD, key, SQUARE, HADAMARD, STOCHASTIC,
         )

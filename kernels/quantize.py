@@ -27,18 +27,26 @@ from kernels.reference import Quantized
 
 def _tiles(*shapes: tuple[int, int, int]) -> list[dict]:
     """Autotune candidates (BLOCK_M, BLOCK_K, num_warps); 128x128 first: the interpreter runs only the
-    first and pays per program. The others were chosen by register use in offline sm_90 builds."""
+    first and pays per program. Chosen from offline sm_90 builds (Triton 3.6): 64 elements per thread
+    take the fewest instructions per element, 32 per thread the fewest registers (more warps per SM)."""
     return [{"BLOCK_M": m, "BLOCK_K": k, "num_warps": w} for m, k, w in ((128, 128, 8),) + shapes]
 
 
 _ROLES = ["M", "K", "ROWWISE", "COLUMNWISE"]  # autotune key of the cast kernels
-# kernel name -> (kernel, autotune candidates on GPU, autotune key)
+# kernel name -> (kernel, autotune candidates on GPU, autotune key). PACK4 (tensorwise, 128x128 blocks)
+# wants four row repeats per thread, i.e. BLOCK_M = 16 * num_warps at BLOCK_K = 128 (32 * num_warps at 64).
 _KERNELS = {
-    "amax": (_amax_kernel, _tiles((64, 128, 4), (32, 256, 4), (64, 256, 8), (32, 128, 4)), ["M", "K", "HADAMARD"]),
-    "tensorwise": (_tensorwise_kernel, _tiles((64, 128, 4), (128, 64, 4), (64, 64, 4), (32, 128, 4)), _ROLES),
-    "blockwise": (_blockwise_kernel, [{"BLOCK": 128, "num_warps": w} for w in (8, 16, 4)], _ROLES),
-    "mxfp8": (_mxfp8_kernel, _tiles((32, 128, 4), (64, 64, 4), (32, 256, 8), (64, 128, 8)), _ROLES),
-    "nvfp4": (_nvfp4_kernel, _tiles((32, 128, 4), (64, 64, 4), (32, 64, 4), (16, 128, 4), (32, 256, 8)), _ROLES),
+    "amax": (_amax_kernel, _tiles((64, 256, 4), (64, 128, 4)), ["M", "K", "HADAMARD"]),
+    "tensorwise": (_tensorwise_kernel, _tiles((64, 128, 4), (128, 64, 4)), _ROLES),
+    # The 128x128 tile of blockwise needs 100+ registers a thread, one program per SM: the register caps
+    # allow two (a few spills), so that one program's loads overlap the other's casts.
+    "blockwise": (
+        _blockwise_kernel,
+        [{"BLOCK": 128, "num_warps": w, **cap} for w, cap in ((8, {}), (16, {}), (16, {"maxnreg": 64}), (8, {"maxnreg": 128}))],
+        _ROLES,
+    ),
+    "mxfp8": (_mxfp8_kernel, _tiles((64, 64, 4), (128, 128, 16)), _ROLES),
+    "nvfp4": (_nvfp4_kernel, _tiles((64, 64, 4), (128, 128, 16)), _ROLES),
 }
 
 
@@ -70,6 +78,11 @@ def _launch(name: str, x2d: Tensor, *buffers: Tensor, **meta) -> None:
 def _bytes(shape: tuple[int, ...], wanted: bool, device: torch.device, dtype: torch.dtype = torch.uint8) -> Tensor:
     """An output buffer, or a one-element placeholder for a copy nobody asked for."""
     return torch.empty(shape if wanted else (1,), dtype=dtype, device=device)
+
+
+def _pack4(M: int, columnwise: bool) -> bool:
+    """Transposed stores as int32 words of four rows' codes: needs whole words per [K, M] row."""
+    return columnwise and M % 4 == 0
 
 
 def _global_amax(x2d: Tensor, hadamard: bool) -> Tensor:
@@ -121,7 +134,7 @@ def quantize_tensorwise(
     _launch(
         "tensorwise", x2d, data, columnwise_data, scale_inv if scale is None else scale, amax_bits, scale_inv,
         **format_constants(fmt), FMAX=f.max, POWER_2=power_2_scale, EPSILON=float(amax_epsilon),
-        GIVEN_SCALE=scale is not None, ROWWISE=rowwise, COLUMNWISE=columnwise,
+        GIVEN_SCALE=scale is not None, ROWWISE=rowwise, COLUMNWISE=columnwise, PACK4=_pack4(M, columnwise),
     )
     return Quantized(
         "tensorwise", fmt, shape,
@@ -158,7 +171,7 @@ def quantize_blockwise(
     _launch(
         "blockwise", x2d, data, scale_inv, columnwise_data, columnwise_scale_inv,
         **format_constants(fmt), FMAX=reference.FORMATS[fmt].max, POWER_2=power_2_scale, SQUARE=square,
-        ROWWISE=rowwise, COLUMNWISE=columnwise,
+        ROWWISE=rowwise, COLUMNWISE=columnwise, PACK4=_pack4(M, columnwise),
     )
     return Quantized(
         f"block{block[0]}x{block[1]}", fmt, shape,

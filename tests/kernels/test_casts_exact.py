@@ -30,6 +30,8 @@ def _elementwise_kernel(
     x = tl.load(x_ptr + offsets, mask=mask, other=0.0)
     if OP == "encode":
         out = _casts.f32_to_code(x, EXPONENT_BITS, MANTISSA_BITS, MAX_BITS, NAN_CODE)
+    elif OP == "encode_in_range":  # the fast path the kernels take once a tile is known to be in range
+        out = _casts.f32_to_code(x, EXPONENT_BITS, MANTISSA_BITS, MAX_BITS, NAN_CODE, True)
     elif OP == "e2m1_stochastic":
         random_bits = tl.load(bits_ptr + offsets, mask=mask, other=0).to(tl.uint32)
         out = _casts.f32_to_e2m1_code_stochastic(x, random_bits)
@@ -67,6 +69,23 @@ def test_bit_cast_equals_reference_on_edge_values(device, fmt):
     x = torch.cat([edge_values(fmt), torch.randn(3000, generator=generator) * formats.FORMATS[fmt].max / 3])
     expected = formats.encode_e2m1(x) if fmt == "e2m1" else formats.encode_fp8(x, fmt)
     got = _run("encode", x.to(device), fmt).cpu()
+    assert torch.equal(got, expected.int()), _first_difference(x, got, expected.int())
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("fmt", ["e4m3", "e5m2", "e2m1"])
+def test_in_range_cast_equals_reference_below_the_rounding_limit(device, fmt):
+    """The IN_RANGE fast path skips the clamp and the NaN test: below the rounding limit (the midpoint
+    above max, itself excluded) it must give the full cast's bytes, ties and subnormals included."""
+    generator = torch.Generator().manual_seed(4)
+    f = formats.FORMATS[fmt]
+    limit = f.max + 2.0 ** (math.floor(math.log2(f.max)) - f.mantissa_bits - 1)
+    x = torch.cat([edge_values(fmt), torch.randn(3000, generator=generator) * f.max / 3])
+    x = x[x.abs() < limit]
+    below_limit = torch.nextafter(torch.tensor(limit), torch.tensor(0.0))  # the largest fp32 below it
+    x = torch.cat([x, below_limit[None], -below_limit[None]])
+    expected = formats.encode_e2m1(x) if fmt == "e2m1" else formats.encode_fp8(x, fmt)
+    got = _run("encode_in_range", x.to(device), fmt).cpu()
     assert torch.equal(got, expected.int()), _first_difference(x, got, expected.int())
 
 

@@ -7,6 +7,8 @@ on CUDA with `pytest -m gpu`, against the reference computed on the GPU.
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 
@@ -149,6 +151,33 @@ def test_edge_values_give_identical_bytes(device, dtype, name):
     fmt = ELEMENT_FORMAT.get(function, kwargs.get("fmt"))
     x = edge_matrix(fmt, cols=128, rows_multiple=32).to(dtype).to(device)
     got, expected = _quantize_both(name, x, rowwise=True, columnwise=True)
+    assert_same_bytes(got, expected, x)
+
+
+# Each tile checks its own amaxes and casts on the short path when nothing in it is NaN or past the
+# rounding limit: a tensor with one bad corner mixes both paths in one launch.
+MIXED_TILE_SCHEMES = ["tensorwise_e4m3_delayed", "block1x128_e4m3", "mxfp8_e4m3_up", "mxfp8_e5m2_floor", "nvfp4_1x16"]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("name", MIXED_TILE_SCHEMES)
+def test_tiles_on_the_short_path_and_tiles_off_it_give_identical_bytes(device, name):
+    x = _random((256, 256), torch.float32, "cpu", seed=5)
+    x[:3, :3] = torch.tensor([[math.nan, math.inf, -math.inf], [1e30, -1e30, 3e38], [-0.0, 1e-40, -1e-45]])
+    x[200, 130] = 464.0 / 0.37  # the rounding limit of e4m3 under the delayed scale 0.37
+    x = x.to(device)
+    got, expected = _quantize_both(name, x, rowwise=True, columnwise=True)
+    assert_same_bytes(got, expected, x)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("scale", [-3.0, 0.0, math.inf])
+def test_odd_delayed_scales_give_identical_bytes(device, scale):
+    """The in-range test bounds |amax * scale|: a negative, zero or infinite scale must not slip through."""
+    x = _random((64, 96), torch.bfloat16, device, seed=6)
+    assert backend_for(x.device) is not Backend.REFERENCE, "the kernels must run, not fall back to the reference"
+    kwargs = {"scale": torch.tensor([scale], device=device), "rowwise": True, "columnwise": True}
+    got, expected = triton_quantize.quantize_tensorwise(x, **kwargs), reference.quantize_tensorwise(x, **kwargs)
     assert_same_bytes(got, expected, x)
 
 
