@@ -154,6 +154,39 @@ def _nvfp4_decode_factor(amax_ptr):
 
 
 @triton.jit
+def _scaled_dot(
+    a_ptr, a_scale_ptr, a_rows, a_row_stride, a_scale_row_stride,
+    b_ptr, b_scale_ptr, b_rows, b_row_stride, b_scale_row_stride, K,
+    SCALING: tl.constexpr, SCALE_K: tl.constexpr,
+    A_SCALE_ROWS: tl.constexpr, A_EXPONENT_BITS: tl.constexpr, A_MANTISSA_BITS: tl.constexpr, A_NAN_CODE: tl.constexpr,
+    B_SCALE_ROWS: tl.constexpr, B_EXPONENT_BITS: tl.constexpr, B_MANTISSA_BITS: tl.constexpr, B_NAN_CODE: tl.constexpr,
+    DOT_IN_FP32: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):  # fmt: skip
+    """A_tile @ B_tile^T over K in fp32, block scales applied per K tile and per-tensor ones at the end
+    (NVFP4's global scales are the caller's: where its amaxes live differs per kernel)."""
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        a = _operand_tile(
+            a_ptr, a_scale_ptr, a_rows, a_row_stride, a_scale_row_stride, k0, K, SCALING, SCALE_K, A_SCALE_ROWS,
+            A_EXPONENT_BITS, A_MANTISSA_BITS, A_NAN_CODE, DOT_IN_FP32, BLOCK_M, BLOCK_K,
+        )
+        b = _operand_tile(
+            b_ptr, b_scale_ptr, b_rows, b_row_stride, b_scale_row_stride, k0, K, SCALING, SCALE_K, B_SCALE_ROWS,
+            B_EXPONENT_BITS, B_MANTISSA_BITS, B_NAN_CODE, DOT_IN_FP32, BLOCK_N, BLOCK_K,
+        )
+        if SCALING == "block":  # the K tile lies in scale block k0 // 128 of both operands
+            a_scale = tl.load(a_scale_ptr + (a_rows // A_SCALE_ROWS) * a_scale_row_stride + k0 // SCALE_K)
+            b_scale = tl.load(b_scale_ptr + (b_rows // B_SCALE_ROWS) * b_scale_row_stride + k0 // SCALE_K)
+            partial = tl.dot(a, tl.trans(b), max_num_imprecise_acc=BLOCK_K)
+            acc += partial * (a_scale[:, None] * b_scale[None, :])
+        else:
+            acc = tl.dot(a, tl.trans(b), acc, max_num_imprecise_acc=BLOCK_K)
+    if SCALING == "tensorwise":
+        acc = acc * (tl.load(a_scale_ptr) * tl.load(b_scale_ptr))
+    return acc
+
+
+@triton.jit
 def _scaled_mm_kernel(
     a_ptr, b_ptr,  # A [M, K], B [N, K], K contiguous: fp8, or uint8 codes (decoded here; nvfp4 two per byte)
     a_scale_ptr, b_scale_ptr,  # each copy's scale_inv, laid out as docs/quantization.md says
@@ -177,25 +210,12 @@ def _scaled_mm_kernel(
     # Operand rows past M (N) wrap around: loads stay in bounds unmasked; only the store is masked.
     a_rows = rows % M
     b_rows = cols % N
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        a = _operand_tile(
-            a_ptr, a_scale_ptr, a_rows, a_row_stride, a_scale_row_stride, k0, K, SCALING, SCALE_K, A_SCALE_ROWS,
-            A_EXPONENT_BITS, A_MANTISSA_BITS, A_NAN_CODE, DOT_IN_FP32, BLOCK_M, BLOCK_K,
-        )
-        b = _operand_tile(
-            b_ptr, b_scale_ptr, b_rows, b_row_stride, b_scale_row_stride, k0, K, SCALING, SCALE_K, B_SCALE_ROWS,
-            B_EXPONENT_BITS, B_MANTISSA_BITS, B_NAN_CODE, DOT_IN_FP32, BLOCK_N, BLOCK_K,
-        )
-        if SCALING == "block":  # the K tile lies in scale block k0 // 128 of both operands
-            a_scale = tl.load(a_scale_ptr + (a_rows // A_SCALE_ROWS) * a_scale_row_stride + k0 // SCALE_K)
-            b_scale = tl.load(b_scale_ptr + (b_rows // B_SCALE_ROWS) * b_scale_row_stride + k0 // SCALE_K)
-            partial = tl.dot(a, tl.trans(b), max_num_imprecise_acc=BLOCK_K)
-            acc += partial * (a_scale[:, None] * b_scale[None, :])
-        else:
-            acc = tl.dot(a, tl.trans(b), acc, max_num_imprecise_acc=BLOCK_K)
-    if SCALING == "tensorwise":
-        acc = acc * (tl.load(a_scale_ptr) * tl.load(b_scale_ptr))
+    acc = _scaled_dot(
+        a_ptr, a_scale_ptr, a_rows, a_row_stride, a_scale_row_stride,
+        b_ptr, b_scale_ptr, b_rows, b_row_stride, b_scale_row_stride, K,
+        SCALING, SCALE_K, A_SCALE_ROWS, A_EXPONENT_BITS, A_MANTISSA_BITS, A_NAN_CODE,
+        B_SCALE_ROWS, B_EXPONENT_BITS, B_MANTISSA_BITS, B_NAN_CODE, DOT_IN_FP32, BLOCK_M, BLOCK_N, BLOCK_K,
+    )  # fmt: skip
     if SCALING == "nvfp4":
         acc = acc * _nvfp4_decode_factor(a_amax_ptr) * _nvfp4_decode_factor(b_amax_ptr)
     if HAS_BIAS:

@@ -38,8 +38,8 @@ from kernels.gemm import (
     _f32_to_bf16_bits,
     _kernel_codes,
     _nvfp4_decode_factor,
-    _operand_tile,
     _scale_row_stride,
+    _scaled_dot,
     _tune_big_problems_only,
     scaled_mm,
 )
@@ -145,25 +145,12 @@ def _grouped_scaled_mm_kernel(
         k = tl.multiple_of(k, 16)  # the K mask then covers whole 16-element runs
     a_scale_stride = _entry(table_ptr, _A_SCALE_STRIDE, num_groups, group)
     b_scale_stride = _entry(table_ptr, _B_SCALE_STRIDE, num_groups, group)
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k0 in range(0, k, BLOCK_K):
-        a = _operand_tile(
-            a_ptr, a_scale_ptr, a_rows, a_stride, a_scale_stride, k0, k, SCALING, SCALE_K, A_SCALE_ROWS,
-            A_EXPONENT_BITS, A_MANTISSA_BITS, A_NAN_CODE, DOT_IN_FP32, BLOCK_M, BLOCK_K,
-        )
-        b = _operand_tile(
-            b_ptr, b_scale_ptr, b_rows, b_stride, b_scale_stride, k0, k, SCALING, SCALE_K, B_SCALE_ROWS,
-            B_EXPONENT_BITS, B_MANTISSA_BITS, B_NAN_CODE, DOT_IN_FP32, BLOCK_N, BLOCK_K,
-        )
-        if SCALING == "block":  # the K tile lies in scale block k0 // 128 of both operands
-            a_scale = tl.load(a_scale_ptr + (a_rows // A_SCALE_ROWS) * a_scale_stride + k0 // SCALE_K)
-            b_scale = tl.load(b_scale_ptr + (b_rows // B_SCALE_ROWS) * b_scale_stride + k0 // SCALE_K)
-            partial = tl.dot(a, tl.trans(b), max_num_imprecise_acc=BLOCK_K)
-            acc += partial * (a_scale[:, None] * b_scale[None, :])
-        else:
-            acc = tl.dot(a, tl.trans(b), acc, max_num_imprecise_acc=BLOCK_K)
-    if SCALING == "tensorwise":
-        acc = acc * (tl.load(a_scale_ptr) * tl.load(b_scale_ptr))
+    acc = _scaled_dot(
+        a_ptr, a_scale_ptr, a_rows, a_stride, a_scale_stride,
+        b_ptr, b_scale_ptr, b_rows, b_stride, b_scale_stride, k,
+        SCALING, SCALE_K, A_SCALE_ROWS, A_EXPONENT_BITS, A_MANTISSA_BITS, A_NAN_CODE,
+        B_SCALE_ROWS, B_EXPONENT_BITS, B_MANTISSA_BITS, B_NAN_CODE, DOT_IN_FP32, BLOCK_M, BLOCK_N, BLOCK_K,
+    )  # fmt: skip
     if SCALING == "nvfp4":
         a_amax_ptr = _typed(_entry(table_ptr, _A_AMAX, num_groups, group), "fp32")
         b_amax_ptr = _typed(_entry(table_ptr, _B_AMAX, num_groups, group), "fp32")
