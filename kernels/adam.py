@@ -31,6 +31,7 @@ import triton.language as tl
 
 from kernels import adam_reference
 from kernels._backend import Backend, backend_for
+from kernels._casts import f32_to_bf16_bits
 from kernels.multi_tensor import TensorTable, aligned
 
 # Measured on one H200 (benchmarks/bench_adam.py, 537M fp32 params, kernel only): 1024 x 4 warps 3.575 ms
@@ -56,15 +57,6 @@ _INTERPRETER_LOCK = threading.Lock()
 @triton.jit
 def _bf16_bits_to_f32(bits):
     return (bits.to(tl.uint32) << 16).to(tl.float32, bitcast=True)
-
-
-@triton.jit
-def _f32_to_bf16_bits(x):
-    """Round to nearest even, as torch does. Every NaN becomes 0x7FC0 (c10's scalar rule; torch's
-    vectorized CPU cast and CUDA pick other NaN patterns: compare NaNs with isnan)."""
-    bits = x.to(tl.uint32, bitcast=True)
-    rounded = (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16
-    return tl.where(x != x, 0x7FC0, rounded).to(tl.uint16)
 
 
 @triton.jit
@@ -95,7 +87,7 @@ def _load_f32(ptr, mask, KIND: tl.constexpr):
 @triton.jit
 def _store_f32(ptr, x, mask, KIND: tl.constexpr):
     if KIND == "bf16":
-        tl.store(ptr, _f32_to_bf16_bits(x), mask=mask)
+        tl.store(ptr, f32_to_bf16_bits(x), mask=mask)
     else:
         tl.store(ptr, x.to(ptr.dtype.element_ty), mask=mask)
 

@@ -36,7 +36,7 @@ from torch import Tensor
 
 from kernels import gemm_reference
 from kernels._backend import Backend, autotune_configs, backend_for, interpreting
-from kernels._casts import code_to_f32, e4m3_code_to_f32, format_constants, scale_from_amax
+from kernels._casts import code_to_f32, e4m3_code_to_f32, f32_to_bf16_bits, format_constants, scale_from_amax
 from kernels.formats import FORMATS, NVFP4_GLOBAL_MAX, SCHEME_BLOCKS
 from kernels.gemm_reference import GemmOperand, check_gemm, gemm_operand
 from kernels.reference import Quantized
@@ -71,14 +71,6 @@ _EMULATED_TILES = [
     {"BLOCK_M": 64, "BLOCK_N": 128, "BLOCK_K": 64, "num_warps": 4, "num_stages": 4},
 ]
 _TILES = {"tensorwise": _FP8_TILES, "block": _FP8_TILES, "mxfp8": _EMULATED_TILES, "nvfp4": _EMULATED_TILES}
-
-
-@triton.jit
-def _f32_to_bf16_bits(x):
-    """bf16 bits (uint16) of fp32 x, round to nearest even; every NaN becomes torch's 0x7FC0."""
-    bits = x.to(tl.uint32, bitcast=True)
-    rounded = (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16
-    return tl.where(x != x, 0x7FC0, rounded).to(tl.uint16)
 
 
 @triton.jit
@@ -223,7 +215,7 @@ def _scaled_mm_kernel(
     inside = (rows[:, None] < M) & (cols[None, :] < N)
     out_ptrs = out_ptr + rows[:, None] * N + cols[None, :]
     if OUT_BF16:
-        tl.store(out_ptrs, _f32_to_bf16_bits(acc).to(tl.int16, bitcast=True), mask=inside)
+        tl.store(out_ptrs, f32_to_bf16_bits(acc).to(tl.int16, bitcast=True), mask=inside)
     else:
         tl.store(out_ptrs, acc, mask=inside)
 

@@ -30,12 +30,11 @@ import triton.language as tl
 from torch import Tensor
 
 from kernels._backend import Backend, autotune_configs, backend_for, interpreting
-from kernels._casts import format_constants
+from kernels._casts import f32_to_bf16_bits, format_constants
 from kernels.formats import SCHEME_BLOCKS
 from kernels.gemm import (
     _GROUP_M,
     _TILES,
-    _f32_to_bf16_bits,
     _kernel_codes,
     _nvfp4_decode_factor,
     _scale_row_stride,
@@ -162,7 +161,7 @@ def _grouped_scaled_mm_kernel(
     offsets = rows[:, None] * n + cols[None, :]
     if OUT_BF16:
         out_ptr = _typed(_entry(table_ptr, _OUT, num_groups, group), "i16")
-        tl.store(out_ptr + offsets, _f32_to_bf16_bits(acc).to(tl.int16, bitcast=True), mask=inside)
+        tl.store(out_ptr + offsets, f32_to_bf16_bits(acc).to(tl.int16, bitcast=True), mask=inside)
     else:
         tl.store(_typed(_entry(table_ptr, _OUT, num_groups, group), "fp32") + offsets, acc, mask=inside)
 

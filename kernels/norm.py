@@ -25,9 +25,8 @@ from torch import Tensor
 
 from kernels import norm_reference
 from kernels._backend import Backend, autotune_configs, backend_for, interpreting, multiprocessor_count
-from kernels._casts import abs_bits, f32_to_code, format_constants, scale_from_amax
+from kernels._casts import abs_bits, f32_to_bf16_bits, f32_to_code, format_constants, scale_from_amax
 from kernels.formats import FORMATS
-from kernels.gemm import _f32_to_bf16_bits  # moves to kernels._casts with the other bit-op casts
 from kernels.norm_reference import FusedCast, NormBackward, NormForward, check_backward_inputs, check_norm_inputs
 from kernels.reference import Quantized
 
@@ -50,7 +49,7 @@ def _bf16_bits_to_f32(bits):
 def _store_rows(ptr, values, offsets, mask, BF16: tl.constexpr):
     """Store fp32 values into an fp32 buffer, or into a bf16 one (as int16 bits); returns what was stored."""
     if BF16:
-        bits = _f32_to_bf16_bits(values)
+        bits = f32_to_bf16_bits(values)
         tl.store(ptr + offsets, bits.to(tl.int16, bitcast=True), mask=mask)
         stored = _bf16_bits_to_f32(bits)
     else:
