@@ -5,7 +5,9 @@ The norms run through kernels.norm (the Triton interpreter on CPU, as in CI).
 
 from __future__ import annotations
 
+import gc
 import io
+import weakref
 
 import pytest
 import torch
@@ -424,3 +426,19 @@ def test_fp8_linear_refuses_float16_activations():
     with pytest.raises(TypeError, match="float16"):
         with fp8_autocast(recipe=Float8CurrentScaling()):
             Linear(HIDDEN, FFN)(torch.randn(4, HIDDEN, dtype=torch.float16))
+
+
+def test_fp8_copies_saved_for_backward_are_freed_when_the_backward_ends():
+    """Custom autograd ctx attributes live as long as the graph (the output holds it): the FP8 input and
+    weight copies must be dropped by the backward itself, or they stay allocated until `y` is deleted."""
+    layer = Linear(HIDDEN, FFN, params_dtype=torch.bfloat16)
+    x = torch.randn(32, HIDDEN, dtype=torch.bfloat16, requires_grad=True)
+    with fp8_autocast(recipe=Float8CurrentScaling()):
+        y = layer(x)
+    saved = [y.grad_fn.x_columnwise.columnwise_data, y.grad_fn.w_columnwise.columnwise_data]
+    storages = [weakref.ref(t.untyped_storage()) for t in saved]
+    del saved
+    y.backward(torch.randn_like(y))
+    gc.collect()  # the Triton interpreter keeps its launch arguments in reference cycles; CUDA does not
+    assert [ref() for ref in storages] == [None, None]
+    assert y.grad_fn is not None  # the graph (and y) are still alive: the backward freed them

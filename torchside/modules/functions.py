@@ -90,16 +90,19 @@ class _FP8Linear(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dy):
+        # ctx attributes, unlike saved tensors, live as long as the graph: drop them here so the FP8
+        # copies are freed as soon as this GEMM's backward ends, not when the output is deleted.
+        x_saved, w_saved, ctx.x_columnwise, ctx.w_columnwise = ctx.x_columnwise, ctx.w_columnwise, None, None
         dy_TO = dy.reshape(-1, dy.shape[-1])
         dy_fp8 = ctx.quantizers.grad_output.quantize(dy_TO).quantized_storage.to_quantized()
         dx = dw = dbias = None
         if ctx.needs_input_grad[0]:
-            w_columnwise = ctx.w_columnwise.to_quantized()
+            w_columnwise = w_saved.to_quantized()
             dx = scaled_mm(dy_fp8, w_columnwise, b_columnwise=True, out_dtype=ctx.x_dtype).reshape(ctx.x_shape)
             if ctx.gather is not None:
                 dx = reduce_scatter_dim0(dx, ctx.gather.group)
         if ctx.needs_input_grad[1]:
-            x_columnwise = ctx.x_columnwise.to_quantized()
+            x_columnwise = x_saved.to_quantized()
             dw = scaled_mm(dy_fp8, x_columnwise, a_columnwise=True, b_columnwise=True, out_dtype=ctx.w_dtype)
         if ctx.needs_input_grad[2]:
             dbias = dy_TO.sum(dim=0, dtype=torch.float32).to(ctx.bias_dtype)
