@@ -54,9 +54,15 @@ RECIPES = {
 # CPU: fp32 2^-14 (4x the accumulation bound), bf16 2^-8 (2x the final rounding).
 # CUDA: Hopper's FP8 tensor cores keep ~14 bits while accumulating inside one MMA (DeepSeek-V3
 # report, section 3.3.2), so a 2^-14 error reaches bf16 rounding boundaries and then a few FP8 steps
-# flip in chained casts: 2^-6. A skipped cast, a wrong scale or a transposed operand costs more
+# flip in chained casts: 2^-6, whatever the activation dtype (fp32 activations go through the same
+# tensor cores). A skipped cast, a wrong scale or a transposed operand costs more
 # than 2^-5 (one E4M3 cast alone is ~2% rms).
-TOLERANCE = {("cpu", torch.float32): 2**-14, ("cpu", torch.bfloat16): 2**-8, ("cuda", torch.bfloat16): 2**-6}
+TOLERANCE = {
+    ("cpu", torch.float32): 2**-14,
+    ("cpu", torch.bfloat16): 2**-8,
+    ("cuda", torch.float32): 2**-6,
+    ("cuda", torch.bfloat16): 2**-6,
+}
 
 TOKENS = (2, 32)  # [B, S]: the modules flatten leading dims
 
