@@ -7,7 +7,7 @@ Throughput = 2*M*N*K / time. Floors are DESIGN.md's H200 peaks: bf16 788 TFLOP/s
 
 - tensorwise e4m3: kernels.gemm's Triton kernel, torch._scaled_mm (cuBLASLt), and `scaled_mm`
   (whichever TENSORWISE_USES_TORCH_SCALED_MM picks); the faster of the first two decides that constant.
-- block-scaled 1x128 x 128x128: ours (target >= 1.3x bf16's 788), torch._scaled_mm rowwise (the
+- block-scaled 1x128 x 128x128 and 1x128 x 1x128 (wgrad): ours (target >= 1.3x bf16's 788), torch._scaled_mm rowwise (the
   nearest cuBLAS FP8 peer), and torch._scaled_mm blockwise where this torch build runs it.
 - MXFP8 and NVFP4: EMULATED (Hopper has no MXFP8/NVFP4 tensor cores; dequantize in the prologue,
   bf16 dots), so their floor is the bf16 peak; peer: dequantize + bf16 torch.matmul, eager.
@@ -124,6 +124,15 @@ def main() -> None:
         return torch._scaled_mm(x_codes, w_codes.t(), scale_a=x_scale, scale_b=qw.scale_inv.t(), out_dtype=bf16_out)
 
     measure(case, "torch._scaled_mm blockwise (peer)", blockwise, fp8_peak, want)
+
+    # wgrad's pair: 1x128 by 1x128 (both operands scaled along K)
+    case = "block 1x128 x 1x128"
+    qw = reference.quantize_blockwise(w, "e4m3", (1, 128))
+    want = gemm_reference.scaled_mm(qx, qw)
+    block_b = gemm_reference.gemm_operand(qw, False, "b")
+    measure(case, "ours (Triton)", lambda: gemm._scaled_mm_triton(block_a, block_b, bf16_out, None), fp8_peak, want)
+    picked = "torch._scaled_mm" if gemm._torch_scaled_mm_takes(block_a, block_b, bf16_out, None) else "Triton"
+    measure(case, "gemm.scaled_mm", lambda: gemm.scaled_mm(qx, qw), fp8_peak, want, f"dispatches to {picked}")
 
     # emulated: the floor is the bf16 peak; the peer dequantizes, then multiplies in bf16
     emulated = {}
