@@ -61,3 +61,18 @@ def check_scale(scale: Tensor, device: torch.device) -> Tensor:
     if scale.device != device:
         raise ValueError(f"scale is on {scale.device} but x is on {device}; move the scale to {device}")
     return scale.reshape(1)
+
+
+def check_global_amax(global_amax: Tensor | None, rotated_columnwise: bool, device: torch.device) -> None:
+    """An NVFP4 global amax given for a shard: fp32, one element, on x's device, for unrotated copies."""
+    if global_amax is None:
+        return
+    if not isinstance(global_amax, Tensor) or global_amax.dtype != torch.float32 or global_amax.numel() != 1:
+        raise TypeError(f"global_amax must be an fp32 tensor of one element (the whole tensor's amax), got {global_amax!r}")
+    if global_amax.device != device:
+        raise ValueError(f"global_amax is on {global_amax.device} but x is on {device}; move it to {device}")
+    if rotated_columnwise:
+        raise ValueError(
+            "global_amax stands for x's amax, not for that of the Hadamard-rotated columnwise copy: "
+            "pass hadamard=False, or columnwise=False, or leave global_amax None"
+        )

@@ -19,7 +19,15 @@ from torch import Tensor
 from kernels import reference
 from kernels._backend import Backend, autotune_configs, backend_for
 from kernels._casts import format_constants
-from kernels._checks import check_block, check_divisible, check_roles, check_scale, element_format, matrix_view
+from kernels._checks import (
+    check_block,
+    check_divisible,
+    check_global_amax,
+    check_roles,
+    check_scale,
+    element_format,
+    matrix_view,
+)
 from kernels._quantize_kernels import _amax_kernel, _blockwise_kernel, _mxfp8_kernel, _nvfp4_kernel, _tensorwise_kernel
 from kernels.formats import FP8_FORMATS, hash32
 from kernels.reference import Quantized
@@ -224,12 +232,15 @@ def quantize_nvfp4(
     stochastic_seed: int | None = None,
     rowwise: bool = True,
     columnwise: bool = False,
+    global_amax: Tensor | None = None,
 ) -> Quantized:
-    """E2M1 values, an e4m3 scale per 1x16 or 16x16 block and an fp32 global scale from the operand's amax."""
+    """E2M1 values, an e4m3 scale per 1x16 or 16x16 block and an fp32 global scale from the operand's amax
+    (or a given `global_amax`: see kernels.reference.quantize_nvfp4)."""
     block = check_block(block, ((1, 16), (16, 16)), "quantize_nvfp4")
     check_roles(rowwise, columnwise)
     if stochastic_seed is not None and not isinstance(stochastic_seed, int):
         raise TypeError(f"stochastic_seed must be an int (or None for round-to-nearest), got {stochastic_seed!r}")
+    check_global_amax(global_amax, hadamard and columnwise, x.device)
     x2d, shape = matrix_view(x)
     M, K = x2d.shape
     if rowwise:
@@ -238,7 +249,11 @@ def quantize_nvfp4(
         check_divisible(M, 16, "nvfp4", "columnwise")
     square = block == (16, 16)
     rotate = hadamard and columnwise
-    amax_bits = _global_amax(x2d, hadamard=rotate)
+    if global_amax is None:
+        amax_bits = _global_amax(x2d, hadamard=rotate)
+    else:  # [given amax, unused]: the kernel reads the rotated copy's amax from [1] only when rotating
+        amax_bits = torch.cat([global_amax.reshape(1).float(), global_amax.new_zeros(1, dtype=torch.float32)])
+        amax_bits = amax_bits.view(torch.int32)
     data = _bytes((M, K // 2), rowwise, x.device)
     scale = _bytes((triton.cdiv(M, 16) if square else M, K // 16), rowwise, x.device)
     columnwise_data = _bytes((K, M // 2), columnwise, x.device)

@@ -17,7 +17,15 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from kernels._checks import check_block, check_divisible, check_roles, check_scale, element_format, matrix_view
+from kernels._checks import (
+    check_block,
+    check_divisible,
+    check_global_amax,
+    check_roles,
+    check_scale,
+    element_format,
+    matrix_view,
+)
 from kernels.formats import (
     FORMATS,
     FP8_FORMATS,
@@ -207,15 +215,22 @@ def quantize_nvfp4(
     stochastic_seed: int | None = None,
     rowwise: bool = True,
     columnwise: bool = False,
+    global_amax: Tensor | None = None,
 ) -> Quantized:
-    """E2M1 values, an e4m3 scale per 1x16 or 16x16 block and an fp32 global scale from the operand's amax."""
+    """E2M1 values, an e4m3 scale per 1x16 or 16x16 block and an fp32 global scale from the operand's amax.
+
+    `global_amax` (fp32, one element) replaces x's own amax: that of the whole tensor when x is one
+    shard of it, so every shard casts as the whole tensor would. It cannot stand for the amax of a
+    Hadamard-rotated columnwise copy.
+    """
     block = check_block(block, ((1, 16), (16, 16)), "quantize_nvfp4")
     check_roles(rowwise, columnwise)
     if stochastic_seed is not None and not isinstance(stochastic_seed, int):
         raise TypeError(f"stochastic_seed must be an int (or None for round-to-nearest), got {stochastic_seed!r}")
+    check_global_amax(global_amax, hadamard and columnwise, x.device)
     x2d, shape = matrix_view(x)
     x2d = x2d.float()
-    amax = tensor_amax(x2d)
+    amax = tensor_amax(x2d) if global_amax is None else global_amax.reshape(1).float()
     data = scale_inv = col_data = col_scale_inv = col_amax = None
     if rowwise:
         check_divisible(x2d.shape[1], 16, "nvfp4", "rowwise")
@@ -223,7 +238,7 @@ def quantize_nvfp4(
     if columnwise:
         check_divisible(x2d.shape[0], 16, "nvfp4", "columnwise")
         operand = random_hadamard_transform(x2d.T) if hadamard else x2d.T
-        col_amax = tensor_amax(operand)
+        col_amax = tensor_amax(operand) if hadamard else amax  # x.T's amax is x's (or the given one)
         col_data, col_scale_inv = _nvfp4_operand(operand, col_amax, block, stochastic_seed)
     scheme = f"nvfp4_{block[0]}x{block[1]}"
     return Quantized(scheme, "e2m1", shape, data, scale_inv, col_data, col_scale_inv, amax, col_amax, hadamard)

@@ -231,3 +231,32 @@ def test_every_tile_config_gives_identical_bytes(device, kernel, index, monkeypa
             assert_same_bytes(got, expected, x)
     finally:
         triton_quantize._kernel.cache_clear()
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("block", [(1, 16), (16, 16)], ids=["1x16", "16x16"])
+def test_nvfp4_shards_given_the_global_amax_cast_as_the_whole_tensor(device, block):
+    """A row shard quantized with the whole tensor's amax holds exactly the whole tensor's bytes for its rows:
+    the small-values shard alone would pick a finer global scale (and other bytes)."""
+    whole = _random((64, 96), torch.bfloat16, device)
+    whole[:32] *= 2.0**-6  # shard 0 holds much smaller values than shard 1
+    roles = {"block": block, "rowwise": True, "columnwise": True}
+    global_amax = whole.float().abs().amax().reshape(1)
+    expected = reference.quantize_nvfp4(whole.cpu(), **roles)
+    for name, implementation in (("reference", reference), ("triton", triton_quantize)):
+        shard = implementation.quantize_nvfp4(whole[:32], **roles, global_amax=global_amax)
+        assert torch.equal(shard.data.cpu(), expected.data[:32]), name
+        assert torch.equal(shard.scale_inv.cpu(), expected.scale_inv[: 32 // block[0]]), name
+        assert torch.equal(shard.columnwise_data.cpu(), expected.columnwise_data[:, :16]), name  # [K, M/2]
+        assert torch.equal(shard.amax.cpu(), expected.amax), name
+        alone = implementation.quantize_nvfp4(whole[:32], **roles)
+        assert not torch.equal(alone.data.cpu(), expected.data[:32]), f"{name}: the test cannot tell the amaxes apart"
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_nvfp4_global_amax_is_refused_where_it_cannot_apply(device):
+    x = _random((32, 32), torch.float32, device)
+    with pytest.raises(ValueError, match="Hadamard-rotated"):
+        triton_quantize.quantize_nvfp4(x, hadamard=True, columnwise=True, global_amax=x.abs().amax().reshape(1))
+    with pytest.raises(TypeError, match="fp32 tensor of one element"):
+        reference.quantize_nvfp4(x, global_amax=torch.ones(2, device=device))

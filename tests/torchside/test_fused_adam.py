@@ -247,7 +247,7 @@ def test_configuration_errors_name_the_fix():
         FusedAdam(fp16, master_weights=True, store_param_remainders=True).step()
     ints = [torch.nn.Parameter(torch.zeros(4, dtype=torch.float64))]
     ints[0].grad = torch.zeros(4, dtype=torch.float64)
-    with pytest.raises(TypeError, match="updates float32, bfloat16 and float16"):
+    with pytest.raises(TypeError, match="updates float32, bfloat16, float16 and QuantizedTensor"):
         FusedAdam(ints).step()
 
 

@@ -7,6 +7,8 @@ saved on 4 ranks (dp 2 x tp 2) must reload on 2 ranks (dp 2) with identical mome
 Ranks are threads (torch's threaded process group) except the one `multiprocess` test (gloo).
 """
 
+import re
+
 import numpy as np
 import pytest
 import torch
@@ -19,7 +21,13 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
 from kernels.adam_reference import split_master
-from tests.distributed import run_processes, run_threads
+from tests.distributed import RankError, run_processes, run_threads
+from tests.torchside.test_fused_adam_fp8 import (  # noqa: F401  (one_process and reference_kernels: fixtures)
+    assert_equal_to_one_process,
+    one_process,
+    reference_kernels,
+)
+from tests.torchside.test_fused_adam_fp8 import train_sharded as train_fp8_sharded
 from torchside.optim import FusedAdam
 
 BATCH, STEPS = 8, 4
@@ -171,11 +179,23 @@ def test_dcp_saved_on_4_ranks_reloads_on_2_ranks_exactly(tmp_path):
         _assert_same_optimizer_state(saved[0], result)
 
 
+def _save_then_train_fp8(rank, world_size, path):
+    return _save(rank, world_size, path), train_fp8_sharded(rank, world_size)
+
+
+def _load_then_train_fp8(rank, world_size, path):
+    return _load(rank, world_size, path), train_fp8_sharded(rank, world_size)
+
+
 @pytest.mark.multiprocess
-def test_dcp_4_to_2_ranks_on_gloo_processes(tmp_path):
-    saved = run_processes(_save, 4, str(tmp_path))
-    loaded = run_processes(_load, 2, str(tmp_path))
-    _assert_same_optimizer_state(saved[0], loaded[1])
+def test_gloo_processes_reshard_dcp_4_to_2_and_train_fp8_weights(tmp_path, one_process):
+    """The DCP test, then test_fused_adam_fp8's sharded FP8 training (FSDP(2) x TP(2), then FSDP(2)) in the
+    same processes (reference kernels, inherited from the fixture: the FP8 comparison needs the same arithmetic)."""
+    saved = run_processes(_save_then_train_fp8, 4, str(tmp_path))
+    loaded = run_processes(_load_then_train_fp8, 2, str(tmp_path))
+    _assert_same_optimizer_state(saved[0][0], loaded[1][0])
+    assert_equal_to_one_process([fp8 for _, fp8 in saved], one_process)
+    assert_equal_to_one_process([fp8 for _, fp8 in loaded], one_process)
 
 
 def _mixing_fails(rank, world_size):
@@ -197,3 +217,58 @@ def _mixing_fails(rank, world_size):
 
 def test_mixing_dtensor_and_plain_tensors_raises():
     assert run_threads(_mixing_fails, 2) == [True, True]
+
+
+# ---- the seed bug, reproduced: FSDP(4) -> FSDP(2) through the optimizer's own state_dict
+
+
+class OneVector(nn.Module):
+    """One 256-element parameter: a 64-element shard on 4 ranks, 128 on 2 (the seed's sizes)."""
+
+    def __init__(self):
+        super().__init__()
+        self.weight = nn.Parameter(torch.linspace(-1.0, 1.0, 256))
+
+    def forward(self, x):
+        return (self.weight * x).square().sum()
+
+
+def _one_vector_checkpoint(rank, world_size, path, steps, as_plain_tensors):
+    """FSDP over all ranks; `steps` steps then dcp.save, or (steps=0) dcp.load; the full exp_avg after it.
+
+    `as_plain_tensors` puts each state's local shard in the state dict, as the seed's optimizer did.
+    """
+    model = OneVector()
+    fully_shard(model, mesh=init_device_mesh("cpu", (world_size,)))
+    optimizer = FusedAdam(model.parameters(), **OPTIMIZER)
+    for step in range(max(steps, 1)):  # one step on a fresh optimizer makes the states a load fills in
+        model(torch.linspace(0.5, 2.0, 256) * (step + 1)).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    state_dict = optimizer.state_dict()
+    if as_plain_tensors:
+        state_dict["state"] = {
+            index: {key: v.to_local() if isinstance(v, DTensor) else v for key, v in state.items()}
+            for index, state in state_dict["state"].items()
+        }
+    if steps:
+        dcp.save({"optimizer": state_dict}, checkpoint_id=path)
+    else:
+        dcp.load({"optimizer": state_dict}, checkpoint_id=path)
+        optimizer.load_state_dict(state_dict)
+    return {key: optimizer.state_dict()["state"][0][key].full_tensor() for key in ("exp_avg", "exp_avg_sq")}
+
+
+def test_seed_bug_fsdp4_checkpoint_loads_on_2_ranks(tmp_path):
+    saved = run_threads(_one_vector_checkpoint, 4, str(tmp_path / "dtensor"), 3, False)
+    loaded = run_threads(_one_vector_checkpoint, 2, str(tmp_path / "dtensor"), 0, False)
+    for key in ("exp_avg", "exp_avg_sq"):
+        assert torch.equal(loaded[0][key], saved[0][key]) and torch.equal(loaded[1][key], saved[0][key])
+    # The seed's plain-tensor states fail exactly as reported: the check above would catch the bug.
+    run_threads(_one_vector_checkpoint, 4, str(tmp_path / "plain"), 3, True)
+    message = (
+        "Size mismatch between saved torch.Size([64]) and current: torch.Size([128]) "
+        "for optimizer.state.0.exp_avg"
+    )
+    with pytest.raises(RankError, match=re.escape(message)):
+        run_threads(_one_vector_checkpoint, 2, str(tmp_path / "plain"), 0, True)

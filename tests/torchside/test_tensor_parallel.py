@@ -16,7 +16,8 @@ stack matches within 1e-6 for recipes whose scales do not move with that noise (
 block, MXFP8). Two are held to their own quantization error instead (twice the distance between
 one-process FP8 and high precision): Float8CurrentScaling, where one FP8 byte flipped by a 1e-7
 difference can hold the amax and re-scale every tensor downstream (one block alone is exact), and
-NVFP4, which scales each TP shard by its own global amax (its quantizer takes no amax group yet).
+NVFP4, whose activation shards each take their own global amax (only weights share one over their
+amax group).
 """
 
 from __future__ import annotations

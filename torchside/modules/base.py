@@ -37,7 +37,6 @@ from torchside.parallel.module_mesh import (
     TensorParallelMixin,
     group_ranks,
     local_tensor,
-    ranks_splitting,
     rewrap_like,
 )
 from torchside.parallel.placements import check_recipe_fits_shard
@@ -185,14 +184,8 @@ class FP8Module(TensorParallelMixin, nn.Module):
         spec = self._param_specs[name]
         check_recipe_fits_shard(recipe, type(self).__name__, name, self.tp_local_shape(name, spec), self.tp_size)
         group = None
-        if has_per_tensor_scale(recipe):
+        if has_per_tensor_scale(recipe) or isinstance(recipe, NVFP4BlockScaling):  # NVFP4: its global amax
             group = self.weight_shard_group(name)
-        elif isinstance(recipe, NVFP4BlockScaling) and ranks_splitting(getattr(self, name)) > self.tp_size:
-            raise ValueError(
-                f"{type(self).__name__}.{name}: an NVFP4 weight cast shard by shard needs one global amax over "
-                "its FSDP shards, which the NVFP4 quantizer cannot all-reduce yet: cast it before fully_shard "
-                "(build on the device, or use torchside.parallel.parallelize) and keep it frozen, or use another recipe"
-            )
         return Quantizer(recipe, "weight", rowwise=True, columnwise=True, amax_reduction_group=group)
 
     def _fp8_parameter(self, name: str, values: Tensor) -> nn.Parameter:

@@ -11,6 +11,10 @@ with the parameter's mesh, placements and global shape, so DCP saves shards, nev
   `store_param_remainders=True` (bf16 only) an int16 remainder: the fp32 master is the parameter's
   16 bits plus these 16 low bits, and the parameter is the master rounded to nearest
   (`kernels.adam_reference` defines the format). Same master, half the memory.
+  Quantized (FP8/FP4 `QuantizedTensor`) parameters always keep an fp32 master, and need
+  `master_weights=True`: the kernel steps the master, and a hook re-quantizes the parameter from it
+  after the step (`torchside.optim.requantize_fp8_weights` registers one per FP8 weight of a model,
+  with the weight's own recipe and amax group). A quantized parameter without a hook is refused.
 
 `state_dict()` holds every moment and master as unscaled fp32 (DTensors for DTensor parameters) and
 `load_state_dict()` encodes them again, so a checkpoint does not depend on the compression chosen.
@@ -35,6 +39,7 @@ from torch.utils.hooks import RemovableHandle
 from kernels.adam import MultiTensorAdam
 from kernels.adam_reference import join_master, split_master
 from torchside.optim import moment_formats
+from torchside.quantization import QuantizedTensor
 
 _MOMENTS = ("exp_avg", "exp_avg_sq")
 _PARAM_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -42,16 +47,21 @@ _PARAM_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 @dataclass
 class _Entry:
-    """One parameter in a step: the parameter, its local shard and grad, and its state."""
+    """One parameter in a step: the parameter, the local tensors the kernel updates, its grad, its state.
+
+    `local` is the parameter's local shard, or for a quantized parameter its fp32 master's (then
+    `master` is None: the kernel has no separate master to write).
+    """
 
     param: torch.Tensor
     local: torch.Tensor
+    master: torch.Tensor | None
     grad: torch.Tensor
     state: dict[str, Any]
 
 
 class FusedAdam(torch.optim.Optimizer):
-    """Adam (L2) or AdamW (`adam_w_mode`, the default) over fp32, bf16 and fp16 parameters, plain or DTensor."""
+    """Adam (L2) or AdamW (`adam_w_mode`, the default) over fp32, bf16, fp16 and quantized parameters (or DTensors)."""
 
     # torch.amp.GradScaler then hands over `grad_scale` and `found_inf` instead of unscaling grads itself.
     _step_supports_amp_scaling = True
@@ -98,8 +108,8 @@ class FusedAdam(torch.optim.Optimizer):
     def register_after_step_hook(self, param: torch.Tensor, hook: Callable[[torch.Tensor], None]) -> RemovableHandle:
         """Call `hook(param)` after every step that updates `param`.
 
-        The extension point for parameters the kernel does not write itself (e.g. re-quantizing an
-        FP8 parameter from `state[param]["master_param"]`).
+        The extension point for parameters the kernel does not write itself: a quantized parameter
+        needs one that re-quantizes it from `state[param]["master_param"]` (see the module docstring).
         """
         handle = RemovableHandle(self._after_step_hooks)
         self._after_step_hooks[handle.id] = (param, hook)
@@ -158,7 +168,8 @@ class FusedAdam(torch.optim.Optimizer):
         return _as_scalar(inv_scale), _as_scalar(found_inf)
 
     def _step_group(self, index: int, group: dict[str, Any], inv_scale, found_inf) -> None:
-        entries = [self._entry(p) for p in group["params"] if p.grad is not None]
+        hooked = {id(param) for param, _ in self._after_step_hooks.values()}
+        entries = [self._entry(p, hooked) for p in group["params"] if p.grad is not None]
         if not entries:
             return
         steps = [entry.state["step"] for entry in entries]
@@ -173,7 +184,7 @@ class FusedAdam(torch.optim.Optimizer):
             if not live:
                 continue
             moments = {name: [self._kernel_moment(e.state, name) for e in live] for name in _MOMENTS}
-            masters = [self._local(e.state["master_param"]) if "master_param" in e.state else None for e in live]
+            masters = [e.master for e in live]
             locals_ = [e.local for e in live]
             launcher = self._launchers.get((index, ordinal))
             if launcher is None or not launcher.matches(locals_, *moments.values(), masters):
@@ -199,7 +210,7 @@ class FusedAdam(torch.optim.Optimizer):
             parts.setdefault(entry.state["step"].item(), []).append(entry)
         return sorted(parts.items(), key=lambda item: item[0])
 
-    def _entry(self, param: torch.Tensor) -> _Entry:
+    def _entry(self, param: torch.Tensor, hooked: set[int]) -> _Entry:
         """Check a parameter with a grad, unwrap DTensors to local shards, create its state if new."""
         grad = param.grad
         if isinstance(param, DTensor) != isinstance(grad, DTensor):
@@ -213,10 +224,13 @@ class FusedAdam(torch.optim.Optimizer):
                 "redistribute the grad to the parameter's placements before the step"
             )
         local, local_grad = self._local(param), self._local(grad)
-        if type(local) not in (torch.Tensor, torch.nn.Parameter) or local.dtype not in _PARAM_DTYPES:
+        quantized = isinstance(local, QuantizedTensor)
+        if quantized:
+            self._check_quantized(param, hooked)
+        elif type(local) not in (torch.Tensor, torch.nn.Parameter) or local.dtype not in _PARAM_DTYPES:
             raise TypeError(
-                f"FusedAdam updates float32, bfloat16 and float16 tensors, not a {type(local).__name__} of "
-                f"{local.dtype}; quantized parameters are not supported yet (see register_after_step_hook)"
+                f"FusedAdam updates float32, bfloat16, float16 and QuantizedTensor parameters, not a "
+                f"{type(local).__name__} of {local.dtype}"
             )
         if not local.is_contiguous() or local_grad.is_sparse or local_grad.shape != local.shape:
             raise ValueError(
@@ -226,7 +240,24 @@ class FusedAdam(torch.optim.Optimizer):
         state = self.state[param]
         if not state:
             self._init_state(param, local)
-        return _Entry(param, local, local_grad.to(local.dtype).contiguous(), state)
+        master = self._local(state["master_param"]) if "master_param" in state else None
+        if quantized:  # the kernel steps the fp32 master; the after-step hook re-quantizes the parameter
+            local, master = master, None
+        return _Entry(param, local, master, local_grad.to(local.dtype).contiguous(), state)
+
+    def _check_quantized(self, param: torch.Tensor, hooked: set[int]) -> None:
+        """A quantized parameter trains on an fp32 master and is re-quantized by its hook: both must exist."""
+        if not self.master_weights:
+            raise ValueError(
+                "a QuantizedTensor parameter is updated through an fp32 master copy: build FusedAdam with "
+                "master_weights=True"
+            )
+        if id(param) not in hooked:
+            raise ValueError(
+                f"a QuantizedTensor parameter of shape {tuple(param.shape)} has no after-step hook to re-quantize "
+                "it from its master: call torchside.optim.requantize_fp8_weights(optimizer, model) (or "
+                "register_after_step_hook) before the first step"
+            )
 
     def _kernel_moment(self, state: dict[str, Any], name: str) -> torch.Tensor:
         """The tensor the kernel updates: the stored moment, or an fp32 copy of a scaled one."""
@@ -249,7 +280,7 @@ class FusedAdam(torch.optim.Optimizer):
         for name in _MOMENTS:
             self._set_moment(param, name, torch.zeros(local.shape, dtype=torch.float32, device=local.device))
         if self._keeps_master(local):
-            self._set_master(param, local, local.float())
+            self._set_master(param, local, _values(local))
 
     def _set_moment(self, param: torch.Tensor, name: str, values: torch.Tensor) -> None:
         stored, scale_inv = moment_formats.encode(values, self.moment_dtypes[name], root=name == "exp_avg_sq")
@@ -258,14 +289,16 @@ class FusedAdam(torch.optim.Optimizer):
             self.state[param][f"{name}_scale_inv"] = scale_inv
 
     def _set_master(self, param: torch.Tensor, local: torch.Tensor, master: torch.Tensor) -> None:
-        if self.store_param_remainders:
+        if self.store_param_remainders and not isinstance(local, QuantizedTensor):
             high, low = split_master(master)
             local.copy_(high)  # the master is the truth: the parameter is its rounding
             master = low
         self.state[param]["master_param"] = _like_param(param, master)
 
     def _keeps_master(self, local: torch.Tensor) -> bool:
-        """fp32 parameters are their own master; bf16/fp16 ones get one when master_weights=True."""
+        """fp32 parameters are their own master; bf16/fp16 and quantized ones get one when master_weights=True."""
+        if isinstance(local, QuantizedTensor):
+            return True  # always an fp32 master: remainders need the parameter's own 16 high bits
         if not self.master_weights or local.dtype == torch.float32:
             return False
         if self.store_param_remainders and local.dtype != torch.bfloat16:
@@ -294,7 +327,7 @@ class FusedAdam(torch.optim.Optimizer):
             self._set_moment(param, name, self._saved_local(param, saved[name], name))
         if self._keeps_master(local):
             saved_master = saved.get("master_param")  # absent when saved without master weights
-            master = local.float() if saved_master is None else self._saved_local(param, saved_master, "master_param")
+            master = _values(local) if saved_master is None else self._saved_local(param, saved_master, "master_param")
             self._set_master(param, local, master)
 
     def _saved_local(self, param: torch.Tensor, value: torch.Tensor, name: str) -> torch.Tensor:
@@ -318,6 +351,13 @@ class FusedAdam(torch.optim.Optimizer):
     @staticmethod
     def _local(tensor: torch.Tensor) -> torch.Tensor:
         return tensor.to_local() if isinstance(tensor, DTensor) else tensor
+
+
+def _values(local: torch.Tensor) -> torch.Tensor:
+    """A parameter's local values as a new fp32 tensor (a quantized one dequantized)."""
+    if isinstance(local, QuantizedTensor):
+        return local.dequantize(torch.float32)
+    return local.float()
 
 
 def _as_scalar(value: torch.Tensor | None) -> torch.Tensor | None:

@@ -66,11 +66,18 @@ _FAMILIES: dict[type, _Family] = {
         lambda r, role: {"fmt": r.fp8_format.for_role(role), "scale_rounding": r.scale_rounding},
         False,
     ),
-    # The NVFP4 global amax could be all-reduced too, once quantize_nvfp4 accepts a given global amax.
+    # NVFP4: the global amax, for roles without Hadamard or stochastic rounding (_takes_amax_group).
     NVFP4BlockScaling: _Family(
-        "quantize_nvfp4", lambda r, role: {"block": r.block_for(role), "hadamard": r.hadamard_for(role)}, False
+        "quantize_nvfp4", lambda r, role: {"block": r.block_for(role), "hadamard": r.hadamard_for(role)}, True
     ),
 }
+
+
+def _takes_amax_group(recipe: Recipe, role: str) -> bool:
+    # A reduced NVFP4 amax is x's: it cannot stand for the amax of a Hadamard-rotated columnwise copy.
+    if isinstance(recipe, NVFP4BlockScaling):
+        return not recipe.hadamard_for(role)
+    return _FAMILIES[type(recipe)].takes_amax_group
 
 
 def implementation(backend: Backend) -> ModuleType:
@@ -100,10 +107,11 @@ class Quantizer:
         check_role(self.role)
         if not (self.rowwise or self.columnwise):
             raise ValueError("rowwise=False and columnwise=False quantize nothing: enable at least one usage")
-        if self.amax_reduction_group is not None and not family.takes_amax_group:
+        if self.amax_reduction_group is not None and not _takes_amax_group(self.recipe, self.role):
             raise ValueError(
-                f"amax_reduction_group applies to DelayedScaling and Float8CurrentScaling only, not "
-                f"{type(self.recipe).__name__}: leave it None"
+                f"amax_reduction_group applies to DelayedScaling, Float8CurrentScaling and NVFP4 roles without the "
+                f"Hadamard transform (its weights), not {type(self.recipe).__name__} for role {self.role!r}: "
+                "leave it None"
             )
         set_state = object.__setattr__  # the dataclass is frozen; the state tensors change in place
         if isinstance(self.recipe, DelayedScaling):
@@ -136,6 +144,11 @@ class Quantizer:
             kwargs["scale"] = scale_from_amax(
                 amax, self.fmax, power_2_scale=kwargs.pop("power_2_scale"), amax_epsilon=kwargs.pop("amax_epsilon")
             )
+        elif isinstance(self.recipe, NVFP4BlockScaling) and self._reduces_amax():
+            # Every shard casts with the whole tensor's amax, as one device casting all of it would.
+            amax = tensor_amax(x)
+            dist.all_reduce(amax, op=dist.ReduceOp.MAX, group=self.amax_reduction_group)
+            kwargs["global_amax"] = amax
         if self.stochastic_step is not None:
             kwargs["stochastic_seed"] = self.recipe.stochastic_rounding_seed + int(self.stochastic_step)
             self.stochastic_step.add_(1)
