@@ -1,4 +1,4 @@
-"""Run a function on N ranks: real gloo processes, or threads of this process.
+"""Run a function on N ranks: real processes (gloo on CPU, or NCCL with one GPU per rank), or threads.
 
 Both call `fn(rank, world_size, *args)` after the default process group is up and
 return the per-rank results in rank order. A rank that raises fails the call with its
@@ -31,15 +31,17 @@ class RankError(RuntimeError):
     """One or more ranks raised, hung, or died; the message holds their tracebacks."""
 
 
-def _process_main(fn, rank, world_size, port, args, results, stack_file, timeout):
+def _process_main(fn, rank, world_size, port, args, results, stack_file, timeout, backend):
     with open(stack_file, "w") as stacks:
         # The parent sends SIGUSR1 to a rank that hangs, to learn where it is stuck.
         faulthandler.register(signal.SIGUSR1, file=stacks, all_threads=True)
         torch.set_num_threads(1)  # N ranks share the cores; oversubscription only slows them
+        if backend == "nccl":
+            torch.cuda.set_device(rank)  # one GPU per rank, before NCCL binds a communicator to a device
         store = dist.TCPStore("127.0.0.1", port, world_size, is_master=False)
         # gloo's own timeout is longer than ours, so a hang is reported here, with stacks.
         dist.init_process_group(
-            "gloo", store=store, rank=rank, world_size=world_size, timeout=datetime.timedelta(seconds=timeout + 60)
+            backend, store=store, rank=rank, world_size=world_size, timeout=datetime.timedelta(seconds=timeout + 60)
         )
         results.put((rank, "ready", None))
         try:
@@ -53,12 +55,26 @@ def _process_main(fn, rank, world_size, port, args, results, stack_file, timeout
 STARTUP_TIMEOUT = 180.0  # spawning N processes that import torch is slow on a loaded 2-core machine
 
 
-def run_processes(fn: Callable[..., Any], world_size: int, *args: Any, timeout: float = 120.0) -> list[Any]:
-    """Run `fn` on `world_size` spawned processes joined by a gloo process group.
+BACKENDS = ("gloo", "nccl")
+
+
+def run_processes(
+    fn: Callable[..., Any], world_size: int, *args: Any, timeout: float = 120.0, backend: str = "gloo"
+) -> list[Any]:
+    """Run `fn` on `world_size` spawned processes joined by a `backend` process group.
 
     `fn` must be a module-level function (it is pickled by name) and return picklable values.
-    `timeout` counts from the moment every rank has joined the process group.
+    `timeout` counts from the moment every rank has joined the process group. With "nccl", rank r
+    runs on CUDA device r (`torch.cuda.set_device(r)` before the group starts): put tensors on
+    `torch.device("cuda", rank)` and return CPU values.
     """
+    if backend not in BACKENDS:
+        raise ValueError(f"run_processes(backend={backend!r}): use one of {BACKENDS}")
+    if backend == "nccl" and torch.cuda.device_count() < world_size:
+        raise ValueError(
+            f"run_processes(backend='nccl') needs one CUDA device per rank: {world_size} ranks, "
+            f"{torch.cuda.device_count()} devices; use fewer ranks or backend='gloo'"
+        )
     ctx = multiprocessing.get_context("spawn")
     # The parent owns the rendezvous store: its port is bound before any child starts (no race).
     store = dist.TCPStore("127.0.0.1", 0, world_size, is_master=True, wait_for_workers=False)
@@ -68,7 +84,7 @@ def run_processes(fn: Callable[..., Any], world_size: int, *args: Any, timeout: 
         procs = [
             ctx.Process(
                 target=_process_main,
-                args=(fn, r, world_size, store.port, args, results, str(stack_files[r]), timeout),
+                args=(fn, r, world_size, store.port, args, results, str(stack_files[r]), timeout, backend),
                 daemon=True,
             )
             for r in range(world_size)

@@ -179,7 +179,7 @@ def test_bad_arguments_raise_with_the_fix():
                 {"softmax_scale": -1.0}):  # fmt: skip
         with pytest.raises(ValueError, match=next(iter(bad))):
             DotProductAttention(4, 8, **bad)
-    with pytest.raises(NotImplementedError, match="issue 6"):
+    with pytest.raises(ValueError, match="leave parallel_mode None"):
         DotProductAttention(4, 8, config=ModuleConfig(parallel_mode="column"))
     module = DotProductAttention(4, HEAD_DIM, num_gqa_groups=2, attn_mask_type="padding")
     q, k, v = _inputs(4, 2, torch.float32, "sbhd")

@@ -162,5 +162,5 @@ def test_bad_arguments_raise_with_the_fix(reference_kernels):
         module(x, SPLITS)
     with pytest.raises(ValueError, match="num_gemms"):
         GroupedLinear(0, IN, OUT)
-    with pytest.raises(NotImplementedError, match="issue 6"):
-        GroupedLinear(GROUPS, IN, OUT, config=ModuleConfig(tp_size=2))
+    with pytest.raises(ValueError, match="sequence_parallel=False"):
+        GroupedLinear(GROUPS, IN, OUT, config=ModuleConfig(tp_size=2, parallel_mode="column", sequence_parallel=True))

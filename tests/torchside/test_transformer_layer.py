@@ -23,7 +23,7 @@ from torch import nn
 from kernels._backend import Backend, backend_for
 from torchside.autocast import fp8_autocast, quantized_model_init
 from torchside.modules import FP8Module, LayerNormLinear, ModuleConfig
-from torchside.modules.multihead_attention import MultiheadAttention
+from torchside.modules.multihead_attention import MultiheadAttention, fused_from_qkv
 from torchside.modules.rotary import RotaryPositionEmbedding
 from torchside.modules.transformer_config import TransformerConfig
 from torchside.modules.transformer_layer import TransformerLayer
@@ -75,7 +75,7 @@ def mha64(mha, params: dict, maths: dict, x, angles, prefix: str = ""):
 
     if config.fuse_qkv_params:
         fused = projection("layernorm_qkv" if mha.input_layernorm else "qkv", x)
-        q, k, v = fused.split(mha.split_features, dim=-1)
+        q, k, v = mha.split_qkv(fused)
     else:
         if mha.input_layernorm:
             norm = _sub(params, f"{prefix}layernorm.")
@@ -243,7 +243,7 @@ def _plain_twin(layer: TransformerLayer) -> tuple[PlainPreNormBlock, dict[str, s
         for plain_name, layer_name in names.items():
             plain.get_parameter(plain_name).copy_(params[layer_name])
         fused = attention.layernorm_qkv
-        weights, biases = fused.weight.split(attention.split_features), fused.bias.split(attention.split_features)
+        weights, biases = attention.split_qkv(fused.weight, dim=0), attention.split_qkv(fused.bias, dim=0)
         for part, w, b in zip("qkv", weights, biases, strict=True):
             getattr(plain, part).weight.copy_(w)
             getattr(plain, part).bias.copy_(b)
@@ -280,7 +280,7 @@ def test_fp8_off_matches_a_plain_torch_pre_norm_block(activation, normalization,
     for plain_name, layer_name in names.items():
         grad = plain.get_parameter(plain_name).grad.double()
         assert _relative_error(params[layer_name].grad, grad) <= FP32_ROUNDING, layer_name
-    qkv_grad = torch.cat([getattr(plain, part).weight.grad for part in "qkv"]).double()
+    qkv_grad = fused_from_qkv(*(getattr(plain, part).weight.grad for part in "qkv"), 2, HEAD_DIM, dim=0).double()
     assert _relative_error(params["self_attention.layernorm_qkv.weight"].grad, qkv_grad) <= FP32_ROUNDING
 
 
@@ -332,16 +332,6 @@ def test_hidden_dropout_acts_in_training_only():
     assert torch.equal(layer(x), plain(x))
     layer.train()
     assert not torch.equal(layer(x), plain(x))
-
-
-def test_tensor_parallelism_is_issue_6():
-    with pytest.raises(NotImplementedError, match="issue 6"):
-        column = TransformerConfig(module_config=ModuleConfig(parallel_mode="column"))
-        TransformerLayer(HIDDEN, 64, HEADS, config=column)
-    with pytest.raises(NotImplementedError, match="issue 6"):
-        MultiheadAttention(HIDDEN, HEADS, config=TransformerConfig(module_config=ModuleConfig(tp_size=2)))
-    with pytest.raises(NotImplementedError, match="issue 6"):
-        TransformerLayer(HIDDEN, 64, HEADS).set_parallel_mode()
 
 
 @pytest.mark.parametrize(

@@ -18,6 +18,12 @@ is masked out:
   tuple (q_mask [B, 1, 1, Sq], kv_mask [B, 1, 1, Skv]); padded keys are never attended to;
 - "arbitrary": a bool mask that broadcasts to [B, N, Sq, Skv].
 
+Tensor parallelism (`config.tp_size` > 1): heads are split, so this rank attends with its
+N/tp query heads and G/tp key/value heads (the heads of its QKV projection's shard; query head n
+reads key/value head n // (N/G), so each rank keeps whole groups); q, k and v above then hold
+N/tp and G/tp heads, the output N/tp * H features. There is nothing to communicate: attention
+always sees the whole sequence (under sequence parallelism the QKV projection gathered it).
+
 An output row with no key left to attend to (a padded query, a fully masked row) is zero, on every
 backend (SDPA's own result for such rows differs between kernels).
 """
@@ -34,8 +40,8 @@ from torchside.modules.transformer_config import (
     QKV_FORMATS,
     check_choice,
     check_probability,
+    check_layer_parallelism,
     check_softmax_scale,
-    reject_tensor_parallelism,
 )
 
 AttentionMask = Tensor | tuple[Tensor, Tensor] | None
@@ -125,8 +131,7 @@ class DotProductAttention(nn.Module):
     ) -> None:
         super().__init__()
         owner = "DotProductAttention"
-        self.config = ModuleConfig() if config is None else config
-        reject_tensor_parallelism(owner, self.config)
+        self.config = check_layer_parallelism(owner, ModuleConfig() if config is None else config)
         self.num_attention_heads = check_size(owner, "num_attention_heads", num_attention_heads)
         self.kv_channels = check_size(owner, "kv_channels", kv_channels)
         groups = num_attention_heads if num_gqa_groups is None else check_size(owner, "num_gqa_groups", num_gqa_groups)
@@ -135,7 +140,15 @@ class DotProductAttention(nn.Module):
                 f"{owner}(num_gqa_groups={groups}) must divide num_attention_heads={num_attention_heads} "
                 "(each key/value head serves the same number of query heads)"
             )
+        tp_size = self.config.tp_size
+        if groups % tp_size:  # then heads divide too: groups divides heads
+            raise ValueError(
+                f"{owner}: num_gqa_groups={groups} (key/value heads) does not divide by tp_size={tp_size}, and each "
+                f"TP rank must hold whole groups: choose num_gqa_groups (and num_attention_heads) a multiple of "
+                f"{tp_size}, or a smaller tp_size"
+            )
         self.num_gqa_groups = groups
+        self.heads_per_rank, self.groups_per_rank = num_attention_heads // tp_size, groups // tp_size
         self.attention_dropout = check_probability(owner, "attention_dropout", attention_dropout)
         self.qkv_format = check_choice(owner, "qkv_format", qkv_format, QKV_FORMATS)
         self.attn_mask_type = check_choice(owner, "attn_mask_type", attn_mask_type, MASK_TYPES)
@@ -144,8 +157,8 @@ class DotProductAttention(nn.Module):
     def _check_qkv(self, query: Tensor, key: Tensor, value: Tensor) -> None:
         layout = "[S, B, heads, H]" if self.qkv_format == "sbhd" else "[B, S, heads, H]"
         batch_dim = 1 if self.qkv_format == "sbhd" else 0
-        for name, t, heads in (("query", query, self.num_attention_heads), ("key", key, self.num_gqa_groups),
-                               ("value", value, self.num_gqa_groups)):  # fmt: skip
+        for name, t, heads in (("query", query, self.heads_per_rank), ("key", key, self.groups_per_rank),
+                               ("value", value, self.groups_per_rank)):  # fmt: skip
             if not isinstance(t, Tensor) or t.dim() != 4 or t.shape[2:] != (heads, self.kv_channels):
                 got = list(t.shape) if isinstance(t, Tensor) else type(t).__name__
                 raise ValueError(
@@ -171,7 +184,7 @@ class DotProductAttention(nn.Module):
         check_choice("DotProductAttention.forward", "attn_mask_type", mask_type, MASK_TYPES)
         self._check_qkv(query, key, value)
         q_BNSH, k_BGSH, v_BGSH = (_to_bnsh(t, self.qkv_format) for t in (query, key, value))
-        shape_BNSS = (q_BNSH.shape[0], self.num_attention_heads, q_BNSH.shape[2], k_BGSH.shape[2])
+        shape_BNSS = (q_BNSH.shape[0], self.heads_per_rank, q_BNSH.shape[2], k_BGSH.shape[2])
         keep = _keep_mask(mask_type, attention_mask, shape_BNSS)
         empty_rows = None
         if keep is not None:
@@ -187,7 +200,7 @@ class DotProductAttention(nn.Module):
             dropout_p=self.attention_dropout if self.training else 0.0,
             is_causal=mask_type == "causal",
             scale=self.softmax_scale,
-            enable_gqa=self.num_gqa_groups != self.num_attention_heads,
+            enable_gqa=self.groups_per_rank != self.heads_per_rank,
         )
         if empty_rows is not None:
             out_BNSH = out_BNSH.masked_fill(empty_rows, 0.0)
@@ -197,7 +210,8 @@ class DotProductAttention(nn.Module):
         return (
             f"num_attention_heads={self.num_attention_heads}, kv_channels={self.kv_channels}, "
             f"num_gqa_groups={self.num_gqa_groups}, qkv_format={self.qkv_format}, "
-            f"attn_mask_type={self.attn_mask_type}, attention_dropout={self.attention_dropout}"
+            f"attn_mask_type={self.attn_mask_type}, attention_dropout={self.attention_dropout}, "
+            f"tp_size={self.config.tp_size}"
         )
 
 

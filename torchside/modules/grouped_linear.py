@@ -14,6 +14,14 @@ and each of the three GEMM kinds runs as ONE grouped launch over all groups
 A group with no rows gets zero weight and bias gradients. MXFP8 and NVFP4 blocks run along the
 rows of the wgrad copies, so with gradients every split must be a multiple of 32 (MXFP8) or 16
 (NVFP4): pad the groups as TransformerEngine's Fp8Padding does. FP8 off: one torch linear per group.
+
+Tensor parallelism (`ModuleConfig(parallel_mode=..., tp_size=...)`): every group's weight and bias
+is split by the placement table's linear rows, all groups alike. "column": this rank holds
+`weight{g}` [O/tp, I] and `bias{g}` [O/tp] and writes its O/tp output features (the input's
+gradient is summed over TP); "row": `weight{g}` [O, I/tp], x holds this rank's I/tp input features,
+the partial outputs are all-reduced and then each group's full bias `bias{g}` [O] is added to its
+rows. No sequence parallelism: the rows are routed tokens of every sequence position, and the
+groups cut them by m_splits, not by TP rank (gather them before, as TransformerEngine's MoE does).
 """
 
 from __future__ import annotations
@@ -22,13 +30,14 @@ from collections.abc import Sequence
 
 import torch
 from torch import Tensor, nn
+from torch.distributed.device_mesh import DeviceMesh
 
 from kernels.grouped_gemm import grouped_scaled_mm
 from torchside import autocast
 from torchside.modules.base import FP8Module, ParamSpec, default_init_method
-from torchside.modules.config import ModuleConfig, check_size
+from torchside.modules.config import ModuleConfig, check_parallel_mode, check_size
 from torchside.modules.functions import GemmQuantizers, _columnwise_only, _quantized, linear
-from torchside.modules.transformer_config import InitMethod, reject_tensor_parallelism
+from torchside.modules.transformer_config import InitMethod
 from torchside.recipe import MXFP8BlockScaling, NVFP4BlockScaling
 
 _SPLIT_MULTIPLE = {MXFP8BlockScaling.__name__: 32, NVFP4BlockScaling.__name__: 16}  # rows per wgrad block
@@ -131,34 +140,61 @@ class GroupedLinear(FP8Module):
         device: torch.device | str | None = None,
         init_method: InitMethod | None = None,
         config: ModuleConfig | None = None,
+        tp_mesh: DeviceMesh | None = None,
+        weight_mesh: DeviceMesh | None = None,
     ) -> None:
         owner = "GroupedLinear"
-        reject_tensor_parallelism(owner, ModuleConfig() if config is None else config)
+        if config is not None and config.sequence_parallel and config.tp_size > 1:
+            raise ValueError(
+                f"{owner} does not take sequence_parallel=True: its rows are routed tokens grouped by m_splits, not "
+                "sequence positions split over TP; gather the tokens before the experts and pass "
+                "ModuleConfig(sequence_parallel=False)"
+            )
+        mode = check_parallel_mode(owner, config, ("column", "row", None))
         groups = check_size(owner, "num_gemms", num_gemms)
         in_features = check_size(owner, "in_features", in_features)
         out_features = check_size(owner, "out_features", out_features)
         init = init_method or default_init_method
         weight_shape = (out_features, in_features)
-        params = {f"weight{g}": ParamSpec(weight_shape, init, "linear_weight", gemm=g) for g in range(groups)}
+        params = {f"weight{g}": ParamSpec(weight_shape, init, "linear_weight", mode, gemm=g) for g in range(groups)}
         if bias:
-            params |= {f"bias{g}": ParamSpec((out_features,), nn.init.zeros_, "linear_bias") for g in range(groups)}
-        super().__init__(params, groups, params_dtype=params_dtype, device=device, config=config)
+            params |= {f"bias{g}": ParamSpec((out_features,), nn.init.zeros_, "linear_bias", mode) for g in range(groups)}
+        meshes = {"tp_mesh": tp_mesh, "weight_mesh": weight_mesh}
+        super().__init__(params, groups, params_dtype=params_dtype, device=device, config=config, **meshes)
         self.in_features, self.out_features, self.use_bias = in_features, out_features, bias
+        self.parallel_mode = mode
 
     def forward(self, x_TI: Tensor, m_splits: Sequence[int]) -> Tensor:
-        """y [..., O]: rows m_splits[g] of x (in order) through weight{g} and bias{g}."""
-        if not isinstance(x_TI, Tensor) or x_TI.dim() < 1 or x_TI.shape[-1] != self.in_features:
-            got = list(x_TI.shape) if isinstance(x_TI, Tensor) else type(x_TI).__name__
-            raise ValueError(f"GroupedLinear takes x [..., {self.in_features}], got {got}")
-        splits = _check_m_splits(m_splits, self.num_gemms, x_TI.numel() // self.in_features)
+        """y [..., O] (column: this rank's O/tp): rows m_splits[g] of x (in order) through weight{g} and bias{g}."""
         # forward_param: the local tensors FSDP2 keeps updating when the parameters are DTensors
         weights = [self.forward_param(f"weight{g}") for g in range(self.num_gemms)]
         biases = [self.forward_param(f"bias{g}") for g in range(self.num_gemms)] if self.use_bias else []
+        local_in = weights[0].shape[1]  # I, or I/tp when row-parallel
+        if not isinstance(x_TI, Tensor) or x_TI.dim() < 1 or x_TI.shape[-1] != local_in:
+            got = list(x_TI.shape) if isinstance(x_TI, Tensor) else type(x_TI).__name__
+            raise ValueError(f"GroupedLinear takes x [..., {local_in}] (this rank's in-features), got {got}")
+        splits = _check_m_splits(m_splits, self.num_gemms, x_TI.numel() // local_in)
+        parallel = self.linear_parallelism("weight0")  # every group is split alike
+        if parallel is not None and parallel.mode == "column":
+            x_TI = parallel.comm.all_reduce_grad(x_TI)  # dx sums what every rank's output features feed back
+        row = parallel is not None and parallel.mode == "row"
+        y = self._local_groups(x_TI, splits, weights, [] if row else biases)
+        if not row:
+            return y
+        y = parallel.comm.all_reduce(y)  # partial sums over the split in-features
+        if not biases:
+            return y
+        bias_rows = torch.cat([b.expand(m, -1) for b, m in zip(biases, splits, strict=True)])  # once, after the sum
+        return y + bias_rows.reshape(y.shape)
+
+    def _local_groups(self, x_TI: Tensor, splits: list[int], weights: list[Tensor], biases: list[Tensor]) -> Tensor:
+        """Every group's GEMM on this rank's shards: one grouped FP8 launch, or a torch linear per group."""
+        out_features = weights[0].shape[0]
         plan = self.fp8_plan(x_TI.device)
         if plan is None:
-            x_parts = x_TI.reshape(-1, self.in_features).split(splits)
+            x_parts = x_TI.reshape(-1, x_TI.shape[-1]).split(splits)
             parts = [linear(x_parts[g], weights[g], biases[g] if biases else None, None) for g in range(self.num_gemms)]
-            return torch.cat(parts).reshape(*x_TI.shape[:-1], self.out_features)
+            return torch.cat(parts).reshape(*x_TI.shape[:-1], out_features)
         recipe_name = type(autocast.fp8_frame().recipe).__name__
         multiple = _SPLIT_MULTIPLE.get(recipe_name)
         if multiple and torch.is_grad_enabled() and any(m % multiple for m in splits):
@@ -173,7 +209,7 @@ class GroupedLinear(FP8Module):
     def extra_repr(self) -> str:
         return (
             f"num_gemms={self.num_gemms}, in_features={self.in_features}, out_features={self.out_features}, "
-            f"bias={self.use_bias}"
+            f"bias={self.use_bias}, parallel_mode={self.parallel_mode}, tp_size={self.tp_size}"
         )
 
 

@@ -11,6 +11,12 @@ activation dtype through torch ops.
 With tp_size > 1, fc1 is column-parallel (this rank: `fc1_weight` [F/tp, H], `fc1_bias` [F/tp]) and
 fc2 row-parallel (`fc2_weight` [H, F/tp]; `fc2_bias` [H] added after the reduction), so the
 activation runs on local features with no collective in between.
+
+A gated fc1 splits each half over TP on its own, so that a rank's gate and up rows pair up: rank j
+holds `fc1_weight` [gate rows j*F/tp .. (j+1)*F/tp - 1; up rows F + j*F/tp .. F + (j+1)*F/tp - 1]
+([2F/tp, H], its own [gate; up] halves) and `fc1_bias` alike; the activation chunks the local fc1
+output in two exactly as on one device. The placement is `_StridedShard(0, sf=2)` (the gated
+roles of `torchside.parallel.placements`, which also says what JAX and FSDP2 make of it).
 """
 
 from __future__ import annotations
@@ -89,19 +95,14 @@ class LayerNormMLP(FP8Module):
             raise ValueError(f"LayerNormMLP(activation={activation!r}): use one of {', '.join(ACTIVATIONS)}")
         check_parallel_mode("LayerNormMLP", config, (None,))
         gated = ACTIVATIONS[activation].gated
-        if gated and config is not None and config.tp_size > 1:
-            # A rank's [gate; linear] rows are not a Shard(0) block of the global [gate; linear] weight.
-            raise ValueError(
-                f"LayerNormMLP(activation={activation!r}) with tp_size={config.tp_size}: gated activations are not "
-                "split over TP yet; use a non-gated activation (e.g. 'gelu') or tp_size=1"
-            )
         norm = NormSettings(normalization, eps, zero_centered_gamma)
         fc1_features = 2 * ffn_hidden_size if gated else ffn_hidden_size
         params = norm.param_specs(hidden_size, prefix="layer_norm_")
         fc1_init = init_method or default_init_method
-        params["fc1_weight"] = ParamSpec((fc1_features, hidden_size), fc1_init, "linear_weight", "column", gemm=0)
+        fc1_role = "gated" if gated else "linear"  # gated: [gate; up] halves, each split over TP on its own
+        params["fc1_weight"] = ParamSpec((fc1_features, hidden_size), fc1_init, f"{fc1_role}_weight", "column", gemm=0)
         if bias:
-            params["fc1_bias"] = ParamSpec((fc1_features,), nn.init.zeros_, "linear_bias", "column")
+            params["fc1_bias"] = ParamSpec((fc1_features,), nn.init.zeros_, f"{fc1_role}_bias", "column")
         fc2_init = output_layer_init_method or default_init_method
         params["fc2_weight"] = ParamSpec((hidden_size, ffn_hidden_size), fc2_init, "linear_weight", "row", gemm=1)
         if bias:

@@ -4,14 +4,13 @@ The fields have TransformerEngine's names (`normalization`, `layernorm_epsilon`,
 `bias`, `fuse_qkv_params`, `attn_mask_type`, `qkv_format`...), so that the constructors keep only
 sizes. Three defaults differ from TransformerEngine's: `fuse_qkv_params` is True (one QKV GEMM), and
 both dropouts are 0.0 (Llama-style training; set them for GPT-style). `module_config` is the
-`ModuleConfig` every FP8 submodule is built with (DelayedScaling history length, TP fields).
-
-Tensor parallelism of attention and of the whole layer is issue 6: `reject_tensor_parallelism`
-is the one place that says so.
+`ModuleConfig` every FP8 submodule is built with (DelayedScaling history length, TP fields): its
+tp_group / tp_size / sequence_parallel split the whole layer (`check_layer_parallelism`).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -50,25 +49,25 @@ def check_softmax_scale(owner: str, value: object) -> float | None:
     return float(value)
 
 
-def reject_tensor_parallelism(owner: str, config: ModuleConfig) -> None:
-    """NotImplementedError if `config` asks for tensor parallelism, which these modules get in issue 6."""
+def check_layer_parallelism(owner: str, config: object) -> ModuleConfig:
+    """The ModuleConfig of a layer that splits itself over TP; ValueError if it names a parallel_mode.
+
+    Its TP fields (tp_group, tp_size, sequence_parallel, fp8_all_gather) apply to the whole layer, as
+    TransformerEngine's with set_parallel_mode=True: the layer gives each child its own mode.
+    """
     if not isinstance(config, ModuleConfig):
         raise TypeError(f"{owner}(config={config!r}): pass a torchside.modules.ModuleConfig or None")
-    asked = [
-        name
-        for name, on in (
-            ("parallel_mode", config.parallel_mode is not None),
-            ("tp_group", config.tp_group is not None),
-            ("tp_size", config.tp_size != 1),
-            ("sequence_parallel", config.sequence_parallel),
+    if config.parallel_mode is not None:
+        raise ValueError(
+            f"{owner} does not take ModuleConfig(parallel_mode={config.parallel_mode!r}): it splits itself over "
+            "tp_size (QKV and fc1 column-parallel, output projections row-parallel); leave parallel_mode None"
         )
-        if on
-    ]
-    if asked:
-        raise NotImplementedError(
-            f"{owner}: tensor parallelism ({', '.join(asked)}) is issue 6 and not implemented for this module "
-            "yet; build it with ModuleConfig(parallel_mode=None, tp_group=None, tp_size=1, sequence_parallel=False)"
-        )
+    return config
+
+
+def with_parallel_mode(config: ModuleConfig, mode: str | None) -> ModuleConfig:
+    """`config` for a child that runs `mode` ("column", "row" or None)."""
+    return dataclasses.replace(config, parallel_mode=mode)
 
 
 @dataclass(frozen=True)
@@ -127,6 +126,7 @@ __all__ = [
     "TransformerConfig",
     "check_choice",
     "check_probability",
+    "check_layer_parallelism",
     "check_softmax_scale",
-    "reject_tensor_parallelism",
+    "with_parallel_mode",
 ]

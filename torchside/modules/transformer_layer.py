@@ -8,24 +8,32 @@ Shape legend: S sequence, B batch, D hidden size, F ffn hidden size. Hidden stat
 
 `self_attention` is a MultiheadAttention with its input norm, `layernorm_mlp` a LayerNormMLP;
 both norms are `TransformerConfig.normalization`. Dropout (`hidden_dropout`) acts in training only.
+
+Tensor parallelism: the TP fields of `config.module_config` (tp_group, tp_size,
+sequence_parallel) split the whole layer, as TransformerEngine's arguments do with
+set_parallel_mode=True: QKV and fc1 column-parallel, proj and fc2 row-parallel, attention on
+this rank's heads. Under sequence parallelism hidden states are [S/tp, B, D] (this rank's
+sequence rows, "sbhd") in and out, and the residual adds and norms run on them.
+`set_device_mesh(tp_mesh, weight_mesh)` (or the same constructor arguments) reaches every
+parameter through the children.
 """
 
 from __future__ import annotations
 
-from typing import NoReturn
-
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+from torch.distributed.device_mesh import DeviceMesh
 
 from torchside.modules.attention import AttentionMask
 from torchside.modules.config import check_size
 from torchside.modules.layernorm_mlp import LayerNormMLP
 from torchside.modules.multihead_attention import MultiheadAttention, RotaryFreqs, reset_fp8_submodules
-from torchside.modules.transformer_config import InitMethod, TransformerConfig, reject_tensor_parallelism
+from torchside.modules.transformer_config import InitMethod, TransformerConfig, check_layer_parallelism
+from torchside.parallel.module_mesh import TensorParallelMixin
 
 
-class TransformerLayer(nn.Module):
+class TransformerLayer(TensorParallelMixin, nn.Module):
     """Pre-norm self-attention + MLP block with TransformerEngine's te.TransformerLayer sizes; knobs in the config."""
 
     def __init__(
@@ -40,16 +48,21 @@ class TransformerLayer(nn.Module):
         init_method: InitMethod | None = None,
         output_layer_init_method: InitMethod | None = None,
         config: TransformerConfig | None = None,
+        tp_mesh: DeviceMesh | None = None,
+        weight_mesh: DeviceMesh | None = None,
     ) -> None:
         super().__init__()
         owner = "TransformerLayer"
         config = TransformerConfig() if config is None else config
         if not isinstance(config, TransformerConfig):
             raise TypeError(f"{owner}(config={config!r}): pass a torchside.modules.TransformerConfig or None")
-        reject_tensor_parallelism(owner, config.module_config)
+        self._init_tensor_parallel(check_layer_parallelism(owner, config.module_config))
         check_size(owner, "ffn_hidden_size", ffn_hidden_size)
+        self._set_own_device_mesh(tp_mesh, weight_mesh)  # checks the meshes before any weight is built
         self.config = config
-        inits = {"init_method": init_method, "output_layer_init_method": output_layer_init_method}
+        # The children get the meshes at construction: FP8 weights are cast with their amax group.
+        meshes = {"tp_mesh": tp_mesh, "weight_mesh": weight_mesh}
+        inits = {"init_method": init_method, "output_layer_init_method": output_layer_init_method, **meshes}
         self.self_attention = MultiheadAttention(
             hidden_size,
             num_attention_heads,
@@ -79,13 +92,6 @@ class TransformerLayer(nn.Module):
         """Fill every parameter again (after building on meta: call `to_empty(device=...)` first)."""
         reset_fp8_submodules(self)
 
-    def set_parallel_mode(self, enabled: bool = True) -> NoReturn:
-        """Tensor parallelism for the whole layer (QKV/fc1 column, proj/fc2 row): not implemented yet."""
-        raise NotImplementedError(
-            f"TransformerLayer.set_parallel_mode({enabled!r}): tensor parallelism of TransformerLayer is issue 6 "
-            "and not implemented yet; run the layer on a single device"
-        )
-
     def forward(
         self,
         hidden_states: Tensor,
@@ -106,7 +112,10 @@ class TransformerLayer(nn.Module):
 
     def extra_repr(self) -> str:
         c = self.config
-        return f"normalization={c.normalization}, activation={c.activation}, hidden_dropout={c.hidden_dropout}"
+        return (
+            f"normalization={c.normalization}, activation={c.activation}, hidden_dropout={c.hidden_dropout}, "
+            f"tp_size={self.tp_size}, sequence_parallel={self.sequence_parallel}"
+        )
 
 
 __all__ = ["TransformerLayer"]

@@ -1,7 +1,9 @@
 """`TensorParallelMixin`: the one `set_device_mesh`, and the TP state every module shares.
 
 A module using it keeps a `ModuleConfig` in `self.config` and declares its parameters in
-`self._param_specs` (name -> spec with the global `shape`, `role` and `parallel_mode`). Then:
+`self._param_specs` (name -> spec with the global `shape`, `role` and `parallel_mode`); a container
+(MultiheadAttention, TransformerLayer) passes the ModuleConfig of its children and declares none.
+Then:
 
 - `tp_local_shape(spec)` is the shard its constructor allocates (from the placement table);
 - `set_device_mesh(tp_mesh, weight_mesh)` wraps its own parameters as DTensors on `tp_mesh` with
@@ -82,8 +84,14 @@ def _check_1d_mesh(owner: str, name: str, mesh: object) -> DeviceMesh:
 class TensorParallelMixin:
     """TP state, `set_device_mesh` and the forward-time views of parameters (see the module docstring)."""
 
-    def _init_tensor_parallel(self) -> None:
-        config = self.config
+    def _init_tensor_parallel(self, config=None) -> None:
+        """TP state from a ModuleConfig's TP fields: `self.config`, or for a container the config it gives its children.
+
+        A container has no parameters of its own (an FP8Module declares its specs next): its
+        set_device_mesh checks the mesh and forwards it.
+        """
+        config = self.config if config is None else config
+        self._param_specs = {}
         self.tp_size = config.tp_size
         self.sequence_parallel = config.sequence_parallel
         self.tp_comm = None if config.tp_group is None else TPComm(config.tp_group)
@@ -100,14 +108,18 @@ class TensorParallelMixin:
         Call it before `fully_shard` (FSDP2 builds its strided sharding from these placements) and
         before `reset_parameters` of a meta-device model. Children with the mixin get the same call.
         """
+        self._set_own_device_mesh(tp_mesh, weight_mesh)
+        for child in self.children():
+            if isinstance(child, TensorParallelMixin):
+                child.set_device_mesh(tp_mesh, weight_mesh)
+
+    def _set_own_device_mesh(self, tp_mesh: DeviceMesh | None, weight_mesh: DeviceMesh | None) -> None:
+        """set_device_mesh without the children: a container whose children were built with the meshes calls it."""
         owner = type(self).__name__
         if tp_mesh is not None:
             self._set_tp_mesh(owner, _check_1d_mesh(owner, "tp_mesh", tp_mesh))
         if weight_mesh is not None:
             self.weight_amax_group = _check_1d_mesh(owner, "weight_mesh", weight_mesh).get_group()
-        for child in self.children():
-            if isinstance(child, TensorParallelMixin):
-                child.set_device_mesh(tp_mesh, weight_mesh)
 
     def _set_tp_mesh(self, owner: str, tp_mesh: DeviceMesh) -> None:
         if tp_mesh.size() != self.tp_size:
