@@ -17,6 +17,7 @@ from torch import nn
 from torchside.autocast import fp8_autocast, quantized_model_init
 from torchside.modules import (
     ACTIVATIONS,
+    GroupedLinear,
     LayerNorm,
     LayerNormLinear,
     LayerNormMLP,
@@ -428,17 +429,22 @@ def test_fp8_linear_refuses_float16_activations():
             Linear(HIDDEN, FFN)(torch.randn(4, HIDDEN, dtype=torch.float16))
 
 
-def test_fp8_copies_saved_for_backward_are_freed_when_the_backward_ends():
+@pytest.mark.parametrize("grouped", [False, True], ids=["Linear", "GroupedLinear"])
+def test_fp8_copies_saved_for_backward_are_freed_when_the_backward_ends(grouped):
     """Custom autograd ctx attributes live as long as the graph (the output holds it): the FP8 input and
     weight copies must be dropped by the backward itself, or they stay allocated until `y` is deleted."""
-    layer = Linear(HIDDEN, FFN, params_dtype=torch.bfloat16)
+    if grouped:
+        layer, m_splits = GroupedLinear(2, HIDDEN, FFN, params_dtype=torch.bfloat16), [16, 16]
+    else:
+        layer, m_splits = Linear(HIDDEN, FFN, params_dtype=torch.bfloat16), None
     x = torch.randn(32, HIDDEN, dtype=torch.bfloat16, requires_grad=True)
     with fp8_autocast(recipe=Float8CurrentScaling()):
-        y = layer(x)
-    saved = [y.grad_fn.x_columnwise.columnwise_data, y.grad_fn.w_columnwise.columnwise_data]
-    storages = [weakref.ref(t.untyped_storage()) for t in saved]
+        y = layer(x, m_splits) if grouped else layer(x)
+    saved = [y.grad_fn.x_columnwise, y.grad_fn.w_columnwise]
+    saved = [s for copies in saved for s in (copies.values() if grouped else [copies])]
+    storages = [weakref.ref(s.columnwise_data.untyped_storage()) for s in saved]
     del saved
     y.backward(torch.randn_like(y))
     gc.collect()  # the Triton interpreter keeps its launch arguments in reference cycles; CUDA does not
-    assert [ref() for ref in storages] == [None, None]
+    assert [ref() for ref in storages] == [None] * len(storages)
     assert y.grad_fn is not None  # the graph (and y) are still alive: the backward freed them

@@ -75,6 +75,8 @@ class _GroupedFP8Linear(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dy):
         groups, live = len(ctx.m_splits), ctx.live
+        # ctx attributes outlive the backward (torchside.modules.functions._FP8Linear): drop the FP8 copies now
+        x_saved, w_saved, ctx.x_columnwise, ctx.w_columnwise = ctx.x_columnwise, ctx.w_columnwise, None, None
         dy_TO = dy.reshape(-1, dy.shape[-1])
         dy_parts = dy_TO.split(ctx.m_splits)
         dy_fp8 = {g: ctx.quantizers[g].grad_output.quantize(dy_parts[g]).quantized_storage.to_quantized() for g in live}
@@ -85,14 +87,14 @@ class _GroupedFP8Linear(torch.autograd.Function):
             if live:
                 grouped_scaled_mm(
                     [dy_fp8[g] for g in live],
-                    [ctx.w_columnwise[g].to_quantized() for g in live],
+                    [w_saved[g].to_quantized() for g in live],
                     b_columnwise=True,
                     out_dtype=ctx.x_dtype,
                     out=[dx_parts[g] for g in live],
                 )
             dx = dx_TI.reshape(ctx.x_shape)
         weight_grads = [None] * groups
-        if ctx.x_columnwise is not None:
+        if x_saved is not None:
             weight_grads = [  # an empty group's gradient is zero; the launch writes the others
                 (torch.empty if g in live else torch.zeros)(ctx.w_shape, dtype=ctx.w_dtype, device=dy.device)
                 for g in range(groups)
@@ -100,7 +102,7 @@ class _GroupedFP8Linear(torch.autograd.Function):
             if live:
                 grouped_scaled_mm(
                     [dy_fp8[g] for g in live],
-                    [ctx.x_columnwise[g].to_quantized() for g in live],
+                    [x_saved[g].to_quantized() for g in live],
                     a_columnwise=True,
                     b_columnwise=True,
                     out_dtype=ctx.w_dtype,
