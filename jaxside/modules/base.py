@@ -143,7 +143,7 @@ class FP8Module(nnx.Module):
         self.fp8_forward_scale[...] = scale
 
     def update_backward_scaling(self, recipe: DelayedScaling) -> None:
-        """Record the grad amaxes `fp8_grad_amax` received, set the grad scales and roll, for the GEMMs that ran."""
+        """Record the grad amaxes `fp8_grad_amax` received, set the grad scales and roll, if any GEMM of it ran."""
         grad_amax, backward_passes = self.fp8_grad_amax[...]
         old_history, old_scale = self.fp8_backward_amax_history[...], self.fp8_backward_scale[...]
         history = old_history.at[0].set(jnp.maximum(old_history[0], grad_amax))
@@ -151,7 +151,9 @@ class FP8Module(nnx.Module):
         history, scale = delayed_scaling_update(
             history, old_scale, fmax, margin=recipe.margin, algo=recipe.amax_compute_algo
         )
-        ran = backward_passes > 0  # torchside updates only the modules called in the step
+        # torchside updates the whole state of each module whose backward ran (a GroupedLinear group
+        # without rows included), and leaves the modules not called in the step alone
+        ran = jnp.any(backward_passes > 0)
         self.fp8_backward_amax_history[...] = jnp.where(ran, history, old_history)
         self.fp8_backward_scale[...] = jnp.where(ran, scale, old_scale)
         self.fp8_grad_amax[...] = jnp.zeros_like(self.fp8_grad_amax[...])

@@ -8,11 +8,16 @@ is the matrix torchside quantizes, with the same blocks and therefore the same b
     dgrad  dx_TI      = dy rowwise [T, O] @ w columnwise [O, I]
     wgrad  dkernel_IO = (x columnwise [T, I])^T @ dy columnwise [T, O]
 
-(a columnwise copy is the quantized transpose; here it is used through its values in the logical
-layout, which is the same product as torchside's `scaled_mm(..., b_columnwise=True)`). Each GEMM
-multiplies the dequantized operands (exact fp32) at HIGHEST precision with fp32 accumulation and
-rounds once: y and dx to the activation dtype, dkernel to the kernel's; the bias grad is summed in
-fp32. The forward keeps only the columnwise copies the backward reads.
+(a columnwise copy is the quantized transpose, stored [cols, rows]). Every GEMM takes its operands as
+kernels.gemm does, both with K last: fprop (x rowwise, w rowwise), dgrad (dy rowwise, w columnwise),
+wgrad (x columnwise, dy columnwise), which gives dkernel_IO directly. Per-tensor operands (delayed and
+current scaling) are multiplied as FP8 codes in one `dot_general` with fp32 accumulation, then scaled
+by scale_inv_a * scale_inv_b: XLA lowers that to an FP8 GEMM on Hopper (a dequantize-then-dot
+would stay in high precision there). Block-scaled operands (no FP8 tensor-core GEMM on Hopper) are
+dequantized to fp32 and multiplied at HIGHEST precision with fp32 accumulation. Either way the bias
+is added in fp32 and the result rounded once: y and dx to the activation dtype, dkernel to the
+kernel's; the bias grad is summed in fp32. The forward keeps only the columnwise copies the
+backward reads.
 
 DelayedScaling state crosses the custom_vjp as arrays: `scales` (input, weight, grad) are read, the
 forward returns the amaxes of x and w for the history, and the grad's amax leaves the backward as
@@ -31,6 +36,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import Array, lax
 
+from jaxside.formats import FORMATS
 from jaxside.quantize import (
     Quantized,
     dequantize,
@@ -99,6 +105,36 @@ def _matmul(a, b, out_dtype, bias=None) -> Array:
     return out.astype(out_dtype)
 
 
+_CONTRACT_LAST = (((1,), (1,)), ((), ()))  # A [M, K] . B [N, K] -> [M, N]
+
+
+def _gemm_operand(q: Quantized, columnwise: bool) -> tuple[Array, Array | None]:
+    """(operand [rows, K], scale_inv or None): FP8 codes and their scale_inv for a per-tensor copy, else fp32 values."""
+    if q.scheme == "tensorwise":
+        data, scale_inv = (q.columnwise_data, q.columnwise_scale_inv) if columnwise else (q.data, q.scale_inv)
+        return lax.bitcast_convert_type(data, FORMATS[q.fmt].dtype), scale_inv
+    values = _values(q, columnwise)  # the logical layout: a columnwise copy's K is its first dim
+    return (values.T if columnwise else values), None
+
+
+def _scaled_mm(a: Quantized, b: Quantized, out_dtype, *, a_columnwise=False, b_columnwise=False, bias=None) -> Array:
+    """out [M, N] = A [M, K] @ B [N, K]^T (+ bias) of two quantized copies, as kernels.gemm.scaled_mm (module docstring)."""
+    (a_operand, a_scale_inv), (b_operand, b_scale_inv) = _gemm_operand(a, a_columnwise), _gemm_operand(b, b_columnwise)
+    per_tensor = a_scale_inv is not None
+    out = lax.dot_general(
+        a_operand,
+        b_operand,
+        _CONTRACT_LAST,
+        precision=None if per_tensor else lax.Precision.HIGHEST,  # FP8 codes: exact products, fp32 sums
+        preferred_element_type=jnp.float32,
+    )
+    if per_tensor:
+        out = out * (a_scale_inv * b_scale_inv)
+    if bias is not None:
+        out = out + bias.astype(jnp.float32)
+    return out.astype(out_dtype)
+
+
 def _columnwise_only(q: Quantized) -> Quantized:
     """The copy the backward reads, without the rowwise bytes (so they need not live until then)."""
     return dataclasses.replace(q, data=None, scale_inv=None)
@@ -127,7 +163,7 @@ def _fp8_forward(static: _LinearStatic, x, kernel, bias, scales, columnwise: boo
     x_TI = x.reshape(-1, x.shape[-1])
     qx = quantize_operand(x_TI, static.recipe, "input", scale=_slot(scales, 0), columnwise=columnwise)
     qw = quantize_operand(kernel.T, static.recipe, "weight", scale=_slot(scales, 1), columnwise=columnwise)
-    y_TO = _matmul(_values(qx), _values(qw).T, x.dtype, bias)
+    y_TO = _scaled_mm(qx, qw, x.dtype, bias=bias)
     amaxes = None if scales is None else jnp.concatenate([qx.amax, qw.amax])
     return y_TO.reshape(*x.shape[:-1], y_TO.shape[-1]), amaxes, qx, qw
 
@@ -149,8 +185,8 @@ def _fp8_linear_bwd(static: _LinearStatic, residuals, cotangents):
     dy = cotangents[0]  # the amaxes' cotangent carries nothing
     dy_TO = dy.reshape(-1, dy.shape[-1])
     qdy = quantize_operand(dy_TO, static.recipe, "grad", scale=_slot(scales, 2), seed=seed, columnwise=True)
-    dx_TI = _matmul(_values(qdy), _values(w_columnwise, columnwise=True), dy.dtype)
-    dkernel_IO = _matmul(_values(x_columnwise, columnwise=True).T, _values(qdy, columnwise=True), static.kernel_dtype)
+    dx_TI = _scaled_mm(qdy, w_columnwise, dy.dtype, b_columnwise=True)
+    dkernel_IO = _scaled_mm(x_columnwise, qdy, static.kernel_dtype, a_columnwise=True, b_columnwise=True)
     dbias = None if static.bias_dtype is None else dy_TO.astype(jnp.float32).sum(axis=0).astype(static.bias_dtype)
     sink_cotangent = None if grad_amax_sink is None else jnp.concatenate([qdy.amax, jnp.ones(1, jnp.float32)])
     dx = dx_TI.reshape(*dy.shape[:-1], dx_TI.shape[-1])

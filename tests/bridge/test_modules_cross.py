@@ -31,6 +31,7 @@ import jaxside.modules as JM
 import jaxside.recipe as jax_recipe
 import torchside.modules as TM
 import torchside.modules.functions as torch_functions
+import torchside.modules.grouped_linear as torch_grouped_linear
 import torchside.recipe as torch_recipe
 from jaxside.quantize import BUFFERS
 from kernels._backend import Backend, backend_for
@@ -91,8 +92,20 @@ def _recipes(name: str):
 
 
 def _jax_name(torch_name: str, ndim: int) -> str:
-    """A GEMM weight (torch `weight`, `fc1_weight`: 2-D) is a Flax kernel; norm parameters keep their names."""
-    return torch_name.removesuffix("weight") + "kernel" if ndim == 2 else torch_name
+    """A GEMM weight (torch `weight`, `fc1_weight`, `weight3`: 2-D) is a Flax kernel; norm parameters keep their names."""
+    return torch_name.replace("weight", "kernel") if ndim == 2 else torch_name
+
+
+def _torch_name(jax_name: str, ndim: int) -> str:
+    return jax_name.replace("kernel", "weight") if ndim == 2 else jax_name
+
+
+def _jax_variable(jax_module, torch_name: str, ndim: int):
+    """The JAX variable at torch's dotted parameter path (the same nesting; the last name by `_jax_name`)."""
+    *owners, leaf = torch_name.split(".")
+    for owner in owners:
+        jax_module = getattr(jax_module, owner)
+    return getattr(jax_module, _jax_name(leaf, ndim))
 
 
 def _twins(name: str, dtype: torch.dtype):
@@ -108,7 +121,7 @@ def _twins(name: str, dtype: torch.dtype):
     with torch.no_grad():
         for name, param in torch_module.named_parameters():
             param.copy_((0.1 * torch.randn(param.shape, generator=generator) + (param.dim() == 1)).to(dtype))
-            getattr(jax_module, _jax_name(name, param.dim()))[...] = _as_jax(param.T if param.dim() == 2 else param)
+            _jax_variable(jax_module, name, param.dim())[...] = _as_jax(param.T if param.dim() == 2 else param)
     return torch_module, jax_module
 
 
@@ -119,30 +132,29 @@ def _features(module) -> tuple[int, int]:
     return module.hidden_size, module.hidden_size
 
 
-def _torch_step(module, recipe, x, dy) -> dict:
+def _torch_step(module, recipe, x, dy, **call) -> dict:
     x = x.clone().requires_grad_()
     module.zero_grad(set_to_none=True)
     with torch_fp8_autocast(enabled=recipe is not None, recipe=recipe):
-        y = module(x)
+        y = module(x, **call)
     y.backward(dy)
     return {"y": y, "x": x.grad, **{name: p.grad for name, p in module.named_parameters()}}
 
 
-def _jax_step(module, recipe, x, dy) -> dict:
-    """y, dx and the parameter grads under torch's names and layout ([out, in] weights)."""
+def _jax_step(module, recipe, x, dy, **call) -> dict:
+    """y, dx and the parameter grads under torch's (dotted) names and layout ([out, in] weights)."""
 
     def loss(module, x):
         with JM.fp8_autocast(enabled=recipe is not None, recipe=recipe):
-            y = module(x)
+            y = module(x, **call)
         return jnp.sum(y.astype(jnp.float32) * dy.astype(jnp.float32)), y
 
     (grads, dx), y = nnx.grad(loss, argnums=(nnx.DiffState(0, JM.GRAD_FILTER), 1), has_aux=True)(module, x)
     results = {"y": y, "x": dx}
     for path, grad in nnx.to_flat_state(JM.finish_backward(module, grads, recipe)):
-        name, value = path[-1], grad.get_value()
-        if value.ndim == 2:  # a kernel [in, out]: torch's weight [out, in]
-            name, value = name.removesuffix("kernel") + "weight", value.T
-        results[name] = value
+        value = grad.get_value()
+        name = ".".join([*map(str, path[:-1]), _torch_name(path[-1], value.ndim)])
+        results[name] = value.T if value.ndim == 2 else value  # a kernel [in, out]: torch's weight [out, in]
     return results
 
 
@@ -229,3 +241,130 @@ def test_jax_module_matches_torch_module(reference_kernels, monkeypatch, module_
         for name in STATE:
             torch_value, jax_value = getattr(torch_module, name).numpy(), np.asarray(getattr(jax_module, name)[...])
             np.testing.assert_allclose(jax_value, torch_value, rtol=rtol, atol=0, err_msg=f"{label}: {name}")
+
+
+# ----------------------------------------------------------------------------- attention, layer, grouped GEMMs
+
+HEADS, GQA_GROUPS, SEQ, BATCH = 4, 2, 16, 4  # hidden 64, head dim 16: 64 tokens, the quantizer shapes above
+SEPARATE_QKV = {  # TransformerConfig fields, the same on both sides
+    "normalization": "RMSNorm",
+    "zero_centered_gamma": True,
+    "bias": False,
+    "qkv_bias": True,
+    "fuse_qkv_params": False,
+    "qkv_format": "bshd",
+}
+# name -> (class name, sizes, constructor arguments, TransformerConfig fields or None,
+#          (FP8 submodule path, kernel name, GEMM index) of every GEMM weight in forward order)
+BLOCKS = {
+    "mha_separate_qkv_rotary_bshd": (
+        "MultiheadAttention", (64, HEADS), {"num_gqa_groups": GQA_GROUPS, "input_layernorm": True}, SEPARATE_QKV,
+        [("query", "kernel", 0), ("key", "kernel", 0), ("value", "kernel", 0), ("proj", "kernel", 0)],
+    ),
+    "layer_fused_qkv_sbhd": (
+        "TransformerLayer", (64, 64, HEADS), {"num_gqa_groups": GQA_GROUPS}, {},
+        [("self_attention.layernorm_qkv", "kernel", 0), ("self_attention.proj", "kernel", 0),
+         ("layernorm_mlp", "fc1_kernel", 0), ("layernorm_mlp", "fc2_kernel", 1)],
+    ),
+    "grouped_linear": ("GroupedLinear", (3, 64, 64), {}, None, [("", "kernel0", 0), ("", "kernel2", 2)]),
+}  # fmt: skip
+M_SPLITS = [32, 0, 32]  # group 1 has no rows; 32 rows fit MXFP8's and NVFP4's wgrad blocks
+# Three recipes on GroupedLinear (per-tensor, blocks, FP4), two each on the attention blocks: their
+# quantizer shapes compile slowly on CPU (all six recipes passed on each when written; tests/jaxside
+# checks every recipe against float64).
+BLOCK_CASES = [
+    *[("grouped_linear", recipe) for recipe in ("delayed", "mxfp8", "nvfp4")],
+    *[("layer_fused_qkv_sbhd", recipe) for recipe in ("current", "delayed")],
+    *[("mha_separate_qkv_rotary_bshd", recipe) for recipe in ("off", "block")],
+]
+
+
+def _block_twins(name: str):
+    """(torch module, JAX module, call arguments for each side) with the same parameters, in fp32."""
+    cls, sizes, kwargs, config_fields, _ = BLOCKS[name]
+    if config_fields is None:
+        torch_kwargs = dict(kwargs, config=TM.ModuleConfig(amax_history_len=HISTORY))
+        jax_kwargs = dict(kwargs, config=JM.ModuleConfig(amax_history_len=HISTORY))
+    else:
+        torch_config = TM.TransformerConfig(**config_fields, module_config=TM.ModuleConfig(amax_history_len=HISTORY))
+        jax_config = JM.TransformerConfig(**config_fields, module_config=JM.ModuleConfig(amax_history_len=HISTORY))
+        torch_kwargs, jax_kwargs = dict(kwargs, config=torch_config), dict(kwargs, config=jax_config)
+    torch_module = getattr(TM, cls)(*sizes, params_dtype=torch.float32, **torch_kwargs)
+    jax_module = getattr(JM, cls)(*sizes, params_dtype=jnp.float32, **jax_kwargs, rngs=nnx.Rngs(0))
+    generator = torch.Generator().manual_seed(5)
+    with torch.no_grad():
+        for param_name, param in torch_module.named_parameters():
+            param.copy_(0.1 * torch.randn(param.shape, generator=generator) + (param.dim() == 1))
+            _jax_variable(jax_module, param_name, param.dim())[...] = _as_jax(param.T if param.dim() == 2 else param)
+    if cls == "GroupedLinear":
+        return torch_module, jax_module, {"m_splits": M_SPLITS}, {"m_splits": M_SPLITS}
+    if config_fields.get("qkv_format") != "bshd":
+        return torch_module, jax_module, {}, {}
+    freqs = TM.RotaryPositionEmbedding(64 // HEADS)(SEQ)  # the same angles on both sides
+    return torch_module, jax_module, {"rotary_pos_emb": freqs}, {"rotary_pos_emb": _as_jax(freqs)}
+
+
+def _submodule(module, path: str):
+    for owner in filter(None, path.split(".")):
+        module = getattr(module, owner)
+    return module
+
+
+def _jax_weight_operands(jax_module, recipe, gemm_weights) -> list:
+    """What the JAX module casts from each GEMM weight this step (its DelayedScaling scale, read before the step)."""
+    operands = []
+    for path, kernel, gemm in gemm_weights:
+        owner = _submodule(jax_module, path)
+        delayed = isinstance(recipe, jax_recipe.DelayedScaling)
+        scale = owner.fp8_forward_scale[...][2 * gemm + 1 : 2 * gemm + 2] if delayed else None
+        operands.append(JM.quantize_operand(getattr(owner, kernel)[...].T, recipe, "weight", scale=scale))
+    return operands
+
+
+@pytest.mark.parametrize("block_name, recipe_name", BLOCK_CASES)
+def test_jax_blocks_match_torch_blocks(reference_kernels, monkeypatch, block_name, recipe_name):
+    """MultiheadAttention, TransformerLayer, GroupedLinear: weight bytes, outputs, grads and state, as above."""
+    torch_module, jax_module, torch_call, jax_call = _block_twins(block_name)
+    gemm_weights = BLOCKS[block_name][-1]
+    torch_r, jax_r = _recipes(recipe_name)
+    label = f"{block_name}/{recipe_name}"
+    generator = torch.Generator().manual_seed(6)
+    shape = (64, 64) if "m_splits" in torch_call else (SEQ, BATCH, 64)  # "bshd" reads it as [B, S, D]: same size
+    x, dy = (torch.randn(*shape, generator=generator) for _ in range(2))
+    weight_operands = []  # the B operand of every forward GEMM (weights), in call order
+    scaled_mm, grouped = torch_functions.scaled_mm, torch_grouped_linear.grouped_scaled_mm
+
+    def is_fprop(kwargs) -> bool:  # dgrad reads B columnwise, wgrad both operands
+        return not kwargs.get("a_columnwise") and not kwargs.get("b_columnwise")
+
+    def recording_scaled_mm(a, b, **kwargs):
+        weight_operands.extend([b] if is_fprop(kwargs) else [])
+        return scaled_mm(a, b, **kwargs)
+
+    def recording_grouped(a, b, **kwargs):
+        weight_operands.extend(b if is_fprop(kwargs) else [])
+        return grouped(a, b, **kwargs)
+
+    monkeypatch.setattr(torch_functions, "scaled_mm", recording_scaled_mm)
+    monkeypatch.setattr(torch_grouped_linear, "grouped_scaled_mm", recording_grouped)
+    for _ in range(2 if recipe_name == "delayed" else 1):  # DelayedScaling: the second step has real scales
+        weight_operands.clear()
+        jax_weights = _jax_weight_operands(jax_module, jax_r, gemm_weights) if jax_r is not None else []
+        expected = _torch_step(torch_module, torch_r, x, dy, **torch_call)
+        got = _jax_step(jax_module, jax_r, _as_jax(x), _as_jax(dy), **jax_call)
+    if jax_r is not None:
+        assert len(weight_operands) == len(gemm_weights), f"{label}: {len(weight_operands)} forward GEMMs"
+        for (path, kernel, _), torch_q, jax_q in zip(gemm_weights, weight_operands, jax_weights):
+            weight = _submodule(torch_module, path).get_parameter(_torch_name(kernel, 2)).detach()
+            assert_same_bytes(torch_q, _as_held(jax_q, torch_q), weight, f"{label}: {path}.{kernel} in fprop")
+    expected = {name: _as_jax(value.detach()) for name, value in expected.items()}
+    assert set(got) == set(expected), f"{label}: gradients {sorted(got)} vs torch's {sorted(expected)}"
+    failed = mismatches(got, expected, jnp.float32, jax_r, slack=2.0)
+    assert not failed, f"{label}: {failed}"
+    if recipe_name == "delayed":
+        for path, torch_sub in torch_module.named_modules():
+            if isinstance(torch_sub, TM.FP8Module) and torch_sub.num_gemms:
+                for name in STATE:
+                    torch_value = getattr(torch_sub, name).numpy()
+                    jax_value = np.asarray(getattr(_submodule(jax_module, path), name)[...])
+                    np.testing.assert_allclose(jax_value, torch_value, rtol=2**-16, atol=0, err_msg=f"{label}: {path}")
