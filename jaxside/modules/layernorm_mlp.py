@@ -8,8 +8,9 @@ and fc2 row-parallel: on a mesh with tp > 1 the ffn dim is split over tp, on tp 
 
 Activations follow torchside's table. Each torch op there computes in fp32 and rounds its result to
 the activation dtype; here each op (`_op`) does the same, so both round at the same places, in the
-forward and, through autodiff, in the backward. A gated activation applies its function to the
-first F features of fc1's output and multiplies by the last F.
+forward and, through autodiff, in the backward. A gated activation computes function(gate) * up from
+fc1's output with gate and up interleaved (feature 2i is gate i, 2i + 1 is up i), as torchside's
+twin does: a column split of the kernel over tp then keeps whole (gate, up) pairs.
 """
 
 from __future__ import annotations
@@ -56,7 +57,7 @@ def _squared_relu(x) -> Array:
 @dataclass(frozen=True)
 class Activation:
     function: Callable[[Array], Array]
-    gated: bool  # fc1 writes 2F features: function(first F) * last F
+    gated: bool  # fc1 writes 2F features, (gate, up) interleaved: function(gate) * up
 
 
 ACTIVATIONS: dict[str, Activation] = {
@@ -121,7 +122,8 @@ class LayerNormMLP(FP8Module):
         activation = ACTIVATIONS[self.activation]
         if not activation.gated:
             return activation.function(h_TF1)
-        gate_TF, linear_TF = jnp.split(h_TF1, 2, axis=-1)
+        pairs = h_TF1.reshape(*h_TF1.shape[:-1], -1, 2)  # interleaved (module docstring)
+        gate_TF, linear_TF = pairs[..., 0], pairs[..., 1]
         return _op(jnp.multiply, activation.function(gate_TF), linear_TF)
 
     def __call__(self, x_TH) -> Array | tuple[Array, Array | None]:

@@ -7,6 +7,8 @@ and checks each rank's local tensor against the map's prediction. Many cases sha
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 import pytest
 import torch
@@ -17,6 +19,7 @@ from bridge import _torch_compat, layout
 from bridge.layout import MeshSpec, ShardMap
 from tests.bridge.test_layout import GOLDEN_NAMES, arange_global, assert_same, load_golden, placement_cases
 from tests.distributed import run_threads
+from tests.torchside.test_tensor_parallel import reference_kernels  # noqa: F401 (a fixture)
 
 CASES_PER_LAUNCH = 30
 
@@ -132,3 +135,80 @@ def test_fsdp_on_tp_matches_the_golden_map(fsdp_weights, name):
         assert_same(ShardMap.from_json(live_map), golden)
         np.testing.assert_array_equal(local, arange_global(golden.global_shape)[np.ix_(*golden.indices[coordinate])])
 
+
+
+# --- our modules: a parallelized TransformerLayer stack -------------------------------------------
+
+STACK_MESHES = {"fsdp2_tp2": ((2, 2), ("dp", "tp")), "hsdp2x2_tp2": ((2, 2, 2), ("rep", "dp", "tp"))}
+
+
+def _parallelized_stack(rank, world_size, shape, names):
+    """Every parameter of a parallelized 2-layer stack: (name, placements, local, full, live map, coordinate)."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from torchside.modules import ModuleConfig, TransformerConfig, TransformerLayer
+    from torchside.parallel import parallelize
+    from torchside.parallel.module_mesh import local_tensor
+
+    world = init_device_mesh("cpu", shape, mesh_dim_names=names)
+    dp_names = names[:-1]
+    weight_mesh = world[(dp_names[-1], "tp")]._flatten("dp_tp")
+    module_config = ModuleConfig(tp_size=2, sequence_parallel=True)
+    layers = [  # a Llama block (RMSNorm, SwiGLU, no bias) and a GPT block (LayerNorm, GELU, biases)
+        TransformerLayer(64, 128, 4, num_gqa_groups=2, config=TransformerConfig(
+            normalization="RMSNorm", activation="swiglu", bias=False, module_config=module_config), tp_mesh=world["tp"]),
+        TransformerLayer(64, 128, 4, num_gqa_groups=2, config=TransformerConfig(
+            module_config=module_config), tp_mesh=world["tp"]),
+    ]  # fmt: skip
+    model = torch.nn.Sequential(*layers)
+    # Threads share torch's RNG: give every TP shard values of its own, the same on its replicas (its
+    # data-parallel peers; for a TP-replicated parameter, every rank).
+    with torch.no_grad():
+        for index, param in enumerate(model.parameters()):
+            split = any(p.is_shard() for p in getattr(param, "placements", ()))
+            generator = torch.Generator().manual_seed(2 * index + (world["tp"].get_local_rank() if split else 0))
+            local_tensor(param).copy_(torch.randn(local_tensor(param).shape, generator=generator))
+    model = parallelize(model, world[dp_names], weight_mesh=weight_mesh)
+    coordinate = tuple(world.get_coordinate())
+    return [
+        (name, p.placements, p.to_local().detach().numpy(), p.full_tensor().detach().numpy(), layout.from_dtensor(p).to_json(), coordinate)
+        for name, p in model.named_parameters()
+    ]  # fmt: skip
+
+
+@pytest.mark.parametrize("mesh_name", STACK_MESHES)
+def test_parallelized_transformer_stack_matches_the_bridge_prediction(reference_kernels, mesh_name):
+    """For every parameter: each rank holds exactly what the bridge's shard map says, and the bridge's
+    PartitionSpec for the Flax kernel ([in, out]) makes JAX's own devices_indices_map put the same
+    elements on the same devices (the gated fc1 included: its rows interleave gate and up)."""
+    import jax
+    from jax.sharding import Mesh, NamedSharding
+
+    from bridge.layout_translate import placements_to_pspec
+
+    shape, names = STACK_MESHES[mesh_name]
+    per_rank = run_threads(_parallelized_stack, math.prod(shape), shape, names)
+    mesh = MeshSpec(shape, names)
+    jax_mesh = Mesh(np.array(jax.devices()[: mesh.size]).reshape(shape), names)
+    without_equivalent = {}
+    for index, (name, placements, _, full, live_json, _) in enumerate(per_rank[0]):
+        predicted = layout.from_placements(mesh, placements, full.shape)
+        for rank_results in per_rank:
+            _, _, local, _, live_rank_json, coordinate = rank_results[index]
+            assert_same(ShardMap.from_json(live_rank_json), predicted)
+            np.testing.assert_array_equal(local, full[np.ix_(*predicted.indices[coordinate])], err_msg=f"{name} {coordinate}")
+        transpose = full.ndim == 2
+        try:
+            pspec = placements_to_pspec(mesh, placements, full.shape, transpose=transpose)
+        except ValueError as error:
+            without_equivalent[name] = str(error)
+            continue
+        flax_shape = full.shape[::-1] if transpose else full.shape
+        jax_map = layout.from_named_sharding(NamedSharding(jax_mesh, pspec), flax_shape)
+        torch_map = layout.from_placements(mesh, placements, full.shape)
+        for coordinate in mesh.coordinates():
+            torch_indices = torch_map.indices[coordinate]
+            jax_indices = jax_map.indices[coordinate][::-1] if transpose else jax_map.indices[coordinate]
+            for dim, (ours, theirs) in enumerate(zip(torch_indices, jax_indices)):
+                np.testing.assert_array_equal(np.asarray(ours), np.asarray(theirs), err_msg=f"{name} dim {dim}")
+    assert not without_equivalent, without_equivalent  # every dim divides evenly: JAX has each layout

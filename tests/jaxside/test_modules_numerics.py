@@ -202,13 +202,13 @@ def _activation64(math: QuantizedMath64, name: str, h):
     if name == "gelu":
         value, slope = function(h)
         return math.round(value), lambda da: math.round(slope * da)
-    gate, linear = np.split(h, 2, axis=-1)
+    gate, linear = h[..., 0::2], h[..., 1::2]  # fc1's columns alternate gate, up
     value, slope = function(gate)
     activated = math.round(value)
 
     def backward(da):
         dactivated, dlinear = math.round(da * linear), math.round(da * activated)
-        return np.concatenate([math.round(slope * dactivated), dlinear], axis=-1)
+        return np.stack([math.round(slope * dactivated), dlinear], axis=-1).reshape(h.shape)  # interleaved back
 
     return math.round(activated * linear), backward
 

@@ -277,7 +277,7 @@ SPLIT_DIMS = {"grouped column": (-1, None), "grouped row": (None, -1), "swiglu":
 @pytest.mark.parametrize("recipe_name", ["off", "current", "mxfp8"])
 def test_grouped_linear_and_gated_mlp_split_over_tp_match_one_process(recipe_name):
     values, expected = _one_process_steps(recipe_name)
-    gated = make_strided_shard(0, 2)  # [gate; up]: each half split (placements.py)
+    gated = Shard(0)  # fc1's rows alternate gate, up: a contiguous chunk holds whole pairs
     want_placements = {
         "grouped column": {f"{k}{g}": (Shard(0),) for k in ("weight", "bias") for g in range(3)},
         "grouped row": {f"{k}{g}": p for k, p in (("weight", (Shard(1),)), ("bias", (Replicate(),))) for g in range(3)},
@@ -296,7 +296,7 @@ def test_grouped_linear_and_gated_mlp_split_over_tp_match_one_process(recipe_nam
     assert not failures, failures
 
 
-# ---- bad input, and FSDP2 over a gated weight
+# ---- bad input, and FSDP2 over a gated fc1
 
 
 def _gated_fsdp_and_bad_inputs(rank, world_size):
@@ -312,7 +312,6 @@ def _gated_fsdp_and_bad_inputs(rank, world_size):
         "layer mode": lambda: layer(config=TransformerConfig(module_config=column)),
         "experts sp": lambda: GroupedLinear(2, H, FFN, config=dataclasses.replace(column, sequence_parallel=True)),
         "experts recipe": lambda: _experts_under(GroupedLinear(2, H, 96, config=column, tp_mesh=world["tp"])),
-        "gated bias": lambda: parallelize(layer(config=swiglu, tp_mesh=world["tp"]), world["dp"]),
     }
     messages = {}
     for name, build in cases.items():
@@ -321,15 +320,13 @@ def _gated_fsdp_and_bad_inputs(rank, world_size):
             messages[name] = "no error"
         except ValueError as error:
             messages[name] = str(error)
-    no_bias = TransformerConfig(activation="swiglu", bias=False, module_config=ModuleConfig(tp_size=2))
-    model = parallelize(layer(config=no_bias, tp_mesh=world["tp"]), world["dp"])
+    model = parallelize(layer(config=swiglu, tp_mesh=world["tp"]), world["dp"])  # biases included
     fc1 = model.layernorm_mlp.fc1_weight
     values = torch.arange(fc1.numel(), dtype=torch.float32).reshape(fc1.shape)
     with torch.no_grad():
         fc1.to_local().copy_(values[from_dtensor(fc1).selectors(tuple(world.get_coordinate()))])
-    model.unshard()  # FSDP2's all-gather must rebuild this rank's [gate_j; up_j] rows
-    gated_rows = torch.cat([half.chunk(2)[world["tp"].get_local_rank()] for half in values.chunk(2)])
-    gathered = torch.equal(model.layernorm_mlp.fc1_weight.to_local(), gated_rows)
+    model.unshard()  # FSDP2's all-gather must rebuild this rank's TP chunk: whole (gate, up) row pairs
+    gathered = torch.equal(model.layernorm_mlp.fc1_weight.to_local(), values.chunk(2)[world["tp"].get_local_rank()])
     model.reshard()
     return messages, fc1.placements, torch.equal(fc1.full_tensor(), values), gathered
 
@@ -339,7 +336,7 @@ def _experts_under(module):
         module(torch.ones(32, H), [32, 0])
 
 
-def test_bad_tp_inputs_say_what_to_do_and_fsdp_shards_gated_weights_on_dim_1():
+def test_bad_tp_inputs_say_what_to_do_and_fsdp_shards_a_gated_fc1_like_any_column_weight():
     expected = {
         "tp size": "ModuleConfig(tp_size=2)",
         "2-D tp": "pass a 1-D mesh",
@@ -347,11 +344,10 @@ def test_bad_tp_inputs_say_what_to_do_and_fsdp_shards_gated_weights_on_dim_1():
         "layer mode": "leave parallel_mode None",
         "experts sp": "sequence_parallel=False",
         "experts recipe": "multiple of 32 * tp_size",
-        "gated bias": "bias=False",
     }
     for messages, placements, full, gathered in run_threads(_gated_fsdp_and_bad_inputs, 4):
         assert {k: expected[k] in v for k, v in messages.items()} == dict.fromkeys(expected, True), messages
-        assert placements == (Shard(1), make_strided_shard(0, 2))
+        assert placements == (make_strided_shard(0, 2), Shard(0))  # FSDP2 over TP's Shard(0): split factor tp
         assert full and gathered
 
 

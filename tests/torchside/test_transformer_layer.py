@@ -152,6 +152,11 @@ def check_against_float64(kind: str, case: str, recipe_name: str, dtype=torch.fl
     for name, param in module.named_parameters():
         errors[f"d{name}"] = _relative_error(param.grad.cpu(), params64[name].grad)
     tolerance = TOLERANCE[torch.device(device).type, dtype]
+    if isinstance(recipe, DelayedScaling):
+        # fmax / amax is not a power of 2: a layer's chained casts meet enough values that one may sit
+        # within fp32 rounding of a code boundary and flip (seen once: 2.9e-4 on dx); one flip costs
+        # ~2^-3 / sqrt(elements) of a tensor, a bug (skipped cast, wrong scale) more than 2^-5.
+        tolerance = max(tolerance, 2**-10)
     failed = {name: f"{error:.2e}" for name, error in errors.items() if not error <= tolerance}
     assert not failed, f"{kind}/{case}/{recipe_name}: relative errors over {tolerance:.1e}: {failed}"
 
@@ -213,7 +218,7 @@ class PlainPreNormBlock(nn.Module):
         x = x + self.o(torch.einsum("bnqk,bknh->bqnh", scores.softmax(-1), v).reshape(batch, SEQ, -1))
         u = self.up(self.norm2(x))
         if self.gated:
-            gate, linear = u.chunk(2, dim=-1)
+            gate, linear = u[..., 0::2], u[..., 1::2]  # fc1's rows alternate gate, up
             return x + self.down(F.silu(gate) * linear)
         return x + self.down(F.gelu(u, approximate="tanh"))
 

@@ -4,19 +4,18 @@ Shape legend: T tokens (all leading dims), H hidden size, F ffn hidden size, F1 
 (F, or 2F for a gated activation). Parameters: `layer_norm_weight` [H] (and `layer_norm_bias` [H]),
 `fc1_weight` [F1, H], `fc1_bias` [F1], `fc2_weight` [H, F], `fc2_bias` [H].
 
-A gated activation (the `*glu` rows of ACTIVATIONS) applies its function to the first F features
-of fc1's output and multiplies by the last F, as TransformerEngine does. Activations run in the
-activation dtype through torch ops.
+A gated activation (the `*glu` rows of ACTIVATIONS) computes function(gate) * up, with gate and up
+interleaved in fc1's output: feature 2i is gate i, feature 2i + 1 is up i (so `fc1_weight` rows
+alternate gate, up). TransformerEngine stacks [gate; up] instead; interleaving makes every
+contiguous run of rows whole (gate, up) pairs, so a plain Shard(0) splits the gated fc1 over TP and
+DCP, FSDP2 and JAX all describe it (a [gate; up] weight would need each half split on its own: a
+strided placement DCP cannot save). From separate gate and up weights [F, H]:
+`torch.stack([gate, up], dim=1).flatten(0, 1)`. Activations run in the activation dtype through
+torch ops.
 
-With tp_size > 1, fc1 is column-parallel (this rank: `fc1_weight` [F/tp, H], `fc1_bias` [F/tp]) and
+With tp_size > 1, fc1 is column-parallel (this rank: `fc1_weight` [F1/tp, H], `fc1_bias` [F1/tp]) and
 fc2 row-parallel (`fc2_weight` [H, F/tp]; `fc2_bias` [H] added after the reduction), so the
 activation runs on local features with no collective in between.
-
-A gated fc1 splits each half over TP on its own, so that a rank's gate and up rows pair up: rank j
-holds `fc1_weight` [gate rows j*F/tp .. (j+1)*F/tp - 1; up rows F + j*F/tp .. F + (j+1)*F/tp - 1]
-([2F/tp, H], its own [gate; up] halves) and `fc1_bias` alike; the activation chunks the local fc1
-output in two exactly as on one device. The placement is `_StridedShard(0, sf=2)` (the gated
-roles of `torchside.parallel.placements`, which also says what JAX and FSDP2 make of it).
 """
 
 from __future__ import annotations
@@ -50,7 +49,7 @@ def _squared_relu(x: Tensor) -> Tensor:
 @dataclass(frozen=True)
 class Activation:
     function: Callable[[Tensor], Tensor]
-    gated: bool  # fc1 writes 2F features: function(first F) * last F
+    gated: bool  # fc1 writes 2F features, (gate, up) interleaved: function(gate) * up
 
 
 ACTIVATIONS: dict[str, Activation] = {
@@ -99,10 +98,9 @@ class LayerNormMLP(FP8Module):
         fc1_features = 2 * ffn_hidden_size if gated else ffn_hidden_size
         params = norm.param_specs(hidden_size, prefix="layer_norm_")
         fc1_init = init_method or default_init_method
-        fc1_role = "gated" if gated else "linear"  # gated: [gate; up] halves, each split over TP on its own
-        params["fc1_weight"] = ParamSpec((fc1_features, hidden_size), fc1_init, f"{fc1_role}_weight", "column", gemm=0)
+        params["fc1_weight"] = ParamSpec((fc1_features, hidden_size), fc1_init, "linear_weight", "column", gemm=0)
         if bias:
-            params["fc1_bias"] = ParamSpec((fc1_features,), nn.init.zeros_, f"{fc1_role}_bias", "column")
+            params["fc1_bias"] = ParamSpec((fc1_features,), nn.init.zeros_, "linear_bias", "column")
         fc2_init = output_layer_init_method or default_init_method
         params["fc2_weight"] = ParamSpec((hidden_size, ffn_hidden_size), fc2_init, "linear_weight", "row", gemm=1)
         if bias:
@@ -121,8 +119,8 @@ class LayerNormMLP(FP8Module):
         activation = ACTIVATIONS[self.activation]
         if not activation.gated:
             return activation.function(h_TF1)
-        gate_TF, linear_TF = h_TF1.chunk(2, dim=-1)
-        return activation.function(gate_TF) * linear_TF
+        gate_TF, up_TF = h_TF1.unflatten(-1, (-1, 2)).unbind(-1)  # interleaved (module docstring)
+        return activation.function(gate_TF) * up_TF
 
     def forward(self, x_TH: Tensor) -> Tensor | tuple[Tensor, Tensor | None]:
         """y [..., H]; with return_bias, (y without fc2's bias, fc2's bias) for the caller to fuse."""

@@ -9,10 +9,6 @@ shard scaled by the whole weight's amax) just before its fully_shard, because FS
 fully_shard whether a parameter all-gathers through the QuantizedTensor hooks. Block by block, the
 peak stays at one unsharded block.
 
-FSDP2 shards dim 0, except for a parameter whose TP placement is strided (a gated fc1 weight,
-`placements.py`): FSDP2 would describe a dim-0 split of [gate_j; up_j] with the wrong rows, so
-that weight is sharded on dim 1 (its in-features) instead, which composes exactly.
-
 Meshes are passed in, already sliced by the caller (`world["dp"]`, `world["tp"]`, ...): nothing
 here reads a mesh dimension's name. `mesh` is the data-parallel mesh: 1-D for FSDP, 2-D
 (replicate, shard) for HSDP.
@@ -26,10 +22,8 @@ import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-from torch.distributed.tensor import DTensor, Shard
 
-from torchside.parallel._torch_compat import strided_shard_type
-from torchside.parallel.module_mesh import TensorParallelMixin, local_tensor
+from torchside.parallel.module_mesh import TensorParallelMixin
 
 
 def outermost_tp_modules(model: nn.Module) -> list[nn.Module]:
@@ -65,36 +59,6 @@ def _builds_fp8_weights_on_meta(block: nn.Module) -> bool:
     return any(getattr(m, "builds_fp8_weights", False) and _holds_meta(m) for m in block.modules())
 
 
-def _strided_over_tp(param: nn.Parameter) -> bool:
-    return isinstance(param, DTensor) and any(isinstance(p, strided_shard_type()) for p in param.placements)
-
-
-def _fsdp_placement(param: nn.Parameter) -> Shard | None:
-    """FSDP2's split of `param`: dim 1 under a strided TP placement (module docstring), else its default dim 0."""
-    return Shard(1) if _strided_over_tp(param) else None
-
-
-def _check_fsdp_can_shard(model: nn.Module) -> None:
-    """ValueError, before anything is sharded, for a strided TP parameter that cannot move its FSDP split to dim 1."""
-    for module_name, module in model.named_modules():
-        for param_name, param in module.named_parameters(recurse=False):
-            if not _strided_over_tp(param):
-                continue
-            name = f"{module_name}.{param_name}".lstrip(".")
-            if param.dim() < 2:
-                raise ValueError(
-                    f"parallelize: {name} {list(param.shape)} is a gated [gate; up] vector split over TP, which "
-                    "FSDP2 cannot shard on top (a dim-0 split would describe the wrong rows, and it has no dim 1): "
-                    "build the gated MLP with bias=False (as Llama does), or apply TP without FSDP"
-                )
-            if getattr(module, "builds_fp8_weights", False) or hasattr(local_tensor(param), "quantized_storage"):
-                raise ValueError(
-                    f"parallelize: {name} is an FP8 gated [gate; up] weight split over TP; FSDP2 must shard it on "
-                    "dim 1, and FP8 parameters all-gather along dim 0 only: build it outside quantized_model_init "
-                    "(its GEMMs still run in FP8 inside fp8_autocast), or apply TP without FSDP"
-                )
-
-
 def parallelize(
     model: nn.Module,
     mesh: DeviceMesh | None,
@@ -123,9 +87,7 @@ def parallelize(
     for module in tp_modules:
         module.set_device_mesh(tp_mesh, weight_mesh)
     if mesh is not None:
-        _check_fsdp_can_shard(model)
-        policy = mp_policy or MixedPrecisionPolicy()
-        fsdp_options = {"mesh": mesh, "mp_policy": policy, "shard_placement_fn": _fsdp_placement}
+        fsdp_options = {"mesh": mesh, "mp_policy": mp_policy or MixedPrecisionPolicy()}
         for block in tp_modules if blocks is None else list(blocks):
             if block is model:
                 break  # the model is itself the one block: sharded as the root below

@@ -6,8 +6,6 @@ and the parameter's global shape, and everything else follows from this table:
     role            column                   row         None
     linear_weight   Shard(0)                 Shard(1)    Replicate   [out, in]: column splits out, row splits in
     linear_bias     Shard(0)                 Replicate   Replicate   [out]: row adds it after the reduction
-    gated_weight    _StridedShard(0, sf=2)   -           Replicate   [2F, in] = [gate; up]: each half split
-    gated_bias      _StridedShard(0, sf=2)   -           Replicate   [2F] = [gate; up]: each half split
     norm            Replicate                Replicate   Replicate   norm weight / bias [hidden]
 
 - the constructor allocates the local shard: the global shape with the Shard dim divided by tp_size;
@@ -16,14 +14,9 @@ and the parameter's global shape, and everything else follows from this table:
 - under sequence parallelism a TP-replicated parameter only sees this rank's tokens, so its
   gradient is a partial sum that the module all-reduces over the TP group.
 
-The gated roles are the fc1 of a gated activation (swiglu, geglu, ...): its rows hold two halves,
-gate rows 0..F-1 and up rows F..2F-1, and the activation pairs gate row i with up row F + i. A
-plain Shard(0) would give rank 0 only gate rows, so each half is split on its own and a rank keeps
-its gate and up rows together: rank j of tp holds [gate rows j*F/tp ..; up rows F + j*F/tp ..]
-(2F/tp rows). That is DTensor's `_StridedShard(0, split_factor=2)` (cut dim 0 into 2 blocks, split
-each over the mesh, concatenate this rank's parts); JAX writes it as the [2, F, in] view of the
-weight with the F axis on "tp". FSDP2 cannot stack its own dim-0 split on top of a strided TP
-placement (it would describe the wrong rows), so `parallelize` shards gated weights on dim 1.
+A gated fc1 (swiglu, geglu, ...) needs no role of its own either: its rows interleave gate and up
+(`torchside.modules.layernorm_mlp`), so Shard(0) gives each rank whole (gate, up) pairs, one
+contiguous chunk that DCP, FSDP2 and a JAX PartitionSpec all describe.
 
 Attention needs no role of its own: the fused QKV weight's rows are grouped by key/value head
 (see `torchside.modules.multihead_attention`), so Shard(0) gives each rank whole groups.
@@ -36,10 +29,9 @@ from __future__ import annotations
 
 from torch.distributed.tensor import Placement, Replicate, Shard
 
-from torchside.parallel._torch_compat import make_strided_shard
 from torchside.recipe import MXFP8BlockScaling, NVFP4BlockScaling, Recipe
 
-ROLES = ("linear_weight", "linear_bias", "gated_weight", "gated_bias", "norm")
+ROLES = ("linear_weight", "linear_bias", "norm")
 PARALLEL_MODES = (None, "column", "row")
 
 # (role, parallel mode) -> the tensor dim split over the TP group, or None for replicated.
@@ -50,17 +42,10 @@ _TP_SHARD_DIM: dict[tuple[str, str | None], int | None] = {
     ("linear_bias", "column"): 0,
     ("linear_bias", "row"): None,
     ("linear_bias", None): None,
-    ("gated_weight", "column"): 0,
-    ("gated_weight", None): None,
-    ("gated_bias", "column"): 0,
-    ("gated_bias", None): None,
     ("norm", "column"): None,
     ("norm", "row"): None,
     ("norm", None): None,
 }
-
-# Roles whose split dim holds this many equal blocks, each split over TP on its own (strided).
-_TP_BLOCKS: dict[str, int] = {"gated_weight": 2, "gated_bias": 2}
 
 # Recipes whose quantized buffers tile each GEMM operand exactly: a TP shard must keep whole tiles.
 _RECIPE_TILE: dict[type, int] = {MXFP8BlockScaling: 32, NVFP4BlockScaling: 16}
@@ -78,10 +63,7 @@ def tp_shard_dim(role: str, parallel_mode: str | None) -> int | None:
 def tp_placement(role: str, parallel_mode: str | None) -> Placement:
     """The DTensor placement on the 1-D TP mesh."""
     dim = tp_shard_dim(role, parallel_mode)
-    if dim is None:
-        return Replicate()
-    blocks = _TP_BLOCKS.get(role, 1)
-    return Shard(dim) if blocks == 1 else make_strided_shard(dim, blocks)
+    return Replicate() if dim is None else Shard(dim)
 
 
 def local_shape(
@@ -91,13 +73,10 @@ def local_shape(
     dim = tp_shard_dim(role, parallel_mode)
     if dim is None:
         return tuple(global_shape)
-    blocks = _TP_BLOCKS.get(role, 1)  # each block is split on its own: every one must divide
-    if global_shape[dim] % (blocks * tp_size):
-        what = f"each of its {blocks} blocks ({global_shape[dim] // blocks})" if blocks > 1 else "it"
+    if global_shape[dim] % tp_size:
         raise ValueError(
-            f"{owner}.{name}: dim {dim} of the global shape {tuple(global_shape)} ({parallel_mode}-parallel) is "
-            f"split over tp_size={tp_size} but {what} does not divide by {tp_size}: choose a size that is a "
-            f"multiple of {blocks * tp_size}"
+            f"{owner}.{name}: dim {dim} of the global shape {tuple(global_shape)} ({parallel_mode}-parallel) "
+            f"does not divide by tp_size={tp_size}: choose a size that is a multiple of {tp_size}"
         )
     shape = list(global_shape)
     shape[dim] //= tp_size
