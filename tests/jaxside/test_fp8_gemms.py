@@ -9,58 +9,14 @@ also checks the HLO reading that the GPU test relies on).
 
 from __future__ import annotations
 
-import re
-
 import jax
 import jax.numpy as jnp
 import pytest
 from flax import nnx
 
+from jaxside.hlo import FP8_TYPES, gemm_operand_types
 from jaxside.modules import LayerNormMLP, Linear, fp8_autocast
 from jaxside.recipe import Float8CurrentScaling
-
-FP8_TYPES = ("f8e4m3fn", "f8e5m2")
-_DEFINITION = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=\s*([\w\[\],{}:()#\s]+?)\s+([\w\-]+)\((.*)$")
-_GEMM_TARGETS = ("__cublas$gemm", "__cublas$lt$matmul")
-
-
-def _operands(arguments: str) -> list[str]:
-    """The top-level comma-separated operands of `op(...)`, from the text after the opening parenthesis."""
-    operands, depth, current = [], 0, ""
-    for char in arguments:
-        if char in "([{":
-            depth += 1
-        elif char in ")]}":
-            if depth == 0:
-                break
-            depth -= 1
-        if char == "," and depth == 0:
-            operands.append(current.strip())
-            current = ""
-        else:
-            current += char
-    return [*operands, current.strip()] if current.strip() else operands
-
-
-def gemm_operand_types(hlo_text: str) -> list[tuple[str, str]]:
-    """(type of A, type of B) of every GEMM instruction: dots (fused ones included) and cuBLAS GEMM custom calls."""
-    types, gemms = {}, []
-    for line in hlo_text.splitlines():
-        match = _DEFINITION.match(line)
-        if not match:
-            continue
-        name, result_type, opcode, arguments = match.groups()
-        types[name] = result_type.split("[")[0].strip("( ")
-        is_gemm = opcode == "dot" or (opcode == "custom-call" and any(t in line for t in _GEMM_TARGETS))
-        if is_gemm:
-            gemms.append(_operands(arguments)[:2])
-
-    def type_of(operand: str) -> str:
-        if "[" in operand:  # printed with its shape: "f8e4m3fn[64,64]{1,0} %p"
-            return operand.split("[")[0].strip()
-        return types[operand.lstrip("%")]
-
-    return [(type_of(a), type_of(b)) for a, b in gemms]
 
 
 def _step_hlo(module, x) -> str:

@@ -1,0 +1,104 @@
+"""Benchmark: the jaxside TransformerLayer training step under jax.jit, FP8 off and Float8CurrentScaling.
+
+Issue 9: the compiled step must really run its projections' GEMMs in FP8 (counted in the optimized
+HLO with jaxside.hlo: 4 projections x (fprop, dgrad, wgrad) = 12 FP8 GEMMs; attention's score and
+value products stay in high precision) and is timed against the same step with FP8 off (the peer).
+Llama-3-8B's layer: hidden 4096, 32 heads, 8 KV groups, ffn 14336, SwiGLU, RMSNorm, no bias, causal;
+seq 2048 x batch 4 (8192 tokens: the torch benchmark's count; the JAX twin's attention materializes
+fp32 scores, so a shorter sequence keeps them at 2 GiB), bf16 parameters and activations.
+Floor: the projections' GEMM flops (2 * T * in * out, x3 for forward + backward) at the GEMM peak
+(bf16 788 TFLOP/s, FP8 1425, DESIGN.md) plus attention's (4 * B * S^2 * N * D, causal halves it, x3)
+at the bf16 peak.
+
+Run on a CUDA machine:  XLA_PYTHON_CLIENT_PREALLOCATE=false PYTHONPATH=. python3 benchmarks/bench_jax_layer.py
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import statistics
+import time
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from jaxside.hlo import fp8_gemm_count
+from jaxside.modules import ModuleConfig, TransformerConfig, TransformerLayer, fp8_autocast
+from jaxside.recipe import Float8CurrentScaling
+
+PEAK_TFLOPS = {"bf16": 788.0, "fp8": 1425.0}
+
+
+def build_step(args, recipe):
+    """The jitted step (loss and grads of parameters and input) and its arguments."""
+    config = TransformerConfig(
+        normalization="RMSNorm", activation="swiglu", bias=False, qkv_format="bshd", module_config=ModuleConfig()
+    )
+    layer = TransformerLayer(
+        args.hidden, args.ffn, args.heads, num_gqa_groups=args.groups, params_dtype=jnp.bfloat16, config=config,
+        rngs=nnx.Rngs(0),
+    )  # fmt: skip
+    graphdef, params, rest = nnx.split(layer, nnx.Param, ...)
+    keys = jax.random.split(jax.random.key(1))
+    x = jax.random.normal(keys[0], (args.batch, args.seq, args.hidden), jnp.bfloat16)
+    dy = jax.random.normal(keys[1], x.shape, jnp.float32)
+
+    def step(params, rest, x, dy):
+        def loss(params, x):
+            model = nnx.merge(graphdef, params, rest)
+            with fp8_autocast(enabled=recipe is not None, recipe=recipe):
+                y = model(x)
+            return jnp.sum(y.astype(jnp.float32) * dy)
+
+        return jax.value_and_grad(loss, argnums=(0, 1))(params, x)
+
+    return jax.jit(step), (params, rest, x, dy)
+
+
+def time_ms(step, arguments, repeats: int) -> float:
+    jax.block_until_ready(step(*arguments))  # compile and warm up
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        jax.block_until_ready(step(*arguments))
+        times.append((time.perf_counter() - start) * 1e3)
+    return statistics.median(times)
+
+
+def floor_ms(args, gemm_peak: float) -> float:
+    tokens, head_dim = args.batch * args.seq, args.hidden // args.heads
+    qkv_out = (args.heads + 2 * args.groups) * head_dim
+    projections = 2 * tokens * args.hidden * (qkv_out + args.hidden + 2 * args.ffn + args.ffn) * 3
+    attention = 4 * args.batch * args.seq**2 * args.heads * head_dim / 2 * 3
+    return (projections / (gemm_peak * 1e12) + attention / (PEAK_TFLOPS["bf16"] * 1e12)) * 1e3
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    for name, default in (("hidden", 4096), ("heads", 32), ("groups", 8), ("ffn", 14336), ("seq", 2048), ("batch", 4)):
+        parser.add_argument(f"--{name}", type=int, default=default)
+    parser.add_argument("--repeats", type=int, default=10)
+    args = parser.parse_args()
+    device = jax.devices()[0]
+    print(f"# bench_jax_layer {datetime.date.today()} on {device.device_kind}, jax {jax.__version__}; "
+          f"TransformerLayer H={args.hidden} heads={args.heads}/{args.groups} F={args.ffn} swiglu, "
+          f"seq {args.seq} x batch {args.batch}, bf16, forward + backward")  # fmt: skip
+    rows = []
+    for name, recipe, peak in (("FP8 off (bf16)", None, "bf16"), ("Float8CurrentScaling", Float8CurrentScaling(), "fp8")):
+        step, arguments = build_step(args, recipe)
+        fp8, total = fp8_gemm_count(step.lower(*arguments).compile().as_text())
+        rows.append((name, time_ms(step, arguments, args.repeats), floor_ms(args, PEAK_TFLOPS[peak]), fp8, total))
+    bf16_ms = rows[0][1]
+    print(f"{'case':24s} {'ms':>8s} {'vs bf16':>8s} {'floor ms':>9s} {'of floor':>9s} {'FP8 GEMMs':>10s} {'all GEMMs':>10s}")
+    for name, ms, floor, fp8, total in rows:
+        print(f"{name:24s} {ms:8.2f} {bf16_ms / ms:7.2f}x {floor:9.2f} {floor / ms:8.0%} {fp8:10d} {total:10d}")
+    fp8_gemms = rows[1][3]
+    print(f"FP8 GEMMs in the compiled FP8 step: {fp8_gemms} (expected 12: 4 projections x fprop, dgrad, wgrad)")
+    if fp8_gemms != 12:
+        raise SystemExit("the FP8 step does not run all 12 projection GEMMs in FP8")
+
+
+if __name__ == "__main__":
+    main()
