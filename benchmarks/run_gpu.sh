@@ -1,15 +1,37 @@
 #!/usr/bin/env bash
-# One device call: environment, GPU tests, then every benchmark; logs under $OUT (or ./out).
-# Usage on the GPU machine, from the repo root:  bash benchmarks/run_gpu.sh [bench_name ...]
+# One device call: environment, GPU tests, then benchmarks; logs under $OUT (or ./out), a summary last.
+# Usage on the GPU machine, from the repo root:
+#   bash benchmarks/run_gpu.sh [bench_name[:seconds] ...]      (no names: every benchmarks/bench_*.py)
+# GPU_TESTS="tests/kernels ..." picks the GPU tests (default: all of tests/; GPU_TESTS=none skips them).
+# Benchmarks named in TORCHRUN run under `torchrun --nproc-per-node $(GPU count)`.
 set -uo pipefail
 out=${OUT:-out}
 mkdir -p "$out"
 export PYTHONPATH=. PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_PREALLOCATE=false
-python3 -m bridge env 2>&1 | tee "$out/env.log"
-python3 -m pytest -m gpu -q -rfE -p no:cacheprovider tests 2>&1 | tee "$out/gpu_tests.log" | tail -n 25
+TORCHRUN=" bench_tp_layer bench_transfer "
+gpus=$(python3 -c "import torch; print(torch.cuda.device_count())")
+summary=()
+step() {  # step NAME SECONDS COMMAND...: run with a time limit, log, remember the outcome
+  local name=$1 seconds=$2; shift 2
+  local start=$SECONDS
+  timeout "$seconds" "$@" >"$out/$name.log" 2>&1
+  local rc=$?
+  summary+=("$(printf '%-28s rc=%-3s %4ss' "$name" "$rc" "$((SECONDS - start))")")
+  echo "=== $name (rc $rc)"; tail -n 25 "$out/$name.log"
+}
+python3 -m bridge env >"$out/env.log" 2>&1
+tests=${GPU_TESTS:-tests}
+if [ "$tests" != none ]; then
+  step gpu_tests "${GPU_TESTS_SECONDS:-400}" python3 -m pytest -m gpu -q -rfE -p no:cacheprovider $tests
+fi
 benches=("$@")
 [ ${#benches[@]} -eq 0 ] && benches=($(ls benchmarks/bench_*.py | xargs -n1 basename | sed 's/\.py$//'))
-for b in "${benches[@]}"; do
-  echo "=== $b"
-  python3 "benchmarks/$b.py" 2>&1 | tee "$out/$b.log" | tail -n 30
+for spec in "${benches[@]}"; do
+  name=${spec%%:*}; seconds=${spec#*:}; [ "$seconds" = "$spec" ] && seconds=300
+  if [[ $TORCHRUN == *" $name "* ]]; then
+    step "$name" "$seconds" torchrun --standalone --nproc-per-node "$gpus" "benchmarks/$name.py"
+  else
+    step "$name" "$seconds" python3 "benchmarks/$name.py"
+  fi
 done
+printf '\n# summary (%s GPUs)\n' "$gpus"; printf '%s\n' "${summary[@]}"
