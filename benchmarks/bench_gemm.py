@@ -125,14 +125,19 @@ def main() -> None:
 
     measure(case, "torch._scaled_mm blockwise (peer)", blockwise, fp8_peak, want)
 
-    # wgrad's pair: 1x128 by 1x128 (both operands scaled along K)
+    # wgrad's pair: 1x128 by 1x128 (both operands scaled along K): ours, and cuBLASLt where torch takes it
     case = "block 1x128 x 1x128"
     qw = reference.quantize_blockwise(w, "e4m3", (1, 128))
     want = gemm_reference.scaled_mm(qx, qw)
     block_b = gemm_reference.gemm_operand(qw, False, "b")
     measure(case, "ours (Triton)", lambda: gemm._scaled_mm_triton(block_a, block_b, bf16_out, None), fp8_peak, want)
-    picked = "torch._scaled_mm" if gemm._torch_scaled_mm_takes(block_a, block_b, bf16_out, None) else "Triton"
-    measure(case, "gemm.scaled_mm", lambda: gemm.scaled_mm(qx, qw), fp8_peak, want, f"dispatches to {picked}")
+    w_scale = qw.scale_inv.t().contiguous().t()
+
+    def blockwise_1x128():
+        return torch._scaled_mm(x_codes, qw.data.view(torch.float8_e4m3fn).t(), scale_a=x_scale, scale_b=w_scale,
+                                out_dtype=bf16_out)  # fmt: skip
+
+    measure(case, "torch._scaled_mm blockwise (peer)", blockwise_1x128, fp8_peak, want)
 
     # emulated: the floor is the bf16 peak; the peer dequantizes, then multiplies in bf16
     emulated = {}

@@ -21,9 +21,8 @@ in fp32: the interpreter's bf16 dot is wrong and its fp8 upcast turns NaN/inf co
 numbers (../shared/notes/cpu-feasibility.md). bf16 outputs are rounded to nearest even with bit
 operations (the interpreter's `.to(tl.bfloat16)` truncates).
 
-Per-tensor e4m3/e5m2 and whole 1x128 x 128x128 (fprop, dgrad) and 1x128 x 1x128 (wgrad) blocks go to
-`torch._scaled_mm` (cuBLASLt) on CUDA when it takes the case, a measured choice: see
-`TENSORWISE_USES_TORCH_SCALED_MM`, `BLOCKWISE_USES_TORCH_SCALED_MM`.
+Per-tensor e4m3/e5m2 and 1x128 x 128x128 blocks go to `torch._scaled_mm` (cuBLASLt) on CUDA when it
+takes the case, a measured choice: see `TENSORWISE_USES_TORCH_SCALED_MM`, `BLOCKWISE_USES_TORCH_SCALED_MM`.
 """
 
 from __future__ import annotations
@@ -45,12 +44,12 @@ from kernels.reference import Quantized
 # Measured choices (benchmarks/bench_gemm.py, 8192^3 e4m3, bf16 out, one H200, 2026-11-30):
 # tensorwise: torch._scaled_mm 1273 TFLOP/s, this kernel 934 -> cuBLASLt.
 # 1x128 x 128x128 blocks: torch._scaled_mm (torch 2.11 blockwise) 1103 TFLOP/s, this kernel 535 -> cuBLASLt
-# where the torch build runs it (older builds raise: then this kernel, remembered per process and pair).
-# 1x128 x 1x128 (wgrad) goes the same way where cuBLASLt takes it (benchmarks/bench_gemm.py times both).
+# where the torch build runs it (older builds raise: then this kernel, remembered per process).
+# 1x128 x 1x128 (wgrad): torch 2.11's _scaled_mm refused the pair on the H200 (bench_gemm, 2026-11-30),
+# so it stays on this kernel (332 TFLOP/s at 8192^3): the reason Float8BlockScaling trails bf16.
 TENSORWISE_USES_TORCH_SCALED_MM = True
 BLOCKWISE_USES_TORCH_SCALED_MM = True
-CUBLAS_BLOCK_PAIRS = ((1, 128), (1, 1))  # (A, B) scale block rows: 1x128 by 128x128, 1x128 by 1x128
-_cublas_refused_pairs: set[tuple[int, int]] = set()  # pairs this torch build raised for
+_blockwise_cublas_failed = False
 
 _NVFP4_GLOBAL_MAX = tl.constexpr(NVFP4_GLOBAL_MAX)
 _GROUP_M = 8  # tiles of A rows swept together, so their B tiles stay in L2
@@ -289,15 +288,14 @@ def _torch_scaled_mm_takes(a: GemmOperand, b: GemmOperand, out_dtype: torch.dtyp
     bias_ok = bias is None or (out_dtype == torch.bfloat16 and bias.dtype == torch.bfloat16)  # no bias with fp32 out
     if a.family == "tensorwise":
         family_ok = TENSORWISE_USES_TORCH_SCALED_MM
-    else:  # cuBLASLt's blockwise mode: 1x128 activations by 128x128 weights or 1x128 grads, whole blocks only
-        pair = (a.scale_rows, b.scale_rows)
+    else:  # cuBLASLt's blockwise mode: 1x128 activations by 128x128 weights, whole blocks only
         family_ok = (
             a.family == "block"
             and BLOCKWISE_USES_TORCH_SCALED_MM
-            and pair in CUBLAS_BLOCK_PAIRS
-            and pair not in _cublas_refused_pairs
+            and not _blockwise_cublas_failed
+            and (a.scale_rows, b.scale_rows) == (1, 128)
             and a.k % 128 == 0
-            and b.rows % b.scale_rows == 0
+            and b.rows % 128 == 0
             and bias is None
         )
     return (
@@ -311,20 +309,14 @@ def _torch_scaled_mm_takes(a: GemmOperand, b: GemmOperand, out_dtype: torch.dtyp
     )
 
 
-def _outer_major(scale_inv: Tensor) -> Tensor:
-    """[rows, K/128] 1x128 scales with the rows contiguous (the layout cuBLASLt reads)."""
-    return scale_inv.t().contiguous().t()
-
-
 def _torch_scaled_mm(a: GemmOperand, b: GemmOperand, out_dtype: torch.dtype, bias: Tensor | None) -> Tensor:
     """FP8 through cuBLASLt; its scales are our scale_invs (it multiplies by them)."""
     a_fp8 = a.data.view(FORMATS[a.fmt].torch_dtype)
     b_fp8_t = b.data.view(FORMATS[b.fmt].torch_dtype).t()  # [K, N] column-major
     assert b_fp8_t.stride(0) == 1 and a.k % 16 == 0 and b.rows % 16 == 0, "checked by _torch_scaled_mm_takes"
     scale_a, scale_b = a.scale_inv, b.scale_inv
-    if a.family == "block":  # cuBLASLt reads 1x128 scales outer-dim-major and 128x128 ones as [K/128, N/128]
-        scale_a = _outer_major(a.scale_inv)
-        scale_b = _outer_major(b.scale_inv) if b.scale_rows == 1 else b.scale_inv.t()
+    if a.family == "block":  # cuBLASLt reads 1x128 scales M-major and 128x128 ones as [K/128, N/128]
+        scale_a, scale_b = a.scale_inv.t().contiguous().t(), b.scale_inv.t()
     return torch._scaled_mm(a_fp8, b_fp8_t, scale_a=scale_a, scale_b=scale_b, bias=bias, out_dtype=out_dtype)
 
 
@@ -351,8 +343,8 @@ def scaled_mm(
         except (RuntimeError, ValueError):
             if a_operand.family != "block":
                 raise
-            # this torch build has no blockwise _scaled_mm for the pair: ours from now on
-            _cublas_refused_pairs.add((a_operand.scale_rows, b_operand.scale_rows))
+            global _blockwise_cublas_failed  # this torch build has no blockwise _scaled_mm: use ours from now on
+            _blockwise_cublas_failed = True
     return _scaled_mm_triton(a_operand, b_operand, out_dtype, bias)
 
 

@@ -12,6 +12,7 @@ import datetime
 import faulthandler
 import multiprocessing
 import os
+import pickle
 import queue
 import signal
 import sys
@@ -45,7 +46,9 @@ def _process_main(fn, rank, world_size, port, args, results, stack_file, timeout
         )
         results.put((rank, "ready", None))
         try:
-            results.put((rank, "ok", fn(rank, world_size, *args)))
+            # Pickled by value here: the queue's own pickler would pass tensors as shared-memory file
+            # descriptors, which the parent can no longer fetch once this process has exited.
+            results.put((rank, "ok", pickle.dumps(fn(rank, world_size, *args))))
         except BaseException:
             results.put((rank, "error", traceback.format_exc()))
         finally:
@@ -119,7 +122,10 @@ def _collect(procs, results, stack_files, timeout) -> list[Any]:
                 deadline = time.monotonic() + timeout
             continue
         if kind is not None:
-            (values if kind == "ok" else errors)[rank] = payload
+            if kind == "ok":
+                values[rank] = pickle.loads(payload)
+            else:
+                errors[rank] = payload
             continue
         for rank, p in enumerate(procs):
             if rank not in values and rank not in errors and p.exitcode is not None and results.empty():
