@@ -10,10 +10,11 @@ runs. The base then
   parameters, every shard scaled by the amax of the whole weight, and no high-precision copy is
   kept (unless asked for);
 - holds the DelayedScaling state of every GEMM operand in four fixed-shape fp32 buffers that any
-  recipe's state_dict carries as plain tensors (no pickled `_extra_state`):
+  recipe's state_dict carries as plain tensors (no pickled `_extra_state`, FP8_STATE_BUFFERS):
   `fp8_forward_scale` [2G] and `fp8_forward_amax_history` [amax_history_len, 2G] for the input
   (slot 2g) and weight (slot 2g + 1) of GEMM g, `fp8_backward_scale` [G] and
-  `fp8_backward_amax_history` [amax_history_len, G] for its grad_output;
+  `fp8_backward_amax_history` [amax_history_len, G] for its grad_output; and NVFP4's stochastic
+  rounding counter `fp8_stochastic_step` [G] (int64), so a resumed run draws the same random bits;
 - builds, in each forward, the quantizers of each GEMM from the active fp8_autocast frame, their
   amax groups following the GEMM's tensor-parallel split.
 """
@@ -44,7 +45,14 @@ from torchside.parallel.tp_comm import has_per_tensor_scale
 from torchside.quantization import QuantizedTensor, Quantizer
 from torchside.recipe import DelayedScaling, Float8CurrentScaling, NVFP4BlockScaling, Recipe
 
-_STATE_BUFFERS = ("fp8_forward_scale", "fp8_forward_amax_history", "fp8_backward_scale", "fp8_backward_amax_history")
+# The FP8 scaling state every FP8 module keeps as buffers (plain tensors: checkpoints reshard them).
+FP8_STATE_BUFFERS = (
+    "fp8_forward_scale",
+    "fp8_forward_amax_history",
+    "fp8_backward_scale",
+    "fp8_backward_amax_history",
+    "fp8_stochastic_step",
+)
 
 
 def default_init_method(weight: Tensor) -> None:
@@ -122,6 +130,8 @@ class FP8Module(TensorParallelMixin, nn.Module):
             self.register_buffer("fp8_forward_amax_history", torch.zeros(history_len, 2 * num_gemms, device=device))
             self.register_buffer("fp8_backward_scale", torch.ones(num_gemms, device=device))
             self.register_buffer("fp8_backward_amax_history", torch.zeros(history_len, num_gemms, device=device))
+            # NVFP4: how many grads each GEMM has rounded stochastically (the seed offset of the next one)
+            self.register_buffer("fp8_stochastic_step", torch.zeros(num_gemms, dtype=torch.int64, device=device))
         for name, spec in self._param_specs.items():
             empty = torch.empty(self.tp_local_shape(name, spec), dtype=self.params_dtype, device=device)
             self.register_parameter(name, nn.Parameter(empty))
@@ -163,7 +173,7 @@ class FP8Module(TensorParallelMixin, nn.Module):
                 self.register_parameter(name, self._fp8_parameter(name, values))
             if self.quantized_init.preserve_high_precision_init_val:
                 getattr(self, name).high_precision_init_val = values.detach().to("cpu", copy=True)
-        for name in _STATE_BUFFERS if self.num_gemms else ():
+        for name in FP8_STATE_BUFFERS if self.num_gemms else ():
             getattr(self, name).fill_(1.0 if name.endswith("scale") else 0.0)
 
     def quantize_weight_(self, name: str, values: Tensor) -> None:
@@ -257,7 +267,7 @@ class FP8Module(TensorParallelMixin, nn.Module):
     def _quantizers(self, recipe: Recipe, device: torch.device) -> tuple[tuple[Quantizer, ...], tuple[Quantizer, ...]]:
         """(forward slots, backward slots), reused while the recipe, usage, groups and state buffers stay the same."""
         columnwise = torch.is_grad_enabled()  # the copies dgrad and wgrad read
-        buffers = tuple(getattr(self, name) for name in _STATE_BUFFERS)
+        buffers = tuple(getattr(self, name) for name in FP8_STATE_BUFFERS)
         key = (recipe, torch.device(device), columnwise, id(self.tp_comm))
         cached = self._quantizer_cache
         if cached is not None and cached[0] == key and all(a is b for a, b in zip(cached[1], buffers, strict=True)):
@@ -283,6 +293,9 @@ class FP8Module(TensorParallelMixin, nn.Module):
                 _share_state(q, self.fp8_forward_scale[slot : slot + 1], self.fp8_forward_amax_history[:, slot])
             for slot, q in enumerate(backward_q):
                 _share_state(q, self.fp8_backward_scale[slot : slot + 1], self.fp8_backward_amax_history[:, slot])
+        for slot, q in enumerate(backward_q):
+            if q.stochastic_step is not None:  # the counter lives in a buffer, so a checkpoint resumes it
+                object.__setattr__(q, "stochastic_step", self.fp8_stochastic_step[slot : slot + 1])
         quantizers = (tuple(forward_q), tuple(backward_q))
         self._quantizer_cache = (key, buffers, quantizers)
         return quantizers
@@ -300,6 +313,7 @@ def clear_high_precision_init_val(param: Tensor) -> None:
 
 
 __all__ = [
+    "FP8_STATE_BUFFERS",
     "FP8Module",
     "ForwardPlan",
     "ParamSpec",

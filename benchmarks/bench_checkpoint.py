@@ -1,0 +1,132 @@
+"""Checkpoint save/load throughput of a ~1B-parameter FP8 model on one GPU, against the disk.
+
+Model: 8 LayerNormMLP(4096, 16384) blocks built under quantized_model_init(Float8CurrentScaling):
+1.07B parameters, FP8 weights (1 byte each on disk: the transposed columnwise copy is rebuilt, not
+saved) plus bf16 norms and biases with FusedAdam states. Throughput = checkpoint bytes on disk /
+wall time. Floor: the disk, measured in the same run (2 GiB written with fsync; read back after
+dropping it from the page cache). The checkpoint files are dropped from the page cache before each
+load, so a load reads the disk. Also: the blocking time of an async save (thread and process:
+what the training loop waits for) and its total time, and a load without the CRC32 pass.
+
+Usage (repository root, CUDA machine): python benchmarks/bench_checkpoint.py [--dir /local/disk/tmp]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from torchside.autocast import quantized_model_init  # noqa: E402
+from torchside.checkpoint import load, save  # noqa: E402
+from torchside.modules import LayerNormMLP  # noqa: E402
+from torchside.optim import FusedAdam  # noqa: E402
+from torchside.quantization import QuantizedTensor  # noqa: E402
+from torchside.recipe import Float8CurrentScaling  # noqa: E402
+
+BLOCKS, HIDDEN, FFN = 8, 4096, 16384
+DISK_PROBE_BYTES = 2 << 30
+
+
+def _drop_from_page_cache(directory: Path) -> None:
+    for path in directory.rglob("*"):
+        if path.is_file():
+            fd = os.open(path, os.O_RDONLY)
+            os.fsync(fd)
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            os.close(fd)
+
+
+def _disk_gbps(directory: Path) -> tuple[float, float]:
+    """(write, read) GB/s of one 2 GiB file, fsynced, read back from the disk (not the page cache)."""
+    path = directory / "disk_probe.bin"
+    block = os.urandom(64 << 20)
+    start = time.perf_counter()
+    with open(path, "wb") as f:
+        for _ in range(DISK_PROBE_BYTES // len(block)):
+            f.write(block)
+        f.flush()
+        os.fsync(f.fileno())
+    write = DISK_PROBE_BYTES / (time.perf_counter() - start) / 1e9
+    _drop_from_page_cache(directory)
+    start = time.perf_counter()
+    with open(path, "rb") as f:
+        while f.read(64 << 20):
+            pass
+    read = DISK_PROBE_BYTES / (time.perf_counter() - start) / 1e9
+    path.unlink()
+    return write, read
+
+
+def _model() -> tuple[torch.nn.Module, FusedAdam]:
+    with quantized_model_init(recipe=Float8CurrentScaling()):
+        model = torch.nn.Sequential(
+            *[LayerNormMLP(HIDDEN, FFN, params_dtype=torch.bfloat16, device="cuda") for _ in range(BLOCKS)]
+        )
+    high_precision = [p for p in model.parameters() if not isinstance(p, QuantizedTensor)]
+    optimizer = FusedAdam(high_precision, lr=1e-4, master_weights=True)
+    for p in high_precision:
+        p.grad = torch.zeros_like(p)
+    optimizer.step()  # creates the states
+    return model, optimizer
+
+
+def _bytes(directory: Path) -> int:
+    return sum(p.stat().st_size for p in directory.rglob("*") if p.is_file())
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--dir", default=tempfile.gettempdir(), help="a directory on the disk to measure")
+    root = Path(tempfile.mkdtemp(prefix="bench_checkpoint_", dir=parser.parse_args().dir))
+    if not dist.is_initialized():  # an async "process" save's daemon joins the default group
+        dist.init_process_group("gloo", rank=0, world_size=1, store=dist.HashStore())
+    try:
+        write_gbps, read_gbps = _disk_gbps(root)
+        model, optimizer = _model()
+        params = sum(p.numel() for p in model.parameters())
+        rows = []
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        path = save(root / "sync", model, optimizer, step=1).path
+        seconds = time.perf_counter() - start
+        size = _bytes(path)
+        rows.append(("save (sync)", seconds, size / seconds / 1e9, write_gbps))
+        for mode in ("thread", "process"):
+            start = time.perf_counter()
+            handle = save(root / mode, model, optimizer, step=1, async_mode=mode)
+            blocked = time.perf_counter() - start
+            handle.wait()
+            total = time.perf_counter() - start
+            rows.append((f"save ({mode}) blocking", blocked, size / blocked / 1e9, write_gbps))
+            rows.append((f"save ({mode}) total", total, size / total / 1e9, write_gbps))
+        for verify in (True, False):
+            _drop_from_page_cache(root / "sync")
+            torch.cuda.synchronize()
+            start = time.perf_counter()
+            load(root / "sync", model, optimizer, verify=verify)
+            torch.cuda.synchronize()
+            seconds = time.perf_counter() - start
+            label = "load (CRC32 checked)" if verify else "load (verify=False)"
+            rows.append((label, seconds, size / seconds / 1e9, read_gbps))
+        print(f"{torch.cuda.get_device_name()}  torch {torch.__version__}  {params / 1e9:.2f}B parameters, "
+              f"checkpoint {size / 1e9:.2f} GB")  # fmt: skip
+        print(f"disk: write {write_gbps:.2f} GB/s, read {read_gbps:.2f} GB/s (2 GiB, fsync, page cache dropped)")
+        print(f"{'operation':<26} {'seconds':>8} {'GB/s':>7} {'disk GB/s':>10} {'of disk':>8}")
+        for label, seconds, gbps, floor in rows:
+            print(f"{label:<26} {seconds:8.3f} {gbps:7.2f} {floor:10.2f} {gbps / floor:8.0%}")
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,126 @@
+"""The one commit rule: a checkpoint exists only once it is complete.
+
+Layout of a checkpoint root:
+
+    root/step-00000100/            committed: DCP's files, checksums, shardbridge.json
+    root/step-00000200.tmp/        being written, or left by a save that died (reported by `load`)
+
+A save writes into `step-N.tmp/`; when every rank's files and DCP's `.metadata` are there, rank 0
+writes `shardbridge.json` (step, extra, world size, optimizer hyperparameters, FP8 parameter facts),
+syncs it and renames the directory to `step-N/` (atomic on one filesystem), then removes the oldest
+committed steps beyond `keep_last`. `latest` is the committed step with the highest number. Only
+this file touches directory names.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+from pathlib import Path
+from typing import Any
+
+METADATA_FILE = "shardbridge.json"
+FORMAT_VERSION = 1
+_STEP_DIR = re.compile(r"^step-(\d+)$")
+_STAGING_DIR = re.compile(r"^step-(\d+)\.tmp$")
+
+
+def step_dir(root: Path, step: int) -> Path:
+    return root / f"step-{step:08d}"
+
+
+def staging_dir(root: Path, step: int) -> Path:
+    return root / f"step-{step:08d}.tmp"
+
+
+def committed_steps(root: Path) -> list[int]:
+    """Committed steps under `root`, oldest first."""
+    if not root.is_dir():
+        return []
+    return sorted(int(m.group(1)) for p in root.iterdir() if (m := _STEP_DIR.match(p.name)) and p.is_dir())
+
+
+def interrupted_saves(root: Path) -> list[Path]:
+    """Staging directories under `root`: saves that have not finished (or died)."""
+    if not root.is_dir():
+        return []
+    return sorted(p for p in root.iterdir() if _STAGING_DIR.match(p.name) and p.is_dir())
+
+
+def prepare_staging(root: Path, step: int) -> Path:
+    """Rank 0, before a save: an empty staging directory for `step` (a dead save's leftovers are removed)."""
+    if step_dir(root, step).exists():
+        raise ValueError(
+            f"step {step} is already committed at {step_dir(root, step)}: save under another step, or delete it first"
+        )
+    staging = staging_dir(root, step)
+    if staging.exists():
+        shutil.rmtree(staging)
+    staging.mkdir(parents=True)
+    return staging
+
+
+def publish(root: Path, step: int, metadata: dict[str, Any], keep_last: int | None) -> Path:
+    """Rank 0, after every rank's files are written: metadata, atomic rename, rotation."""
+    staging = staging_dir(root, step)
+    if not (staging / ".metadata").exists():
+        raise RuntimeError(f"{staging} has no DCP .metadata: the save did not complete, so it is not published")
+    path = staging / METADATA_FILE
+    with open(path, "w") as f:
+        json.dump({"format": FORMAT_VERSION, **metadata}, f, indent=1)
+        f.flush()
+        os.fsync(f.fileno())
+    final = step_dir(root, step)
+    os.rename(staging, final)
+    _fsync_dir(root)
+    if keep_last is not None:
+        for old in committed_steps(root)[:-keep_last]:
+            shutil.rmtree(step_dir(root, old))
+    return final
+
+
+def root_of(path: str | os.PathLike) -> Path:
+    """The checkpoint root of a root, `root/latest` or `root/step-N`."""
+    path = Path(path)
+    is_step = _STEP_DIR.match(path.name) or _STAGING_DIR.match(path.name)
+    return path.parent if path.name == "latest" or is_step else path
+
+
+def resolve(path: str | os.PathLike) -> tuple[Path, Path]:
+    """(checkpoint root, committed step directory) for a root, `root/latest`, or a step directory."""
+    path = Path(path)
+    if path.name == "latest" and not path.exists():
+        path = path.parent
+    if _STEP_DIR.match(path.name) and (path / METADATA_FILE).exists():
+        return path.parent, path
+    if _STAGING_DIR.match(path.name):
+        raise ValueError(f"{path} is an unfinished save (no commit): load the root {path.parent} or a committed step")
+    steps = committed_steps(path)
+    if not steps:
+        leftovers = ", ".join(p.name for p in interrupted_saves(path)) or "none"
+        raise ValueError(
+            f"no committed checkpoint under {path} (interrupted saves: {leftovers}): pass a checkpoint root "
+            "written by torchside.checkpoint.save, or one of its step-N directories"
+        )
+    return path, step_dir(path, steps[-1])
+
+
+def read_metadata(step_path: Path) -> dict[str, Any]:
+    """The JSON metadata of a committed step."""
+    path = step_path / METADATA_FILE
+    if not path.exists():
+        raise ValueError(f"{step_path} has no {METADATA_FILE}: it was not committed by torchside.checkpoint.save")
+    metadata = json.loads(path.read_text())
+    if metadata.get("format") != FORMAT_VERSION:
+        raise ValueError(f"{path} has format {metadata.get('format')!r}; this version reads format {FORMAT_VERSION}")
+    return metadata
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)

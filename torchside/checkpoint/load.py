@@ -1,0 +1,100 @@
+"""`load`: resolve a committed step, check it, load it into fresh tensors, then swap them in.
+
+Order, so that a failed load leaves the model and optimizer as they were:
+1. resolve `latest` on rank 0 and broadcast the step (every rank loads the same one);
+2. check the checkpoint against the model (every mismatched key listed) and its files (the first
+   missing, truncated or corrupted shard named), before reading any tensor;
+3. `dcp.load` into fresh tensors laid out like this topology's (DCP reshards);
+4. swap: copy them into the model, the FP8 parameters' buffers and the optimizer.
+"""
+
+from __future__ import annotations
+
+import os
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch import nn
+
+from torchside.checkpoint import commit, save, validate
+from torchside.checkpoint.app_state import AppState
+
+
+@dataclass(frozen=True)
+class LoadResult:
+    """What was loaded: the step, its directory and JSON metadata, and unfinished saves found beside it."""
+
+    step: int
+    path: Path
+    metadata: dict[str, Any]
+    interrupted: tuple[Path, ...]  # staging directories of saves that never committed
+    rng_restored: bool  # False when the world size changed (RNG states are per rank)
+
+
+def load(
+    directory: str | os.PathLike,
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer | None = None,
+    *,
+    verify: bool = True,
+    process_group: dist.ProcessGroup | None = None,
+) -> LoadResult:
+    """Load a checkpoint root (its latest committed step), `root/latest`, or a `step-N` directory.
+
+    Every rank calls it; the topology may differ from the one that saved. `verify=False` skips
+    the CRC32 pass over the shard files (sizes are still checked by DCP's reads).
+    """
+    root, step_path = _resolve_same_everywhere(Path(directory), process_group)
+    interrupted = tuple(commit.interrupted_saves(root))
+    if interrupted:
+        names = ", ".join(str(p) for p in interrupted)
+        warnings.warn(f"unfinished checkpoint saves (a process died or is still writing): {names}", stacklevel=2)
+    metadata = commit.read_metadata(step_path)
+    dcp_metadata = validate.read_dcp_metadata(step_path)
+    use_dist = dist.is_initialized()
+    world = dist.get_world_size(process_group) if use_dist else 1
+    rng_restored = metadata["world_size"] == world
+    app = AppState(model, optimizer, process_group=process_group)
+    # torch's get_optimizer_state_dict creates the states of a fresh optimizer (a step with lr 0): undo on failure.
+    fresh_optimizer = optimizer is not None and not optimizer.state
+    try:
+        target = app.empty_state_dict(with_rng=rng_restored)
+        validate.check_fits(step_path, dcp_metadata, target)
+        if verify:
+            validate.check_files(step_path, dcp_metadata, process_group)
+        dcp.load(target, checkpoint_id=str(step_path), process_group=process_group, no_dist=not use_dist)
+    except BaseException:
+        if fresh_optimizer:
+            optimizer.state.clear()
+        raise
+    app.load_state_dict(target, metadata["param_groups"])
+    return LoadResult(app.step, step_path, metadata, interrupted, rng_restored)
+
+
+def _resolve_same_everywhere(path: Path, group: dist.ProcessGroup | None) -> tuple[Path, Path]:
+    """(root, step directory), resolved on rank 0 (after its own pending save) and agreed by all ranks."""
+    use_dist = dist.is_initialized() and dist.get_world_size(group) > 1
+    rank = dist.get_rank(group) if use_dist else 0
+    root, step_path, error = commit.root_of(path), None, None
+    if rank == 0:
+        save.wait_for_pending(root)
+        try:
+            root, step_path = commit.resolve(path)
+        except ValueError as failure:
+            error = failure
+    if use_dist:
+        step = -1 if step_path is None else int(step_path.name.removeprefix("step-"))
+        agreed = torch.tensor([step], dtype=torch.int64, device="cuda" if dist.get_backend(group) == "nccl" else "cpu")
+        dist.broadcast(agreed, src=dist.get_global_rank(group or dist.group.WORLD, 0), group=group)
+        if rank != 0 and agreed.item() >= 0:
+            step_path = commit.step_dir(root, int(agreed.item()))
+    if error is not None:
+        raise error
+    if step_path is None:
+        raise ValueError(f"rank 0 found no committed checkpoint under {path} (its error says why)")
+    return root, step_path

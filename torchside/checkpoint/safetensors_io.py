@@ -1,0 +1,296 @@
+"""Model weights as safetensors: exported from a committed checkpoint, imported into any topology.
+
+Key scheme (also in docs/checkpoints.md). Keys are the model's parameter FQNs (`0.qkv.weight`):
+
+- `dtype="fp32"` / `"bf16"`: every parameter as one full tensor in that dtype. The values come from
+  FusedAdam's `master_param` where the checkpoint has one (bf16: the master rounded to nearest),
+  an FP8 parameter is dequantized (`q * scale_inv`), anything else is the saved parameter.
+- `dtype="fp8"`: an FP8 parameter is `<fqn>` = its rowwise bytes, [out, in] (`F8_E4M3` / `F8_E5M2`;
+  `U8` for NVFP4, two E2M1 values per byte, element 2i in the low nibble), plus
+  `<fqn>.scale_inv` (fp32 per tensor or per block, `U8` E8M0 exponents for MXFP8, E4M3 for
+  NVFP4) and for NVFP4 `<fqn>.amax` (fp32, the global amax). Dequantize as docs/quantization.md
+  says for the scheme named in the header. Other parameters keep their saved dtype.
+- the header's `__metadata__` holds `format` = `shardbridge`, `dtype`, and per FP8 parameter
+  `fp8:<fqn>` = JSON {scheme, fmt, shape, dtype, hadamard}.
+- one file `model.safetensors`, or with `max_shard_bytes` files `model-0000i-of-0000n.safetensors`
+  and `model.safetensors.index.json` ({"metadata", "weight_map": key -> file}).
+
+Bounded memory: the layout of every file is computed from the checkpoint's metadata alone; rank 0
+writes the headers, then rank r reads, converts and writes (at its offset) the tensors r, r + W, ...,
+one at a time. No rank holds more than one full tensor. Import reads one tensor at a time too and
+keeps only this rank's shard of it.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from safetensors import safe_open
+from torch import Tensor, nn
+from torch.distributed.tensor import DTensor, distribute_tensor
+
+from torchside.checkpoint import commit, quantized_params, validate
+from torchside.quantization import QuantizedStorage
+from torchside.quantization.storage import BUFFER_FIELDS
+
+EXPORT_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp8": None}
+_SAFETENSORS_DTYPES = {
+    torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16", torch.int64: "I64",
+    torch.float8_e4m3fn: "F8_E4M3", torch.float8_e5m2: "F8_E5M2", torch.uint8: "U8",
+}  # fmt: skip
+_FP8_EXPORTED = {"rowwise_data": "", "rowwise_scale_inv": ".scale_inv", "tensor_amax": ".amax"}  # buffer -> key suffix
+SINGLE_FILE = "model.safetensors"
+INDEX_FILE = "model.safetensors.index.json"
+
+
+@dataclass(frozen=True)
+class _Entry:
+    """One output tensor: its key, the checkpoint keys it is made from, its dtype and shape."""
+
+    key: str
+    sources: tuple[str, ...]
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+    fp8_param: str | None = None  # the FP8 parameter it dequantizes (high-precision export)
+
+    @property
+    def nbytes(self) -> int:
+        stored = torch.uint8 if self.dtype == torch.float8_e8m0fnu else self.dtype
+        return math.prod(self.shape) * torch.empty((), dtype=stored).element_size()
+
+
+def export_safetensors(
+    directory: str | os.PathLike,
+    out: str | os.PathLike,
+    dtype: str = "fp32",
+    max_shard_bytes: int | None = None,
+    *,
+    process_group: dist.ProcessGroup | None = None,
+) -> list[Path]:
+    """Write the model weights of a committed checkpoint as safetensors (every rank calls it); the files written."""
+    if dtype not in EXPORT_DTYPES:
+        raise ValueError(f"export_safetensors(dtype={dtype!r}): use 'fp32', 'bf16' or 'fp8'")
+    if max_shard_bytes is not None and max_shard_bytes < 1:
+        raise ValueError(f"export_safetensors(max_shard_bytes={max_shard_bytes}): pass None or a positive size")
+    _, step_path = commit.resolve(directory)
+    metadata = commit.read_metadata(step_path)
+    saved = validate.read_dcp_metadata(step_path).state_dict_metadata
+    entries = _plan(saved, metadata["fp8_params"], dtype)
+    files = _assign_files(entries, max_shard_bytes)
+    header_metadata = {"format": "shardbridge", "dtype": dtype}
+    header_metadata |= {f"fp8:{fqn}": json.dumps(facts) for fqn, facts in metadata["fp8_params"].items()}
+    out = Path(out)
+    use_dist = dist.is_initialized()
+    rank, world = (dist.get_rank(process_group), dist.get_world_size(process_group)) if use_dist else (0, 1)
+    offsets = {}
+    for name, members in files.items():
+        offsets.update(_layout(out / name, members, header_metadata, create=rank == 0))
+    if rank == 0 and len(files) > 1:
+        weight_map = {e.key: name for name, members in files.items() for e in members}
+        (out / INDEX_FILE).write_text(json.dumps({"metadata": header_metadata, "weight_map": weight_map}, indent=1))
+    if use_dist:
+        dist.barrier(group=process_group)
+    owner = {e.key: name for name, members in files.items() for e in members}
+    for entry in entries[rank::world]:
+        values = _convert(entry, _read(step_path, entry, saved), metadata["fp8_params"])
+        _write_at(out / owner[entry.key], offsets[entry.key], values)
+    if use_dist:
+        dist.barrier(group=process_group)
+    return [out / name for name in files]
+
+
+def _plan(saved: dict, fp8_params: dict, dtype: str) -> list[_Entry]:
+    """Every output tensor, in key order, from the checkpoint's metadata alone."""
+    target = EXPORT_DTYPES[dtype]
+    entries = []
+    params = sorted({k.removeprefix("model.") for k in saved if k.startswith("model.")})
+    for key in params:
+        if key.rsplit(".", 1)[0] in fp8_params and key.rsplit(".", 1)[-1] in BUFFER_FIELDS:
+            continue  # an FP8 parameter's buffer: handled with its parameter
+        entry = saved[f"model.{key}"]
+        master = f"optim.{key}.master_param"
+        source = master if target is not None and master in saved else f"model.{key}"
+        entries.append(_Entry(key, (source,), target or entry.properties.dtype, tuple(entry.size)))
+    for fqn, facts in sorted(fp8_params.items()):
+        if target is not None:
+            master = f"optim.{fqn}.master_param"
+            if master in saved:
+                entries.append(_Entry(fqn, (master,), target, tuple(facts["shape"])))
+                continue
+            sources = tuple(f"model.{fqn}.{b}" for b in facts["buffers"] if not b.startswith("columnwise"))
+            entries.append(_Entry(fqn, sources, target, tuple(facts["shape"]), fp8_param=fqn))
+            continue
+        if "rowwise_data" not in facts["buffers"]:
+            raise ValueError(f"FP8 parameter {fqn} has no rowwise copy to export: quantize its weights rowwise")
+        for buffer, suffix in _FP8_EXPORTED.items():
+            if buffer in facts["buffers"]:
+                entry = saved[f"model.{fqn}.{buffer}"]
+                entries.append(_Entry(fqn + suffix, (f"model.{fqn}.{buffer}",), entry.properties.dtype, tuple(entry.size)))
+    return sorted(entries, key=lambda e: e.key)
+
+
+def _assign_files(entries: list[_Entry], max_shard_bytes: int | None) -> dict[str, list[_Entry]]:
+    groups: list[list[_Entry]] = [[]]
+    for entry in entries:
+        full = sum(e.nbytes for e in groups[-1])
+        if max_shard_bytes is not None and groups[-1] and full + entry.nbytes > max_shard_bytes:
+            groups.append([])
+        groups[-1].append(entry)
+    if len(groups) == 1:
+        return {SINGLE_FILE: groups[0]}
+    return {f"model-{i + 1:05d}-of-{len(groups):05d}.safetensors": g for i, g in enumerate(groups)}
+
+
+def _layout(path: Path, entries: list[_Entry], header_metadata: dict, create: bool) -> dict[str, int]:
+    """Byte offset of each tensor in the file; with `create`, write the header and size the file."""
+    header, offset = {"__metadata__": header_metadata}, 0
+    for entry in entries:
+        stored = torch.uint8 if entry.dtype == torch.float8_e8m0fnu else entry.dtype
+        header[entry.key] = {
+            "dtype": _SAFETENSORS_DTYPES[stored],
+            "shape": list(entry.shape),
+            "data_offsets": [offset, offset + entry.nbytes],
+        }
+        offset += entry.nbytes
+    encoded = json.dumps(header, separators=(",", ":")).encode()
+    encoded += b" " * (-len(encoded) % 8)  # the data starts 8-byte aligned
+    start = 8 + len(encoded)
+    if create:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with open(path, "wb") as f:
+            f.write(len(encoded).to_bytes(8, "little") + encoded)
+            f.truncate(start + offset)
+    return {e.key: start + header[e.key]["data_offsets"][0] for e in entries}
+
+
+def _read(step_path: Path, entry: _Entry, saved: dict) -> dict[str, Tensor]:
+    """The full tensors `entry` is made from (this rank alone reads them)."""
+    target = {}
+    for source in entry.sources:
+        meta = saved[source]
+        target[source] = torch.empty(tuple(meta.size), dtype=meta.properties.dtype)
+    dcp.load(_nest(target), checkpoint_id=str(step_path), no_dist=True)
+    return target
+
+
+def _nest(flat: dict[str, Tensor]) -> dict:
+    nested: dict = {}
+    for key, value in flat.items():
+        top, rest = key.split(".", 1)
+        nested.setdefault(top, {})[rest] = value
+    return nested
+
+
+def _convert(entry: _Entry, sources: dict[str, Tensor], fp8_params: dict) -> Tensor:
+    if entry.fp8_param is None:
+        (values,) = sources.values()
+        return values.to(entry.dtype)
+    facts = fp8_params[entry.fp8_param]
+    buffers = {key.rsplit(".", 1)[-1]: t for key, t in sources.items()}
+    rows, cols = facts["shape"]
+    storage = QuantizedStorage(facts["scheme"], facts["fmt"], rows, cols, facts["hadamard"], **buffers)
+    return storage.dequantize(torch.float32).to(entry.dtype)
+
+
+def _write_at(path: Path, offset: int, values: Tensor) -> None:
+    data = values.contiguous().view(torch.uint8).numpy().tobytes() if values.numel() else b""
+    fd = os.open(path, os.O_WRONLY)
+    try:
+        os.pwrite(fd, data, offset)
+    finally:
+        os.close(fd)
+
+
+# ---------------------------------------------------------------------------------------- import
+
+
+def import_safetensors(path: str | os.PathLike, model: nn.Module) -> None:
+    """Load exported weights into `model` on any topology (every rank reads only what it keeps)."""
+    files = _files_by_key(Path(path))
+    header = _header_metadata(files)
+    fp8_facts = {k.removeprefix("fp8:"): json.loads(v) for k, v in header.items() if k.startswith("fp8:")}
+    params = dict(model.named_parameters())
+    missing = sorted(set(params) - set(files))
+    if missing:
+        raise ValueError(f"{path} lacks weights of this model: {', '.join(missing[:20])}")
+    for fqn, param in params.items():
+        with safe_open(files[fqn], framework="pt") as f:
+            if fqn in fp8_facts and header.get("dtype") == "fp8":
+                buffers = {"rowwise_data": f.get_tensor(fqn)}
+                for buffer, suffix in _FP8_EXPORTED.items():
+                    if suffix and fqn + suffix in f.keys():
+                        buffers[buffer] = f.get_tensor(fqn + suffix)
+                _import_fp8(model, fqn, param, fp8_facts[fqn], buffers)
+            else:
+                _import_values(model, fqn, param, f.get_tensor(fqn))
+
+
+def _files_by_key(path: Path) -> dict[str, Path]:
+    if path.is_dir():
+        index = path / INDEX_FILE
+        if index.exists():
+            return {k: path / v for k, v in json.loads(index.read_text())["weight_map"].items()}
+        path = path / SINGLE_FILE
+    if not path.exists():
+        raise ValueError(f"{path} does not exist: pass a .safetensors file or a directory written by export_safetensors")
+    with safe_open(path, framework="pt") as f:
+        return dict.fromkeys(f.keys(), path)
+
+
+def _header_metadata(files: dict[str, Path]) -> dict[str, str]:
+    with safe_open(next(iter(files.values())), framework="pt") as f:
+        return f.metadata() or {}
+
+
+def _shard(param: Tensor, full: Tensor) -> Tensor:
+    """This rank's part of a full tensor laid out like `param` (no communication)."""
+    if not isinstance(param, DTensor):
+        return full
+    return distribute_tensor(full, param.device_mesh, param.placements, src_data_rank=None).to_local()
+
+
+def _check_shape(fqn: str, param: Tensor, shape: tuple[int, ...]) -> None:
+    if tuple(param.shape) != tuple(shape):
+        raise ValueError(f"{fqn}: shape {tuple(shape)} in the file, {tuple(param.shape)} in the model")
+
+
+def _import_values(model: nn.Module, fqn: str, param: Tensor, full: Tensor) -> None:
+    _check_shape(fqn, param, full.shape)
+    local = quantized_params.local_of(param)
+    values = _shard(param, full.to(local.dtype)).to(local.device)
+    if quantized_params.is_quantized(param):
+        module, attribute = fqn.rsplit(".", 1)
+        model.get_submodule(module).quantize_weight_(attribute, values)
+        return
+    with torch.no_grad():
+        local.copy_(values)
+
+
+def _import_fp8(model: nn.Module, fqn: str, param: Tensor, facts: dict, buffers: dict[str, Tensor]) -> None:
+    _check_shape(fqn, param, facts["shape"])
+    if "rowwise_scale_inv" in buffers and buffers["rowwise_scale_inv"].dtype == torch.uint8 and facts["scheme"] == "mxfp8":
+        buffers["rowwise_scale_inv"] = buffers["rowwise_scale_inv"].view(torch.float8_e8m0fnu)
+    rows, cols = facts["shape"]
+    full = QuantizedStorage(facts["scheme"], facts["fmt"], rows, cols, facts["hadamard"], **buffers)
+    local = quantized_params.local_of(param)
+    same_layout = quantized_params.is_quantized(param) and local.quantized_storage.metadata()[:2] == (
+        facts["scheme"],
+        facts["fmt"],
+    )
+    if not same_layout or local.quantized_storage.columnwise and facts["scheme"] not in quantized_params.TRANSPOSED_COLUMNWISE:
+        _import_values(model, fqn, param, full.dequantize(torch.float32))  # re-quantized if the model is FP8
+        return
+    target = quantized_params.empty_storage_like(param)
+    for key, tensor in quantized_params.buffer_tensors(fqn, param, target).items():
+        name = key.rsplit(".", 1)[-1]
+        source = getattr(full, name)
+        with torch.no_grad():
+            quantized_params.local_of(tensor).copy_(_shard(tensor, source) if isinstance(tensor, DTensor) else source)
+    quantized_params.copy_into_param(param, target)
