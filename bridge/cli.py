@@ -14,7 +14,7 @@ from collections.abc import Sequence
 from rich.console import Console
 
 # One line per verb; the module is imported only to build the parser (no heavy imports at top).
-COMMANDS = ("env", "layout", "quantize")
+COMMANDS = ("env", "layout", "quantize", "convert", "verify", "run", "demo")
 
 
 def build_parser() -> argparse.ArgumentParser:

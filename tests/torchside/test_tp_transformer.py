@@ -204,7 +204,7 @@ def _test_cases() -> list:
         rest = [case for case in _mesh_cases(mesh_name) if case not in ci]
         if ci:
             params.append(pytest.param(mesh_name, ci, id=f"{mesh_name}-ci"))
-        params.append(pytest.param(mesh_name, rest, id=f"{mesh_name}-rest", marks=pytest.mark.slow))
+        params.append(pytest.param(mesh_name, rest, id=f"{mesh_name}-rest", marks=[pytest.mark.slow, pytest.mark.grid]))
     return params
 
 

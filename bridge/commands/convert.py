@@ -1,0 +1,113 @@
+"""`shardbridge convert`: convert a checkpoint between DCP, Orbax and safetensors, streamed shard by shard.
+
+Names and orientation follow the architecture's parameter rules (a torch `weight` [out, in] is a
+Flax `kernel` [in, out]); FP8 parameters travel as their bytes and scales, never upcast. Every
+written box is read back and a per-tensor CRC32 table is printed. Under torchrun, each rank writes
+its own blocks of a DCP or safetensors target. Exit codes: 0 done, 1 a checksum differs, 2 bad input.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+from rich.console import Console
+from rich.markup import escape
+from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn, TransferSpeedColumn
+from rich.table import Table
+
+FORMATS = ("dcp", "orbax", "safetensors")
+
+
+def register(verbs) -> None:
+    parser = verbs.add_parser(
+        "convert",
+        help="convert a checkpoint DCP <-> Orbax <-> safetensors, streamed into the target sharding",
+        description=__doc__.split("\n\n")[1],
+    )
+    parser.add_argument("source", help="a DCP directory, an Orbax step directory or a .safetensors file")
+    parser.add_argument("target", help="where to write (must not exist; written in full or not at all)")
+    parser.add_argument("--from", dest="source_format", required=True, choices=FORMATS)
+    parser.add_argument("--to", dest="target_format", required=True, choices=FORMATS)
+    parser.add_argument("--arch", default="shardbridge", help="the parameter rule table (default: shardbridge)")
+    parser.add_argument("--with-optimizer", action="store_true", help="convert the optimizer states too")
+    parser.add_argument("--dry-run", action="store_true", help="print the plan and write nothing")
+    parser.add_argument("--no-verify", action="store_true", help="skip reading the target back")
+    parser.set_defaults(run=run)
+
+
+def run(args: argparse.Namespace, console: Console) -> int:
+    from bridge.convert import convert
+
+    errors = Console(stderr=True, soft_wrap=True)
+    progress = Progress(
+        TextColumn("{task.description}"),
+        BarColumn(),
+        DownloadColumn(),
+        TransferSpeedColumn(),
+        TimeRemainingColumn(),
+        console=errors,
+        transient=True,
+    )
+    task = None
+
+    def on_box(key: str, nbytes: int) -> None:
+        progress.update(task, advance=nbytes, description=f"writing {escape(key)}")
+
+    options = dict(with_optimizer=args.with_optimizer, architecture=args.arch, verify=not args.no_verify)
+    try:
+        plan = convert(args.source, args.source_format, args.target, args.target_format, dry_run=True, **options).plan
+        if args.dry_run:
+            _print_plan(plan, console)
+            return 0
+        with progress:
+            task = progress.add_task("converting", total=sum(plan.bytes_per_owner()))
+            result = convert(args.source, args.source_format, args.target, args.target_format, on_box=on_box, **options)
+    except (ValueError, TypeError, OSError) as error:
+        errors.print(f"[bold red]error:[/] {escape(str(error))}")
+        return 2
+    console.print(checksum_table(result))
+    for key, reason in result.skipped:
+        console.print(f"not converted: {escape(key)} ({escape(reason)})", soft_wrap=True)
+    console.print(f"wrote {escape(args.target)}" if result.ok else "[bold red]checksums differ[/]")
+    return 0 if result.ok else 1
+
+
+def _print_plan(plan, console: Console) -> None:
+    table = Table(title=f"conversion plan ({plan.owners} owners: target processes or devices)")
+    for name, justify in (("source", "left"), ("target", "left"), ("shape", "left"), ("dtype", "left"), ("layout", "left")):
+        table.add_column(name, justify=justify)
+    table.add_column("placement", justify="left")
+    for entry in plan.entries:
+        placement = "dim 0 split" if all(entry.boxes) and plan.owners > 1 else "whole, one owner"
+        table.add_row(
+            escape(entry.source.key),
+            escape(entry.target.key),
+            str(list(entry.target.shape)),
+            entry.target.dtype,
+            "transpose" if entry.transpose else "same",
+            placement,
+        )
+    console.print(table)
+    per_owner = Table()
+    per_owner.add_column("owner", justify="right")
+    per_owner.add_column("bytes written", justify="right")
+    for owner, nbytes in enumerate(plan.bytes_per_owner()):
+        per_owner.add_row(str(owner), f"{nbytes:,}")
+    console.print(per_owner)
+    for key, reason in plan.skipped:
+        console.print(f"not converted: {escape(key)} ({escape(reason)})", soft_wrap=True)
+
+
+def checksum_table(result) -> Table:
+    """Per tensor: CRC32 of the bytes as produced from the source and as read back from the target."""
+    table = Table(title="per-tensor checksums (CRC32 over the tensor's boxes)")
+    table.add_column("tensor", style="bold")
+    table.add_column("shape")
+    table.add_column("dtype")
+    table.add_column("produced", justify="right")
+    table.add_column("written", justify="right")
+    table.add_column("", justify="center")
+    for c in result.checksums:
+        written = "not verified" if c.written is None else f"{c.written:08x}"
+        table.add_row(escape(c.key), str(list(c.shape)), c.dtype, f"{c.produced:08x}", written, "ok" if c.ok else "DIFFERS")
+    return table

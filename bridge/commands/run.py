@@ -1,0 +1,34 @@
+"""`shardbridge run -n N script.py [args]`: start a co-located torch+JAX script under torchrun.
+
+The script calls `bridge.runtime.initialize()` to bring up torch's process group and JAX's
+distributed runtime in each process. This is torchrun itself (`torch.distributed.run`,
+standalone rendezvous on this node); for several nodes call torchrun with its rendezvous options.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+from rich.console import Console
+
+
+def register(verbs) -> None:
+    parser = verbs.add_parser(
+        "run",
+        help="start a script in N co-located torch+JAX processes (torchrun, one per device)",
+        description=__doc__.split("\n\n")[1],
+    )
+    parser.add_argument("-n", "--nproc", type=int, required=True, help="processes (one per device)")
+    parser.add_argument("script")
+    parser.add_argument("script_args", nargs=argparse.REMAINDER)
+    parser.set_defaults(run=run)
+
+
+def run(args: argparse.Namespace, console: Console) -> int:
+    from torch.distributed import run as torchrun
+
+    if args.nproc < 1:
+        Console(stderr=True).print(f"[bold red]error:[/] -n {args.nproc}: start at least one process")
+        return 2
+    torchrun.main(["--standalone", "--nproc-per-node", str(args.nproc), args.script, *args.script_args])
+    return 0

@@ -1,0 +1,106 @@
+"""`shardbridge verify`: the same model in torch and JAX on the same devices, compared step by step.
+
+Starts one process per device of the mesh under torchrun's launcher (bridge.runtime), builds the
+torchside model and its jaxside twin with the same weights, runs forward, backward and Adam for
+--steps steps under each recipe, and compares every block's output, the input gradient, every
+weight gradient, parameter and Adam moment shard by shard (tolerances: bridge.numerics). Exit
+codes: 0 all within tolerance, 1 a divergence (the first one is named), 2 bad input.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+from rich.console import Console
+from rich.markup import escape
+from rich.table import Table
+
+RECIPE_CHOICES = "off, current, delayed, block, mxfp8, nvfp4 (comma-separated) or all"
+
+
+def register(verbs) -> None:
+    parser = verbs.add_parser(
+        "verify",
+        help="run a model in torch and JAX on the same devices and name the first tensor that diverges",
+        description=__doc__.split("\n\n")[1],
+    )
+    parser.add_argument("--model", default="mlp", help="linear, mlp or transformer (bridge/twins.py)")
+    parser.add_argument("--layers", type=int, default=2)
+    parser.add_argument("--hidden", type=int, default=256, help="hidden size (ffn = 4x)")
+    parser.add_argument("--recipe", default="current", help=RECIPE_CHOICES)
+    parser.add_argument(
+        "--mesh", action="append", help="mesh axes, e.g. dp=2,tp=2 (FSDP x TP) or rep=2,dp=2 (HSDP); repeatable"
+    )
+    parser.add_argument("--steps", type=int, default=5)
+    parser.add_argument("--device", choices=("cpu", "cuda"), help="default: cuda where torch sees a GPU")
+    parser.add_argument("--json", action="store_true", help="print every check as JSON")
+    parser.add_argument("--report", metavar="FILE", help="also write the JSON report here")
+    parser.set_defaults(run=run)
+
+
+def run(args: argparse.Namespace, console: Console) -> int:
+    errors = Console(stderr=True, soft_wrap=True)
+    try:
+        cases = _cases(args)
+    except ValueError as error:
+        errors.print(f"[bold red]error:[/] {escape(str(error))}")
+        return 2
+    from bridge import crosscheck, runtime
+
+    processes = cases[0].mesh.size
+    with errors.status(f"verifying in {processes} co-located torch+JAX processes"):
+        reports = runtime.launch(crosscheck.verify, processes, cases, device_type=args.device)[0]
+    if args.report:
+        with open(args.report, "w") as file:
+            json.dump(reports, file, indent=1)
+    if args.json:
+        console.out(json.dumps(reports), highlight=False)
+    else:
+        for report in reports:
+            render(console, report)
+    return 0 if all(report["passed"] for report in reports) else 1
+
+
+def _cases(args: argparse.Namespace) -> list:
+    from bridge.crosscheck import VerifyCase, parse_mesh
+    from bridge.numerics import RECIPES
+
+    recipes = RECIPES if args.recipe == "all" else tuple(r.strip() for r in args.recipe.split(",") if r.strip())
+    meshes = [parse_mesh(text) for text in (args.mesh or ["dp=2,tp=2"])]
+    if len({mesh.size for mesh in meshes}) > 1:
+        raise ValueError(f"meshes {[str(m) for m in meshes]} need different process counts; verify them one by one")
+    return [VerifyCase(args.model, args.layers, args.hidden, mesh, recipes, args.steps) for mesh in meshes]
+
+
+def render(console: Console, report: dict) -> None:
+    """One table per (mesh, recipe): the worst check of each stage, and the first divergence."""
+    title = f"{report['model']} on {report['mesh']}, recipe {report['recipe']}, {report['steps']} steps"
+    table = Table(title=escape(title))
+    table.add_column("stage", style="bold")
+    table.add_column("checks", justify="right")
+    table.add_column("worst relative", justify="right")
+    table.add_column("worst max-abs", justify="right")
+    table.add_column("worst tensor", overflow="fold")
+    table.add_column("verdict")
+    stages: dict[str, list[dict]] = {}
+    for check in report["checks"]:
+        stages.setdefault(check["stage"], []).append(check)
+    for stage, checks in stages.items():
+        worst = max(checks, key=lambda c: (not c["passed"], c["relative"]))
+        failed = sum(not c["passed"] for c in checks)
+        verdict = "[green]ok[/]" if not failed else f"[red]{failed} diverge[/]"
+        table.add_row(stage, str(len(checks)), f"{worst['relative']:.2e}", f"{worst['max_abs']:.2e}",
+                      escape(f"{worst['name']} (step {worst['step']})"), verdict)  # fmt: skip
+    console.print(table)
+    first = report["first_divergence"]
+    if first is None:
+        console.print("[bold green]verdict[/] torch and JAX agree within bridge.numerics' tolerances")
+        return
+    limit = first["tolerance"]
+    console.print(
+        f"[bold red]first divergence[/] step {first['step']}, {first['stage']}, layer {escape(first['layer'])}, "
+        f"tensor {escape(first['name'])}: relative {first['relative']:.3e} (limit {limit['relative']}), "
+        f"max-abs {first['max_abs']:.3e} (limit {limit['max_abs']}){', NaN' if first['nan'] else ''}",
+        soft_wrap=True,
+    )

@@ -1,0 +1,387 @@
+"""`verify`: the same model, weights and inputs in torch and JAX on the same devices, compared step by step.
+
+Runs inside co-located processes (bridge.runtime). Per case (model, mesh, recipes, steps):
+
+1. the torchside stack is built on meta, `parallelize`d over the torch mesh (FSDP or HSDP on the
+   data axes, TP on `tp`) and loaded with seeded global values, each rank copying its shard;
+2. its jaxside twin is placed by jaxside's rules on the JAX mesh of the same devices; the check
+   "layout" compares, per parameter, where torch keeps it with where JAX does (transposed for a
+   kernel); the torch shards then cross zero-copy (bridge.transfer) and map through
+   bridge.params' rules into the JAX model;
+3. every step both take the same batch (each DP rank its columns of a seeded [S, B, H] global;
+   JAX the global array those columns form) and the output gradient dy, run forward and backward
+   (torch: FSDP2 summing gradients over DP; JAX: d(sum(y * dy)) under jit), and FusedAdam /
+   jaxside.optim.fused_adam steps; compared, in this order: each block's output, the input
+   gradient, each weight gradient, each parameter and Adam moment after the step
+   (bridge.numerics' tolerances, shard by shard).
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from bridge import layout, params, transfer, twins
+from bridge.numerics import RECIPES, TensorCheck, VerifyReport, collect, tolerance
+
+MESH_AXES = ("dp_replicate", "dp_shard", "tp")  # jaxside.sharding's mesh; the torch mesh uses the same names
+MESH_ALIASES = {"rep": "dp_replicate", "dp_replicate": "dp_replicate", "dp": "dp_shard", "dp_shard": "dp_shard",
+                "tp": "tp"}  # fmt: skip
+HISTORY = 4  # DelayedScaling amax history rows
+SEQUENCE, BATCH = 16, 8  # tokens per rank: SEQUENCE * BATCH / DP (a multiple of 32 for MXFP8's token blocks)
+LR = 1e-3
+
+
+@dataclass(frozen=True)
+class MeshShape:
+    """Sizes of the (dp_replicate, dp_shard, tp) mesh; 1 leaves an axis unused."""
+
+    dp_replicate: int = 1
+    dp_shard: int = 1
+    tp: int = 1
+
+    @property
+    def sizes(self) -> tuple[int, int, int]:
+        return self.dp_replicate, self.dp_shard, self.tp
+
+    @property
+    def size(self) -> int:
+        return math.prod(self.sizes)
+
+    @property
+    def dp(self) -> int:
+        return self.dp_replicate * self.dp_shard
+
+    def __str__(self) -> str:
+        return ",".join(f"{name}={size}" for name, size in zip(MESH_AXES, self.sizes) if size > 1) or "single"
+
+
+def parse_mesh(text: str) -> MeshShape:
+    """`dp=2,tp=2` (FSDP x TP), `rep=2,dp=2` (HSDP): axes rep|dp_replicate, dp|dp_shard, tp."""
+    sizes: dict[str, int] = {}
+    for item in filter(None, (part.strip() for part in text.split(","))):
+        name, _, value = item.partition("=")
+        axis = MESH_ALIASES.get(name.strip())
+        if axis is None or not value.strip().isdigit() or int(value) < 1:
+            raise ValueError(f"mesh {text!r}: write axes as name=size with names rep, dp, tp, e.g. dp=2,tp=2")
+        if axis in sizes:
+            raise ValueError(f"mesh {text!r} names {axis} twice")
+        sizes[axis] = int(value)
+    return MeshShape(**sizes)
+
+
+@dataclass(frozen=True)
+class VerifyCase:
+    """One mesh and model, checked under each recipe for `steps` steps."""
+
+    model: str
+    layers: int
+    hidden: int
+    mesh: MeshShape
+    recipes: tuple[str, ...]
+    steps: int
+
+    def __post_init__(self) -> None:
+        unknown = [r for r in self.recipes if r not in RECIPES]
+        if unknown or not self.recipes:
+            raise ValueError(f"recipes {list(self.recipes)}: use some of {', '.join(RECIPES)}")
+        if self.steps < 1:
+            raise ValueError(f"steps={self.steps}: run at least 1")
+        if BATCH % self.mesh.dp:
+            raise ValueError(f"mesh {self.mesh}: the batch of {BATCH} must divide over {self.mesh.dp} DP ranks")
+        twins.check_spec(self.spec)
+
+    @property
+    def spec(self) -> twins.TwinSpec:
+        return twins.TwinSpec(self.model, self.layers, self.hidden, self.mesh.tp, HISTORY)
+
+
+def recipe_pair(name: str) -> tuple[Any, Any]:
+    """(torchside recipe, jaxside recipe) of a recipe name; (None, None) for FP8 off."""
+    import jaxside.recipe as jax_recipe
+    import torchside.recipe as torch_recipe
+
+    classes = {
+        "current": ("Float8CurrentScaling", {}),
+        "delayed": ("DelayedScaling", {"amax_history_len": HISTORY}),
+        "block": ("Float8BlockScaling", {}),
+        "mxfp8": ("MXFP8BlockScaling", {}),
+        "nvfp4": ("NVFP4BlockScaling", {}),
+    }
+    if name == "off":
+        return None, None
+    cls, kwargs = classes[name]
+    return getattr(torch_recipe, cls)(**kwargs), getattr(jax_recipe, cls)(**kwargs)
+
+
+def verify(runtime, cases: Sequence[VerifyCase], rules: Iterable[params.Rule] = params.RULES) -> list[dict]:
+    """Every case and recipe in these processes; the JSON reports (the same on every rank)."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from bridge.runtime import jax_mesh
+
+    rules = tuple(rules)
+    reports = []
+    for case in cases:
+        if case.mesh.size != runtime.world_size:
+            raise ValueError(f"mesh {case.mesh} needs {case.mesh.size} processes; {runtime.world_size} are running")
+        world = init_device_mesh(runtime.device_type, case.mesh.sizes, mesh_dim_names=MESH_AXES)
+        mesh = jax_mesh(world)
+        for recipe in case.recipes:
+            reports.append(_verify_recipe(runtime, world, mesh, case, recipe, rules).to_json())
+    return reports
+
+
+@dataclass
+class _Twins:
+    torch_model: Any
+    jax_model: Any
+    pairs: list[params.ParamPair]
+    shardings: dict[tuple, Any]  # JAX path -> where the JAX model keeps the parameter
+
+
+def _verify_recipe(runtime, world, mesh, case: VerifyCase, recipe: str, rules) -> VerifyReport:
+    import torch.distributed as dist
+    from flax import nnx
+
+    from jaxside.optim import fused_adam
+    from torchside.autocast import fp8_autocast
+    from torchside.optim import FusedAdam
+
+    report = VerifyReport(case.model, str(case.mesh), recipe, case.steps)
+    torch_recipe, jax_recipe = recipe_pair(recipe)
+    models = _build_twins(runtime, world, mesh, case, rules, report)
+    torch_optimizer = FusedAdam(models.torch_model.parameters(), lr=LR)
+    jax_optimizer = nnx.Optimizer(models.jax_model, fused_adam(LR), wrt=nnx.Param)
+    jax_step = _jax_step(jax_recipe)
+    for step in range(case.steps):
+        x_local, dy_local = _batch(world, step, case.hidden, runtime.torch_device)
+        x = x_local.clone().requires_grad_()
+        with fp8_autocast(enabled=torch_recipe is not None, recipe=torch_recipe, amax_reduction_group=dist.group.WORLD):
+            y, torch_outputs = models.torch_model(x)
+        y.backward(dy_local)
+        _sum_over_dp(models.torch_model, case.mesh.dp)
+        jax_x, jax_dy = (_activation_to_jax(t, world, mesh) for t in (x_local, dy_local))
+        jax_outputs, jax_dx, jax_grads = jax_step(models.jax_model, jax_optimizer, jax_x, jax_dy)
+        replicas = case.mesh.tp  # activations are whole on every TP rank
+        forward = [
+            (f"layers.{i}", _activation_from_jax(out, world), theirs.detach(), replicas)
+            for i, (out, theirs) in enumerate(zip(jax_outputs, torch_outputs))
+        ]
+        common = {"lr": LR, "steps_taken": step}
+        collect(report, step, "forward", forward, **common)
+        collect(report, step, "input_grad", [("input", _activation_from_jax(jax_dx, world), x.grad, replicas)], **common)
+        torch_params = dict(models.torch_model.named_parameters())
+        grads = {name: p.grad for name, p in torch_params.items()}
+        collect(report, step, "weight_grad", _param_entries(models, _flat(jax_grads), grads), **common)
+        torch_optimizer.step()
+        torch_optimizer.zero_grad(set_to_none=True)
+        common["steps_taken"] = step + 1
+        jax_params = params.jax_parameters(models.jax_model)
+        collect(report, step, "param", _param_entries(models, jax_params, torch_params), **common)
+        for moment in ("exp_avg", "exp_avg_sq"):
+            torch_moments = {name: torch_optimizer.state[p][moment] for name, p in torch_params.items()}
+            jax_moments = _jax_moments(jax_optimizer, moment)
+            collect(report, step, moment, _param_entries(models, jax_moments, torch_moments), **common)
+    return report
+
+
+def _build_twins(runtime, world, mesh, case: VerifyCase, rules, report: VerifyReport) -> _Twins:
+    import torch.distributed as dist
+    from flax import nnx
+
+    import jaxside.modules as JM
+    from torchside.parallel import parallelize
+
+    spec = case.spec
+    dist.barrier()  # JAX's collectives below (placement) must not wait long for a late process
+    torch_model = twins.build_torch(spec)
+    replicate, shard, tp = case.mesh.sizes
+    dp_mesh = world[("dp_replicate", "dp_shard")] if replicate > 1 else world["dp_shard"]
+    tp_mesh = world["tp"] if tp > 1 else None
+    parallelize(torch_model, dp_mesh, tp_mesh=tp_mesh, blocks=list(torch_model.layers), device=runtime.torch_device)
+    _load_seeded_values(torch_model)
+    jax_model = twins.build_jax(spec)
+    JM.place(jax_model, mesh)
+    pairs = params.pair_models(torch_model, jax_model, rules)
+    shardings = {tuple(path): v.get_value() for path, v in nnx.to_flat_state(JM.shardings(jax_model, mesh))}
+    models = _Twins(torch_model, jax_model, pairs, shardings)
+    _check_layouts(models, mesh, report)
+    torch_params = dict(torch_model.named_parameters())
+    params.load_into_jax(jax_model, params.torch_values_to_jax(torch_params, pairs, mesh, shardings))
+    return models
+
+
+def _sum_over_dp(model, dp: int) -> None:
+    """FSDP2 averages gradients over the DP ranks; JAX's is the full batch's sum (gloo has no pre-scaled sum)."""
+    for param in model.parameters():
+        param.grad._local_tensor.mul_(dp)
+
+
+def _check_layouts(models: _Twins, mesh, report: VerifyReport) -> None:
+    """Per parameter: does JAX keep on each device what torch keeps there (the kernel transposed)?"""
+    torch_params = dict(models.torch_model.named_parameters())
+    for pair in models.pairs:
+        param = torch_params[pair.torch_name]
+        shape = tuple(param.shape)
+        torch_side = layout.from_named_sharding(
+            transfer.equivalent_sharding(param.device_mesh, param.placements, shape, mesh), shape
+        )
+        if pair.layout.transposes:
+            torch_side, shape = torch_side.transposed(), shape[::-1]
+        verdict = layout.compare(torch_side, layout.from_named_sharding(models.shardings[pair.jax_path], shape))
+        mismatch = 0.0 if verdict.equal else 1.0
+        limit = tolerance(report.recipe, "layout")
+        report.checks.append(
+            TensorCheck(0, "layout", pair.torch_name, mismatch, mismatch, False, limit, verdict.equal)
+        )
+
+
+def _load_seeded_values(model) -> None:
+    """Seeded global values (norm weights near 1), each rank copying its shard (by the shard map)."""
+    import torch
+
+    generator = torch.Generator().manual_seed(5)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            scale = 0.05 if param.dim() == 2 else 0.1
+            values = torch.randn(param.shape, generator=generator) * scale + (param.dim() == 1 and "weight" in name)
+            shard_map = layout.from_dtensor(param)
+            local = param._local_tensor
+            local.copy_(values[shard_map.selectors(tuple(param.device_mesh.get_coordinate()))].to(local.device))
+
+
+def _activation_placements() -> list:
+    from torch.distributed.tensor import Replicate, Shard
+
+    return [Shard(1), Shard(1), Replicate()]  # batch over (dp_replicate, dp_shard), whole on every TP rank
+
+
+def _batch(world, step: int, hidden: int, device) -> tuple[Any, Any]:
+    """This rank's batch columns of the step's seeded global x and dy [S, B, H]."""
+    import torch
+
+    generator = torch.Generator().manual_seed(1000 + step)
+    x, dy = (torch.randn(SEQUENCE, BATCH, hidden, generator=generator) for _ in range(2))
+    replicate, shard, _ = world.get_coordinate()
+    dp_index, dp_size = replicate * world.size(1) + shard, world.size(0) * world.size(1)
+    return tuple(t.chunk(dp_size, dim=1)[dp_index].contiguous().to(device) for t in (x, dy))
+
+
+def _activation_to_jax(local, world, mesh):
+    global_shape = (SEQUENCE, BATCH, local.shape[-1])
+    return transfer.local_to_jax(local, world, _activation_placements(), global_shape, mesh)
+
+
+def _activation_from_jax(array, world):
+    import jax
+
+    sharding = transfer.equivalent_sharding(world, _activation_placements(), tuple(array.shape), array.sharding.mesh)
+    return transfer.local_from_jax(jax.device_put(array, sharding))
+
+
+def _replicas(dtensor) -> int:
+    from torch.distributed.tensor import Replicate
+
+    mesh = dtensor.device_mesh
+    return math.prod(mesh.size(d) for d, p in enumerate(dtensor.placements) if isinstance(p, Replicate))
+
+
+def _param_entries(models: _Twins, jax_values: dict, torch_tensors: dict) -> list[tuple]:
+    """(torch name, JAX value's local shard in torch's layout, torch's local shard, replicas) per parameter."""
+    like = dict(models.torch_model.named_parameters())
+    present = [p for p in models.pairs if p.jax_path in jax_values and torch_tensors.get(p.torch_name) is not None]
+    as_torch = params.jax_values_to_torch(jax_values, present, like)
+    return [
+        (p.torch_name, as_torch[p.torch_name]._local_tensor, torch_tensors[p.torch_name]._local_tensor,
+         _replicas(like[p.torch_name]))
+        for p in present
+    ]  # fmt: skip
+
+
+def _flat(state) -> dict:
+    from flax import nnx
+
+    return {tuple(path): v.get_value() for path, v in nnx.to_flat_state(state)}
+
+
+def _jax_moments(optimizer, moment: str) -> dict:
+    """{parameter path: the Adam moment} from an nnx.Optimizer over jaxside.optim.fused_adam."""
+    return _flat(getattr(optimizer.opt_state, moment))
+
+
+@functools.cache  # one step per recipe: models of the same structure and shardings share its programs
+def _jax_step(recipe):
+    """One training step: forward, backward of sum(y * dy), the FP8 bookkeeping, the Adam update.
+
+    Compiled ahead of the first call, then every process waits for the others (a torch barrier):
+    XLA's gloo collectives give up on a peer that is late by more than their own timeout, and
+    processes compiling on shared cores can finish far apart.
+    """
+    import jax
+    import jax.numpy as jnp
+    import torch.distributed as dist
+    from flax import nnx
+    from jax.sharding import NamedSharding, PartitionSpec
+
+    import jaxside.modules as JM
+
+    def loss(model, x, dy, placed: _Placement):
+        with JM.fp8_autocast(enabled=recipe is not None, recipe=recipe):
+            y, outputs = model(x)
+        y = jax.lax.with_sharding_constraint(y, placed.activations)  # laid out as dy: no resharding for the sum
+        return jnp.sum(y * dy), outputs
+
+    def step(graphdef, state, x, dy, placed: _Placement):
+        model, optimizer = nnx.merge(graphdef, state)
+        (grads, dx), outputs = nnx.grad(loss, argnums=(nnx.DiffState(0, JM.GRAD_FILTER), 1), has_aux=True)(
+            model, x, dy, placed
+        )
+        param_grads = JM.finish_backward(model, grads, recipe)
+        optimizer.update(model, param_grads)
+        # The new state where the old one was: the next call reuses this program.
+        new_state = jax.lax.with_sharding_constraint(nnx.state((model, optimizer)), placed.state)
+        return new_state, outputs, dx, param_grads
+
+    jitted = jax.jit(step, static_argnums=(0, 4))
+    compiled: dict[tuple, Any] = {}
+
+    def run(model, optimizer, x, dy):
+        graphdef, state = nnx.split((model, optimizer))
+        # What is not placed yet (the optimizer's step count) is replicated; the program keeps it there.
+        replicated = NamedSharding(x.sharding.mesh, PartitionSpec())
+        placed = lambda a: a.sharding if isinstance(a.sharding, NamedSharding) else replicated  # noqa: E731
+        placement = _Placement(jax.tree.map(placed, state), x.sharding)
+        state = jax.device_put(state, placement.state)
+        key = (graphdef, placement)
+        if key not in compiled:
+            compiled[key] = jitted.lower(graphdef, state, x, dy, placement).compile()
+            dist.barrier()
+        new_state, outputs, dx, param_grads = compiled[key](state, x, dy)
+        nnx.update((model, optimizer), new_state)
+        return outputs, dx, param_grads
+
+    return run
+
+
+class _Placement:
+    """Where the step keeps its state and activations: a static jit argument, equal when the shardings are."""
+
+    def __init__(self, state, activations) -> None:
+        import jax
+
+        self.state, self.activations = state, activations
+        leaves, treedef = jax.tree.flatten(state)
+        self._key = (treedef, tuple(leaves), activations)
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, _Placement) and self._key == other._key
+
+    def __hash__(self) -> int:
+        return hash(self._key)
+
+
+__all__ = ["HISTORY", "LR", "MESH_AXES", "MeshShape", "VerifyCase", "parse_mesh", "recipe_pair", "verify"]

@@ -1,0 +1,107 @@
+"""`shardbridge demo` end to end: train under FP8 on FSDP2 x TP, checkpoint, reload elsewhere, cross into JAX.
+
+Stages (each check is one row of the final table, bridge.demo_report):
+
+1. dp x tp co-located torch+JAX processes (bridge.runtime.launch; one per GPU, or CPU processes):
+   the tiny Llama of our TransformerLayers trains `steps` steps under the recipe with FusedAdam on the
+   synthetic corpus, saves a DCP checkpoint asynchronously, and meanwhile moves its shards into JAX
+   on the same devices: layouts and one forward pass compared (bridge.demo_train, bridge.demo_jax);
+2. reload_dp processes (another topology, FSDP2 only) load the checkpoint; every parameter must
+   equal the trained one bit for bit (bridge.demo_checkpoint);
+3. this process converts the checkpoint to Orbax (bridge.convert) and restores it with
+   jaxside.checkpoint; again bit for bit.
+
+Writes into `out`: report.json, layouts.png, loss.png, and the checkpoints dcp/ and orbax/.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import shutil
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from bridge import demo_checkpoint, demo_jax, demo_train
+from bridge.demo_options import DemoOptions
+from bridge.demo_report import LOSS_PLOT_NAME, Check, DemoReport, plot_losses
+
+LOSS_DROP = 0.95  # the last step's loss must be at most this fraction of the first's: the model learns
+
+
+def run_demo(options: DemoOptions, status: Callable[[str], Any] = print) -> DemoReport:
+    """All stages (module docstring); the report, also written to out/report.json."""
+    from bridge import runtime
+
+    out = Path(options.out).absolute()
+    for stale in (demo_train.CHECKPOINT_DIR, "orbax"):  # the demo's own checkpoints of an earlier run
+        shutil.rmtree(out / stale, ignore_errors=True)
+    out.mkdir(parents=True, exist_ok=True)
+    report = DemoReport(options=dataclasses.asdict(options))
+    device = options.device
+
+    status(f"training on {options.world_size} processes (FSDP2 dp={options.dp} x TP tp={options.tp}), then JAX")
+    started = time.perf_counter()
+    trained = runtime.launch(demo_train.train_save_check, options.world_size, options, str(out), device_type=device)[0]
+    report.timings["stage 1 wall (launch, train, save, JAX)"] = time.perf_counter() - started
+    report.timings.update(trained["timings"])
+    report.losses = trained["losses"]
+    _training_checks(report, trained, options)
+
+    status(f"reloading the checkpoint on {options.reload_dp} processes (FSDP2 dp={options.reload_dp}, no TP)")
+    started = time.perf_counter()
+    reloaded = runtime.launch(
+        demo_checkpoint.reload, options.reload_dp, trained["checkpoint"], options.reload_dp, options.lr,
+        device_type=device,
+    )[0]  # fmt: skip
+    report.timings["stage 2 wall (launch, load)"] = time.perf_counter() - started
+    differ = demo_checkpoint.mismatches(trained["reference"], reloaded["parameters"])
+    report.checks.append(Check(
+        f"DCP reload on FSDP2 {options.reload_dp}: bitwise", len(differ), 0, "tensors differ",
+        reloaded["seconds"], f"step {reloaded['step']}, {len(trained['reference'])} params + "
+        f"{reloaded['optimizer_states']} optimizer states",
+    ))  # fmt: skip
+
+    status("converting the checkpoint to Orbax and restoring it in JAX")
+    orbax = demo_checkpoint.orbax_round_trip(trained["checkpoint"], out, options.steps, trained["reference"])
+    report.checks.append(Check("DCP -> Orbax: CRC32 read back", orbax["checksums_differ"], 0, "tensors differ",
+                               orbax["convert_seconds"], f"{orbax['tensors']} tensors"))  # fmt: skip
+    report.checks.append(Check("Orbax restore in JAX: bitwise", len(orbax["differ"]), 0, "tensors differ",
+                               orbax["restore_seconds"], "kernel [in, out] vs weight [out, in]"))  # fmt: skip
+
+    report.files = {
+        "layouts": str(out / demo_jax.LAYOUT_PNG),
+        "loss": str(plot_losses(report.losses, trained["loss_floor"], out / LOSS_PLOT_NAME, options.recipe)),
+        "checkpoint": trained["checkpoint"],
+        "orbax": str(out / "orbax"),
+    }
+    report.write(out)
+    return report
+
+
+def _training_checks(report: DemoReport, trained: dict, options: DemoOptions) -> None:
+    losses, timings = trained["losses"], trained["timings"]
+    report.checks.append(Check(
+        f"training {options.recipe}, FSDP2 {options.dp} x TP {options.tp}: loss falls", losses[-1] / losses[0],
+        LOSS_DROP, "last / first", timings["train"],
+        f"{losses[0]:.3f} -> {losses[-1]:.3f} in {len(losses)} steps (floor {trained['loss_floor']:.3f})",
+    ))  # fmt: skip
+    layouts = trained["layouts"]
+    report.checks.append(Check(
+        "layouts: torch DTensor = JAX NamedSharding", len(layouts["mismatched"]), 0, "params differ",
+        timings["JAX layouts + forward"], f"{layouts['parameters']} TransformerLayer params",
+    ))  # fmt: skip
+    transfer = trained["transfer"]
+    report.checks.append(Check(
+        "shards moved into JAX: bitwise", len(transfer["differ"]), 0, "params differ",
+        timings["JAX layouts + forward"], "DLPack + relayout, each process's shard",
+    ))  # fmt: skip
+    for check in trained["forward"]:
+        report.checks.append(Check(
+            f"forward JAX vs torch: {check['name']}", check["relative"], trained["forward_tolerance"],
+            "rel. error", timings["JAX layouts + forward"], f"max abs {check['max_abs']:.2e}",
+        ))  # fmt: skip
+
+
+__all__ = ["LOSS_DROP", "run_demo"]

@@ -1,0 +1,211 @@
+"""The tolerance table of the project, and the torch-vs-JAX check behind `shardbridge verify`.
+
+Every comparison is of a JAX value against torch's (the reference b): relative error
+`||a - b|| / ||b||` over the whole tensor, plus the largest |a - b|; a NaN on either side never
+passes. Quantized bytes compare bitwise (`BITWISE`). Norms are summed shard by shard: each process
+compares its own shards (JAX's resharded to torch's layout, bridge.params / bridge.transfer) and
+one all-reduce per step adds them up; a shard held by r ranks counts 1/r on each.
+
+Tolerances, from the arithmetic (u: unit roundoff, 2^-24 fp32, 2^-4 E4M3, 2^-3 E5M2, 2^-2 E2M1):
+
+- FP8 off: both sides compute in fp32 in different orders (XLA also fuses multiply-adds), a few u
+  times sqrt(K) per GEMM: 1e-5 relative for activations, gradients and parameters.
+- Recipes whose scales both sides compute alike (DelayedScaling with the world as amax group,
+  1x128/128x128 blocks, MXFP8): the FP8 operands are the same but for codes flipped by fp32-order
+  noise just before a cast; test_modules_cross bounds those to 1/16 of a tensor, each moved by
+  one code (2u), so 2u * sqrt(1/16) = u/2: 2^-5 forward (E4M3), 2^-4 for gradients (E5M2).
+- Recipes whose scales differ (Float8CurrentScaling: torch scales each DP rank's activations and
+  gradients by that rank's amax, JAX by the global one; NVFP4: per-shard global amaxes in torch):
+  every element of an operand may sit one quantization step apart, up to 2u relative: 2^-3
+  forward (E4M3), 2^-2 for gradients (E5M2); 2^-1 for NVFP4's E2M1.
+- Parameters follow two Adam trajectories whose per-step moves are at most
+  lr * max(1, (1 - beta1) / sqrt(1 - beta2)) each, so they may drift apart by twice that per step
+  (max-abs); a wrong mapping moves them by the initial values instead. Adam's exp_avg averages
+  gradients (the gradient's tolerance), exp_avg_sq their squares ((1 + g)^2 - 1).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+E4M3_U, E5M2_U, E2M1_U = 2.0**-4, 2.0**-3, 2.0**-2
+FP32_ORDER = 1e-5
+STAGES = ("layout", "forward", "input_grad", "weight_grad", "param", "exp_avg", "exp_avg_sq")
+RECIPES = ("off", "current", "delayed", "block", "mxfp8", "nvfp4")
+
+
+@dataclass(frozen=True)
+class Tolerance:
+    """Pass when relative <= `relative` and (if set) max_abs <= `max_abs`, with no NaN."""
+
+    relative: float | None
+    max_abs: float | None = None
+
+    def passes(self, relative: float, max_abs: float, nan: bool) -> bool:
+        if nan or not math.isfinite(relative) or not math.isfinite(max_abs):
+            return False
+        return (self.relative is None or relative <= self.relative) and (self.max_abs is None or max_abs <= self.max_abs)
+
+
+BITWISE = Tolerance(0.0, 0.0)
+
+
+def _fp8(u_forward: float, u_grad: float, factor: float) -> dict[str, Tolerance]:
+    grad = Tolerance(factor * u_grad)
+    return {"forward": Tolerance(factor * u_forward), "input_grad": grad, "weight_grad": grad}
+
+
+SAME_SCALES, OWN_SCALES = 0.5, 2.0  # factors of u (module docstring)
+
+# recipe -> stage -> tolerance ("param" and the optimizer states: see `tolerance`).
+TOLERANCES: dict[str, dict[str, Tolerance]] = {
+    "off": dict.fromkeys(("forward", "input_grad", "weight_grad"), Tolerance(FP32_ORDER)),
+    "delayed": _fp8(E4M3_U, E5M2_U, SAME_SCALES),
+    "block": _fp8(E4M3_U, E5M2_U, SAME_SCALES),
+    "mxfp8": _fp8(E4M3_U, E5M2_U, SAME_SCALES),
+    "current": _fp8(E4M3_U, E5M2_U, OWN_SCALES),
+    "nvfp4": _fp8(E2M1_U, E2M1_U, OWN_SCALES),
+}
+
+ADAM_BETAS = (0.9, 0.999)
+
+
+def adam_step_bound(lr: float, betas: tuple[float, float] = ADAM_BETAS) -> float:
+    """The most one Adam step moves an element (bias-corrected m/sqrt(v) is at most max(1, (1-b1)/sqrt(1-b2)))."""
+    beta1, beta2 = betas
+    return lr * max(1.0, (1 - beta1) / math.sqrt(1 - beta2))
+
+
+def tolerance(recipe: str, stage: str, *, lr: float = 0.0, steps_taken: int = 0) -> Tolerance:
+    """The tolerance of one check: the table's, or for parameters and Adam moments the bound above."""
+    if stage == "layout":
+        return BITWISE
+    if stage in TOLERANCES[recipe]:
+        return TOLERANCES[recipe][stage]
+    if recipe == "off":
+        return Tolerance(FP32_ORDER)
+    if stage == "param":
+        return Tolerance(None, 2 * steps_taken * adam_step_bound(lr))
+    grad = TOLERANCES[recipe]["weight_grad"].relative
+    return Tolerance(grad if stage == "exp_avg" else (1 + grad) ** 2 - 1)
+
+
+@dataclass(frozen=True)
+class TensorCheck:
+    """One comparison: which tensor, when, how far apart, and the verdict."""
+
+    step: int
+    stage: str
+    name: str  # torch's name ("layers.0.mlp.fc1_weight"), "layers.0" for a block output, "input" for dx
+    relative: float
+    max_abs: float
+    nan: bool
+    tolerance: Tolerance
+    passed: bool
+
+    @property
+    def layer(self) -> str:
+        """`layers.<i>` of the name, or the name itself."""
+        parts = self.name.split(".")
+        return ".".join(parts[:2]) if parts[0] == "layers" and len(parts) > 1 else self.name
+
+
+@dataclass
+class VerifyReport:
+    """Every check of one (model, mesh, recipe) case, in the order they ran."""
+
+    model: str
+    mesh: str
+    recipe: str
+    steps: int
+    checks: list[TensorCheck] = field(default_factory=list)
+
+    @property
+    def passed(self) -> bool:
+        return all(check.passed for check in self.checks)
+
+    @property
+    def first_divergence(self) -> TensorCheck | None:
+        """The first failing check: earliest step, then forward before backward before the update, layers in order."""
+        return next((check for check in self.checks if not check.passed), None)
+
+    def to_json(self) -> dict[str, Any]:
+        first = self.first_divergence
+        return {
+            "model": self.model,
+            "mesh": self.mesh,
+            "recipe": self.recipe,
+            "steps": self.steps,
+            "passed": self.passed,
+            "first_divergence": None if first is None else {**asdict(first), "layer": first.layer},
+            "checks": [asdict(check) for check in self.checks],
+        }
+
+
+def reduce_stats(local_stats, group=None) -> list[tuple[float, float, bool]]:
+    """(relative, max_abs, nan) per tensor from every rank's rows [sq_diff, sq_ref, nan_count, max_abs]."""
+    import torch.distributed as dist
+
+    sums, maxima = local_stats[:, :3].contiguous(), local_stats[:, 3].contiguous()
+    if dist.is_initialized():
+        dist.all_reduce(sums, group=group)
+        dist.all_reduce(maxima, op=dist.ReduceOp.MAX, group=group)
+    results = []
+    for (sq_diff, sq_ref, nans), max_abs in zip(sums.tolist(), maxima.tolist()):
+        relative = math.sqrt(sq_diff) / math.sqrt(sq_ref) if sq_ref > 0 else (0.0 if sq_diff == 0 else math.inf)
+        results.append((relative, max_abs, nans > 0))
+    return results
+
+
+def local_stats(got, expected, replicas: int):
+    """One row [sq_diff, sq_ref, nan_count, max_abs] of two local shards (float64), weighted 1/replicas."""
+    import torch
+
+    a, b = got.detach().to(torch.float64).reshape(-1), expected.detach().to(torch.float64).reshape(-1)
+    if a.shape != b.shape:
+        raise ValueError(f"shards of {tuple(got.shape)} and {tuple(expected.shape)} cannot be compared")
+    nans = (torch.isnan(a) | torch.isnan(b)).sum()
+    diff = torch.nan_to_num(a - b, nan=0.0, posinf=math.inf, neginf=math.inf).abs()
+    max_abs = diff.max() if diff.numel() else torch.zeros((), dtype=torch.float64)
+    return torch.stack([diff.square().sum() / replicas, b.square().sum() / replicas, nans.to(torch.float64), max_abs])
+
+
+def collect(
+    report: VerifyReport,
+    step: int,
+    stage: str,
+    entries: Sequence[tuple[str, Any, Any, int]],
+    *,
+    lr: float,
+    steps_taken: int,
+) -> None:
+    """Compare (name, JAX local, torch local, replicas) entries of one stage across ranks; append their checks."""
+    import torch
+
+    if not entries:
+        return
+    rows = torch.stack([local_stats(got, expected, replicas) for _, got, expected, replicas in entries])
+    limit = tolerance(report.recipe, stage, lr=lr, steps_taken=steps_taken)
+    for (name, *_), (relative, max_abs, nan) in zip(entries, reduce_stats(rows)):
+        report.checks.append(
+            TensorCheck(step, stage, name, relative, max_abs, nan, limit, limit.passes(relative, max_abs, nan))
+        )
+
+
+__all__ = [
+    "BITWISE",
+    "RECIPES",
+    "STAGES",
+    "TOLERANCES",
+    "TensorCheck",
+    "Tolerance",
+    "VerifyReport",
+    "adam_step_bound",
+    "collect",
+    "local_stats",
+    "reduce_stats",
+    "tolerance",
+]

@@ -1,0 +1,199 @@
+"""The models `shardbridge verify` builds twice: a torchside stack and its jaxside twin, layer for layer.
+
+Each is `layers` (a list of blocks with the same attribute names on both sides), and a call
+returns (output, every block's output) so that a comparison can name the first block that
+diverges. Blocks, by model name (H hidden, F = 4H ffn):
+
+    linear        x + down(up(x))            up: Linear H -> F column-parallel, down: Linear F -> H row-parallel
+    mlp           x + mlp(x)                 mlp: LayerNormMLP H -> F -> H (fc1 column, fc2 row)
+    transformer   TransformerLayer(x)        self_attention (fused LayerNorm-QKV, proj) + layernorm_mlp
+
+Activations are [S, B, H] (sequence first); every parameter and activation is fp32.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+HEAD_DIM = 32  # transformer: heads = hidden / HEAD_DIM
+
+
+def _PLACEHOLDER(key, shape, dtype):
+    """JAX kernels start as zeros: torch's values replace them (a random init would compile per shape for nothing)."""
+    import jax.numpy as jnp
+
+    return jnp.zeros(shape, dtype)
+
+
+@dataclass(frozen=True)
+class TwinSpec:
+    """Sizes of a verify model."""
+
+    model: str
+    layers: int
+    hidden: int
+    tp_size: int
+    amax_history_len: int
+
+    @property
+    def ffn(self) -> int:
+        return 4 * self.hidden
+
+
+def _torch_linear_block(spec: TwinSpec, config):
+    import dataclasses
+
+    from torch import nn
+
+    from torchside.modules import Linear
+
+    class LinearBlock(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.up = Linear(spec.hidden, spec.ffn, config=dataclasses.replace(config, parallel_mode="column"))
+            self.down = Linear(spec.ffn, spec.hidden, config=dataclasses.replace(config, parallel_mode="row"))
+
+        def forward(self, x):
+            return x + self.down(self.up(x))
+
+    return LinearBlock()
+
+
+def _jax_linear_block(spec: TwinSpec, config, rngs):
+    import dataclasses
+
+    from flax import nnx
+
+    from jaxside.modules import Linear
+
+    class LinearBlock(nnx.Module):
+        def __init__(self) -> None:
+            column, row = (dataclasses.replace(config, parallel_mode=mode) for mode in ("column", "row"))
+            self.up = Linear(spec.hidden, spec.ffn, config=column, kernel_init=_PLACEHOLDER, rngs=rngs)
+            self.down = Linear(spec.ffn, spec.hidden, config=row, kernel_init=_PLACEHOLDER, rngs=rngs)
+
+        def __call__(self, x):
+            return x + self.down(self.up(x))
+
+    return LinearBlock()
+
+
+def _torch_mlp_block(spec: TwinSpec, config):
+    from torch import nn
+
+    from torchside.modules import LayerNormMLP
+
+    class MLPBlock(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.mlp = LayerNormMLP(spec.hidden, spec.ffn, config=config)
+
+        def forward(self, x):
+            return x + self.mlp(x)
+
+    return MLPBlock()
+
+
+def _jax_mlp_block(spec: TwinSpec, config, rngs):
+    from flax import nnx
+
+    from jaxside.modules import LayerNormMLP
+
+    class MLPBlock(nnx.Module):
+        def __init__(self) -> None:
+            inits = {"kernel_init": _PLACEHOLDER, "output_kernel_init": _PLACEHOLDER}
+            self.mlp = LayerNormMLP(spec.hidden, spec.ffn, config=config, **inits, rngs=rngs)
+
+        def __call__(self, x):
+            return x + self.mlp(x)
+
+    return MLPBlock()
+
+
+def _torch_transformer_block(spec: TwinSpec, config):
+    from torchside.modules import TransformerConfig, TransformerLayer
+
+    heads = spec.hidden // HEAD_DIM
+    return TransformerLayer(spec.hidden, spec.ffn, heads, config=TransformerConfig(module_config=config))
+
+
+def _jax_transformer_block(spec: TwinSpec, config, rngs):
+    from jaxside.modules import TransformerConfig, TransformerLayer
+
+    heads = spec.hidden // HEAD_DIM
+    inits = {"kernel_init": _PLACEHOLDER, "output_kernel_init": _PLACEHOLDER}
+    config = TransformerConfig(module_config=config)
+    return TransformerLayer(spec.hidden, spec.ffn, heads, config=config, **inits, rngs=rngs)
+
+
+# model name -> (torch block builder, JAX block builder)
+MODELS: dict[str, tuple[Callable[..., Any], Callable[..., Any]]] = {
+    "linear": (_torch_linear_block, _jax_linear_block),
+    "mlp": (_torch_mlp_block, _jax_mlp_block),
+    "transformer": (_torch_transformer_block, _jax_transformer_block),
+}
+
+
+def check_spec(spec: TwinSpec) -> None:
+    """ValueError for sizes the models cannot take."""
+    if spec.model not in MODELS:
+        raise ValueError(f"model {spec.model!r}: use one of {', '.join(MODELS)}")
+    if spec.layers < 1 or spec.hidden < 1:
+        raise ValueError(f"layers={spec.layers}, hidden={spec.hidden}: both must be >= 1")
+    if spec.model == "transformer" and spec.hidden % HEAD_DIM:
+        raise ValueError(f"transformer: hidden={spec.hidden} must be a multiple of the head dim {HEAD_DIM}")
+
+
+def build_torch(spec: TwinSpec):
+    """The torch stack on the meta device (parallelize materializes it), TP sizes from the spec."""
+    import torch
+    from torch import nn
+
+    from torchside.modules import ModuleConfig
+
+    config = ModuleConfig(amax_history_len=spec.amax_history_len, tp_size=spec.tp_size)
+    build_block = MODELS[spec.model][0]
+
+    class Stack(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.layers = nn.ModuleList([build_block(spec, config) for _ in range(spec.layers)])
+
+        def forward(self, x):
+            outputs = []
+            for layer in self.layers:
+                x = layer(x)
+                outputs.append(x)
+            return x, outputs
+
+    with torch.device("meta"):
+        return Stack()
+
+
+def build_jax(spec: TwinSpec):
+    """The JAX twin (parameters on this process's device until placed)."""
+    from flax import nnx
+
+    from jaxside.modules import ModuleConfig
+
+    config = ModuleConfig(amax_history_len=spec.amax_history_len)
+    build_block = MODELS[spec.model][1]
+    rngs = nnx.Rngs(0)
+
+    class Stack(nnx.Module):
+        def __init__(self) -> None:
+            self.layers = nnx.List([build_block(spec, config, rngs) for _ in range(spec.layers)])
+
+        def __call__(self, x):
+            outputs = []
+            for layer in self.layers:
+                x = layer(x)
+                outputs.append(x)
+            return x, outputs
+
+    return Stack()
+
+
+__all__ = ["MODELS", "TwinSpec", "build_jax", "build_torch", "check_spec"]

@@ -1,0 +1,98 @@
+"""bridge.numerics: the tolerance table, the shard-by-shard error arithmetic and the report's first divergence.
+
+Single process (no process group: the all-reduce is the identity). The errors are checked against
+numpy float64 on the whole tensors; the multi-process verify runs are in test_runtime.py.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from bridge import numerics
+from bridge.numerics import TensorCheck, Tolerance, VerifyReport
+
+
+def test_nan_and_inf_never_pass():
+    loose = Tolerance(None, None)
+    assert loose.passes(0.0, 0.0, nan=False)
+    assert not loose.passes(0.0, 0.0, nan=True)
+    assert not loose.passes(math.inf, 0.0, nan=False)
+    assert not loose.passes(0.0, math.nan, nan=False)
+    assert not numerics.BITWISE.passes(0.0, 2.0**-149, nan=False)  # bitwise: one smallest subnormal apart fails
+
+
+def test_tolerances_are_the_stated_ones():
+    expected = {  # (recipe, stage) -> relative limit, from the module docstring's arithmetic
+        ("off", "forward"): 1e-5,
+        ("off", "param"): 1e-5,
+        ("delayed", "forward"): 2.0**-5,  # u_E4M3 / 2
+        ("mxfp8", "weight_grad"): 2.0**-4,  # u_E5M2 / 2
+        ("current", "forward"): 2.0**-3,  # 2 u_E4M3
+        ("current", "input_grad"): 2.0**-2,  # 2 u_E5M2
+        ("nvfp4", "weight_grad"): 2.0**-1,  # 2 u_E2M1
+        ("current", "exp_avg"): 2.0**-2,
+        ("current", "exp_avg_sq"): 1.25**2 - 1,
+    }
+    for (recipe, stage), limit in expected.items():
+        assert numerics.tolerance(recipe, stage).relative == limit, (recipe, stage)
+    assert numerics.tolerance("current", "layout") == numerics.BITWISE
+    # Two Adam runs drift apart by at most 2 lr (1 - 0.9) / sqrt(1 - 0.999) per step taken.
+    drift = numerics.tolerance("current", "param", lr=1e-3, steps_taken=3)
+    assert drift.relative is None and drift.max_abs == pytest.approx(6 * 1e-3 * 0.1 / math.sqrt(0.001))
+
+
+def _float64_errors(got: np.ndarray, expected: np.ndarray) -> tuple[float, float]:
+    got, expected = got.astype(np.float64), expected.astype(np.float64)
+    return float(np.linalg.norm(got - expected) / np.linalg.norm(expected)), float(np.abs(got - expected).max())
+
+
+def test_shard_sums_give_the_whole_tensor_error():
+    """Shards of one tensor, one of them held twice (replicas 2, counted half each time), add up to the whole."""
+    rng = np.random.default_rng(3)
+    expected = rng.standard_normal((8, 6)).astype(np.float32)
+    got = expected + rng.standard_normal((8, 6)).astype(np.float32) * 1e-3
+    rows = [slice(0, 3), slice(3, 8), slice(3, 8)]  # the second shard appears twice: 2 replicas
+    replicas = [1, 2, 2]
+    stats = torch.stack(
+        [numerics.local_stats(torch.from_numpy(got[r]), torch.from_numpy(expected[r]), n) for r, n in zip(rows, replicas)]
+    )
+    summed = torch.cat([stats[:, :3].sum(0), stats[:, 3].max()[None]])  # what the all-reduces do across ranks
+    ((relative, max_abs, nan),) = numerics.reduce_stats(summed[None])
+    expected_relative, expected_max = _float64_errors(got, expected)
+    assert relative == pytest.approx(expected_relative, rel=1e-12)
+    assert max_abs == pytest.approx(expected_max, rel=1e-12)
+    assert not nan
+
+
+def test_a_nan_on_either_side_is_flagged():
+    clean = torch.ones(4)
+    dirty = torch.tensor([1.0, math.nan, 1.0, 1.0])
+    for got, expected in ((dirty, clean), (clean, dirty)):
+        ((_, _, nan),) = numerics.reduce_stats(numerics.local_stats(got, expected, 1)[None])
+        assert nan
+
+
+def _check(step, stage, name, passed):
+    return TensorCheck(step, stage, name, 0.0 if passed else 1.0, 0.0, False, Tolerance(0.5), passed)
+
+
+def test_the_report_names_the_first_divergence_in_run_order():
+    report = VerifyReport("mlp", "dp_shard=2,tp=2", "current", 2)
+    report.checks += [
+        _check(0, "forward", "layers.0", True),
+        _check(0, "forward", "layers.1", False),
+        _check(0, "weight_grad", "layers.0.mlp.fc1_weight", False),
+        _check(1, "forward", "layers.0", False),
+    ]
+    first = report.first_divergence
+    assert (first.step, first.stage, first.name, first.layer) == (0, "forward", "layers.1", "layers.1")
+    data = report.to_json()
+    assert data["passed"] is False
+    assert data["first_divergence"]["layer"] == "layers.1"
+    assert [c["name"] for c in data["checks"]][:2] == ["layers.0", "layers.1"]
+    assert TensorCheck(0, "weight_grad", "layers.3.mlp.fc1_weight", 0, 0, False, Tolerance(1), True).layer == "layers.3"
+    assert TensorCheck(0, "input_grad", "input", 0, 0, False, Tolerance(1), True).layer == "input"
