@@ -20,7 +20,10 @@ Tolerances, from the arithmetic (u: unit roundoff, 2^-24 fp32, 2^-4 E4M3, 2^-3 E
   forward (E4M3), 2^-2 for gradients (E5M2); 2^-1 for NVFP4's E2M1.
 - Parameters follow two Adam trajectories whose per-step moves are at most
   lr * max(1, (1 - beta1) / sqrt(1 - beta2)) each, so they may drift apart by twice that per step
-  (max-abs); a wrong mapping moves them by the initial values instead. Adam's exp_avg averages
+  (max-abs), with FP8 off too: Adam divides a gradient by its own magnitude, so a gradient that is
+  zero up to rounding (an attention key bias: softmax ignores what it adds to every score) takes
+  full +-lr steps whose signs are the rounding noise of each framework. A wrong mapping moves
+  parameters by their initial values instead. Adam's exp_avg averages
   gradients (the gradient's tolerance), exp_avg_sq their squares ((1 + g)^2 - 1).
 """
 
@@ -85,10 +88,10 @@ def tolerance(recipe: str, stage: str, *, lr: float = 0.0, steps_taken: int = 0)
         return BITWISE
     if stage in TOLERANCES[recipe]:
         return TOLERANCES[recipe][stage]
+    if stage == "param":  # every recipe, FP8 off included (module docstring: Adam turns noise into steps)
+        return Tolerance(None, 2 * steps_taken * adam_step_bound(lr))
     if recipe == "off":
         return Tolerance(FP32_ORDER)
-    if stage == "param":
-        return Tolerance(None, 2 * steps_taken * adam_step_bound(lr))
     grad = TOLERANCES[recipe]["weight_grad"].relative
     return Tolerance(grad if stage == "exp_avg" else (1 + grad) ** 2 - 1)
 

@@ -77,11 +77,14 @@ def test_every_recipe_passes_on_fsdp_tp_and_hsdp(tmp_path, monkeypatch):
 def test_run_starts_a_co_located_script(tmp_path):
     script = tmp_path / "hello.py"
     script.write_text(textwrap.dedent("""
+        import os
+
         import jax
         from bridge import runtime
 
         rt = runtime.initialize("cpu")
-        print("rank", rt.rank, "jax process", jax.process_index(), "of", jax.process_count(), flush=True)
+        line = f"rank {rt.rank} jax process {jax.process_index()} of {jax.process_count()}\\n"
+        os.write(1, line.encode())  # one write: the two processes share the pipe and must not interleave
         runtime.shutdown()
     """))
     done = subprocess.run(
