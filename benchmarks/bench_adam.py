@@ -24,11 +24,11 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from benchmarks.floors import COPY_BYTES_PER_S  # noqa: E402
 from kernels.adam import MultiTensorAdam  # noqa: E402
 from torchside.optim import FusedAdam  # noqa: E402
 
 N_TENSORS, ROWS, COLS = 32, 4096, 4096
-COPY_TBPS = 4.24  # DESIGN.md: H200 copy bandwidth (read + write)
 HYPER = dict(lr=1e-4, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01)
 
 
@@ -111,7 +111,7 @@ def main() -> None:
     elements = N_TENSORS * ROWS * COLS
     copy_tbps = _copy_tbps()
     print(f"# {torch.cuda.get_device_name()}, torch {torch.__version__}, {elements / 1e6:.0f}M params")
-    print(f"# copy measured now: {copy_tbps:.2f} TB/s; floor uses {COPY_TBPS} TB/s (DESIGN.md)")
+    print(f"# copy measured now: {copy_tbps:.2f} TB/s; floor uses {COPY_BYTES_PER_S / 1e12} TB/s (DESIGN.md)")
     cases = [
         ("fp32 params, fp32 moments", 28, lambda: _ours_ms(torch.float32), lambda: _peer_ms(False)),
         ("bf16 params, fp32 master", 28, lambda: _ours_ms(torch.bfloat16, master_weights=True), lambda: _peer_ms(True)),
@@ -125,7 +125,7 @@ def main() -> None:
     print(header)
     for name, bytes_per_element, ours, peer in cases:
         ours_ms, peer_ms = ours(), peer()
-        floor_ms = elements * bytes_per_element / (COPY_TBPS * 1e12) * 1e3
+        floor_ms = elements * bytes_per_element / COPY_BYTES_PER_S * 1e3
         tbps = elements * bytes_per_element / (ours_ms * 1e-3) / 1e12
         print(f"{name:32} {ours_ms:8.3f} {floor_ms:9.3f} {floor_ms / ours_ms:9.1%} {tbps:6.2f} {peer_ms:8.3f} "
               f"{peer_ms / ours_ms:7.2f}x")  # fmt: skip

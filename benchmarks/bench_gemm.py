@@ -26,10 +26,10 @@ import sys
 
 import torch
 
+from benchmarks.floors import PEAK_TFLOPS
 from kernels import gemm, gemm_reference
 from kernels import reference  # its quantizers give the Triton ones' bytes, in plain torch
 
-PEAK_TFLOPS = {"bf16": 788.0, "fp8": 1425.0}  # DESIGN.md, measured on the H200
 
 
 def time_ms(fn) -> float:

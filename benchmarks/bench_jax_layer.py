@@ -24,11 +24,11 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from benchmarks.floors import PEAK_TFLOPS
 from jaxside.hlo import fp8_gemm_count
 from jaxside.modules import ModuleConfig, TransformerConfig, TransformerLayer, fp8_autocast
 from jaxside.recipe import Float8CurrentScaling
 
-PEAK_TFLOPS = {"bf16": 788.0, "fp8": 1425.0}
 
 
 def build_step(args, recipe):

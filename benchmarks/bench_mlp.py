@@ -23,12 +23,12 @@ import triton
 from torch import nn
 from triton.testing import do_bench
 
+from benchmarks.floors import PEAK_FLOPS
 from torchside.autocast import fp8_autocast, quantized_model_init
 from torchside.modules import LayerNormMLP
 from torchside.quantization import FALLBACK_CALLS
 from torchside.recipe import DelayedScaling, Float8BlockScaling, Float8CurrentScaling, Recipe
 
-PEAK_FLOPS = {"bf16": 788e12, "fp8": 1425e12}  # H200, measured (DESIGN.md)
 BF16_EXPECTED_MS = 67.8
 
 

@@ -18,11 +18,11 @@ import torch
 import torch.nn.functional as F
 from bench_gemm import environment_line, print_table, relative_error, time_ms  # run as benchmarks/bench_norm.py
 
+from benchmarks.floors import COPY_BYTES_PER_S
 from kernels import norm, quantize
 from kernels import reference as R
 from kernels.norm_reference import FusedCast
 
-COPY_BANDWIDTH = 4.24e12  # bytes/s, DESIGN.md (H200, read + write)
 E4M3_MAX = 448.0
 
 
@@ -112,7 +112,7 @@ def main() -> None:
     table, summary = [], []
     for kind in ("layer", "rms"):
         for case, bytes_text, floor_bytes, providers in _norm_cases(kind, x, weight, bias, dy, compiled):
-            floor_ms = floor_bytes / COPY_BANDWIDTH * 1e3
+            floor_ms = floor_bytes / COPY_BYTES_PER_S * 1e3
             times = {}
             for provider, fn, error in providers:
                 try:

@@ -23,10 +23,10 @@ import torch
 import triton
 from triton.testing import do_bench
 
+from benchmarks.floors import COPY_BYTES_PER_S
 from kernels import quantize as triton_quantize
 from kernels import reference
 
-COPY_BANDWIDTH = 4.24e12  # bytes/s, read + write, measured on the H200 (DESIGN.md)
 
 
 @dataclass(frozen=True)
@@ -107,7 +107,7 @@ def main() -> None:
           f"rowwise + columnwise outputs")
     copy_ms = do_bench(lambda: x.clone(), return_mode="median")
     print(f"# torch copy (x.clone): {copy_ms:.3f} ms = {2 * input_bytes / copy_ms / 1e9:.2f} TB/s "
-          f"(floor {2 * input_bytes / COPY_BANDWIDTH * 1e3:.3f} ms)")
+          f"(floor {2 * input_bytes / COPY_BYTES_PER_S * 1e3:.3f} ms)")
     header = (f"{'case':<28}{'ms':>8}{'floor ms':>10}{'of floor':>10}{'target':>8}"
               f"{'floor as run':>14}{'of that':>9}{'amax ms':>9}{'peer ms':>9}{'speedup':>9}  exact")
     print(header)
@@ -118,8 +118,8 @@ def main() -> None:
         exact = _identical(q, _peer_reference(case, x))
         ms = do_bench(run, return_mode="median")
         peer_ms = do_bench(_peer(case, x), return_mode="median")
-        floor_ms = (input_bytes + _output_bytes(q)) / COPY_BANDWIDTH * 1e3
-        as_run_ms = (case.passes_over_x * input_bytes + _output_bytes(q)) / COPY_BANDWIDTH * 1e3
+        floor_ms = (input_bytes + _output_bytes(q)) / COPY_BYTES_PER_S * 1e3
+        as_run_ms = (case.passes_over_x * input_bytes + _output_bytes(q)) / COPY_BYTES_PER_S * 1e3
         amax = "" if case.passes_over_x == 1 else f"{_amax_ms(case, x):.3f}"
         print(f"{case.name:<28}{ms:>8.3f}{floor_ms:>10.3f}{floor_ms / ms:>10.0%}{case.target:>8.0%}"
               f"{as_run_ms:>14.3f}{as_run_ms / ms:>9.0%}{amax:>9}{peer_ms:>9.3f}{peer_ms / ms:>8.1f}x  "

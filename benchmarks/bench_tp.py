@@ -30,14 +30,13 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from benchmarks.floors import NCCL_ALL_GATHER_BYTES_PER_S, PEAK_FLOPS
 from torchside.autocast import fp8_autocast
 from torchside.modules import LayerNormMLP, ModuleConfig
 from torchside.quantization import FALLBACK_CALLS
 from torchside.recipe import DelayedScaling, Float8CurrentScaling, Recipe
 
 TP = 2
-PEAK_FLOPS = {"bf16": 788e12, "fp8": 1425e12}  # H200, measured (DESIGN.md)
-NCCL_BYTES_PER_S = 250e9  # 2-GPU all-gather, measured (DESIGN.md)
 WARMUP, STEPS = 5, 20
 
 
@@ -169,7 +168,7 @@ def main() -> None:
     for case, (ms, peak, error) in zip(CASES, rows, strict=True):
         comm = _comm_bytes(case, tokens, args.hidden)
         flops_floor = flops_per_gpu / PEAK_FLOPS["bf16" if case.recipe is None else "fp8"]
-        floor_ms = (flops_floor + comm / NCCL_BYTES_PER_S) * 1e3
+        floor_ms = (flops_floor + comm / NCCL_ALL_GATHER_BYTES_PER_S) * 1e3
         print(f"{case.name:<28}{ms:>8.2f}{floor_ms:>10.2f}{floor_ms / ms:>10.0%}{comm / 1e6:>9.0f}{peak:>10.2f}"
               f"{baseline_ms / ms:>8.2f}x{error:>9.1e}")
     for (on, off), equal in zip(SAME_OUTPUT, same, strict=True):

@@ -32,6 +32,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from benchmarks.floors import NCCL_ALL_GATHER_BYTES_PER_S, PEAK_FLOPS
 from torchside.autocast import fp8_autocast
 from torchside.modules import ModuleConfig, TransformerConfig, TransformerLayer
 from torchside.modules.rotary import RotaryPositionEmbedding
@@ -39,8 +40,6 @@ from torchside.quantization import FALLBACK_CALLS
 from torchside.recipe import Float8CurrentScaling, Recipe
 
 TP = 2
-PEAK_FLOPS = {"bf16": 788e12, "fp8": 1425e12}  # H200, measured (DESIGN.md)
-NCCL_BYTES_PER_S = 250e9  # 2-GPU all-gather, measured (DESIGN.md)
 WARMUP, STEPS = 3, 10
 
 
@@ -70,7 +69,7 @@ def _floor_ms(case: Case, args) -> float:
     forward_gathers = 2 * half * (1 if case.recipe is not None and case.fp8_all_gather else 2)
     comm_bytes = forward_gathers + 6 * 2 * half  # 2 forward reduce-scatters, 4 backward collectives, bf16
     gemm_peak = PEAK_FLOPS["bf16" if case.recipe is None else "fp8"]
-    seconds = gemm_flops / gemm_peak + attention_flops / PEAK_FLOPS["bf16"] + comm_bytes / NCCL_BYTES_PER_S
+    seconds = gemm_flops / gemm_peak + attention_flops / PEAK_FLOPS["bf16"] + comm_bytes / NCCL_ALL_GATHER_BYTES_PER_S
     return seconds * 1e3
 
 

@@ -31,10 +31,10 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 
+from benchmarks.floors import COPY_BYTES_PER_S
 from bridge import runtime, transfer, twins
 from torchside.parallel import parallelize
 
-COPY_BYTES_PER_S = 4.24e12  # H200 device copy, read + write (DESIGN.md)
 REPEATS = 5
 
 

@@ -31,6 +31,7 @@ import triton
 from torch import nn
 from triton.testing import do_bench
 
+from benchmarks.floors import PEAK_FLOPS
 from kernels import gemm
 from kernels.grouped_gemm import grouped_scaled_mm
 from torchside.autocast import fp8_autocast
@@ -42,7 +43,6 @@ from torchside.modules.transformer_layer import TransformerLayer
 from torchside.quantization import FALLBACK_CALLS, Quantizer
 from torchside.recipe import DelayedScaling, Float8CurrentScaling
 
-PEAK_FLOPS = {"bf16": 788e12, "fp8": 1425e12}  # H200, measured (DESIGN.md)
 LAYER_CASES = {
     "bf16 (FP8 off)": None,
     "Float8CurrentScaling": Float8CurrentScaling(),

@@ -70,7 +70,8 @@ class OrbaxReader:
         return from_numpy(self._store(key)[index].read().result(), self.tensors[key].dtype)
 
 
-def _nest(flat: dict[str, object]) -> dict:
+def nest(flat: dict[str, object]) -> dict:
+    """Dotted keys as nested dicts: the tree an Orbax checkpoint written here holds."""
     tree: dict = {}
     for key, value in flat.items():
         *parents, leaf = key.split(".")
@@ -101,7 +102,7 @@ def write(
     with jax.enable_x64(True):  # int64/float64 stay 64-bit (JAX would truncate them to 32 bits)
         arrays = {info.key: _array(info, produce, devices) for info in tensors}
         with ocp.StandardCheckpointer() as checkpointer:
-            checkpointer.save(Path(path).absolute(), _nest(arrays))
+            checkpointer.save(Path(path).absolute(), nest(arrays))
             checkpointer.wait_until_finished()
 
 

@@ -53,6 +53,7 @@ def orbax_round_trip(checkpoint: str, out: Path, step: int, reference: dict[str,
     import numpy as np
 
     from bridge.convert import convert
+    from bridge.convert_orbax import nest
     from jaxside import checkpoint as orbax_checkpoint
 
     started = time.perf_counter()
@@ -64,7 +65,7 @@ def orbax_round_trip(checkpoint: str, out: Path, step: int, reference: dict[str,
     device = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
     flat = {e.target.key: jax.ShapeDtypeStruct(e.target.shape, np.dtype(e.target.dtype), sharding=device)
             for e in result.plan.entries}  # fmt: skip
-    restored = orbax_checkpoint.restore(target_root, step, _nest(flat))
+    restored = orbax_checkpoint.restore(target_root, step, nest(flat))
     restore_seconds = time.perf_counter() - started
 
     loaded = {}
@@ -80,18 +81,6 @@ def orbax_round_trip(checkpoint: str, out: Path, step: int, reference: dict[str,
         "convert_seconds": convert_seconds,
         "restore_seconds": restore_seconds,
     }
-
-
-def _nest(flat: dict[str, Any]) -> dict:
-    """Dotted keys as nested dicts (how bridge.convert_orbax names the tree)."""
-    tree: dict = {}
-    for key, value in flat.items():
-        *parents, leaf = key.split(".")
-        node = tree
-        for part in parents:
-            node = node.setdefault(part, {})
-        node[leaf] = value
-    return tree
 
 
 def _lookup(tree: dict, key: str):

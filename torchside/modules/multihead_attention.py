@@ -46,6 +46,7 @@ from torchside.modules.transformer_config import (
     InitMethod,
     TransformerConfig,
     check_layer_parallelism,
+    check_transformer_config,
     with_parallel_mode,
 )
 from torchside.parallel.module_mesh import TensorParallelMixin
@@ -105,9 +106,7 @@ class MultiheadAttention(TensorParallelMixin, nn.Module):
     ) -> None:
         super().__init__()
         owner = "MultiheadAttention"
-        config = TransformerConfig() if config is None else config
-        if not isinstance(config, TransformerConfig):
-            raise TypeError(f"{owner}(config={config!r}): pass a torchside.modules.TransformerConfig or None")
+        config = check_transformer_config(owner, config)
         if not isinstance(input_layernorm, bool):
             raise TypeError(f"{owner}(input_layernorm={input_layernorm!r}): pass True or False")
         module_config = check_layer_parallelism(owner, config.module_config)

@@ -119,6 +119,15 @@ class TransformerConfig:
         return NormSettings(self.normalization, self.layernorm_epsilon, self.zero_centered_gamma)
 
 
+def check_transformer_config(owner: str, config: TransformerConfig | None) -> TransformerConfig:
+    """config, or the default TransformerConfig when None; TypeError for anything else."""
+    if config is None:
+        return TransformerConfig()
+    if not isinstance(config, TransformerConfig):
+        raise TypeError(f"{owner}(config={config!r}): pass a torchside.modules.TransformerConfig or None")
+    return config
+
+
 __all__ = [
     "MASK_TYPES",
     "InitMethod",
@@ -128,5 +137,6 @@ __all__ = [
     "check_probability",
     "check_layer_parallelism",
     "check_softmax_scale",
+    "check_transformer_config",
     "with_parallel_mode",
 ]

@@ -29,7 +29,12 @@ from torchside.modules.attention import AttentionMask
 from torchside.modules.config import check_size
 from torchside.modules.layernorm_mlp import LayerNormMLP
 from torchside.modules.multihead_attention import MultiheadAttention, RotaryFreqs, reset_fp8_submodules
-from torchside.modules.transformer_config import InitMethod, TransformerConfig, check_layer_parallelism
+from torchside.modules.transformer_config import (
+    InitMethod,
+    TransformerConfig,
+    check_layer_parallelism,
+    check_transformer_config,
+)
 from torchside.parallel.module_mesh import TensorParallelMixin
 
 
@@ -53,9 +58,7 @@ class TransformerLayer(TensorParallelMixin, nn.Module):
     ) -> None:
         super().__init__()
         owner = "TransformerLayer"
-        config = TransformerConfig() if config is None else config
-        if not isinstance(config, TransformerConfig):
-            raise TypeError(f"{owner}(config={config!r}): pass a torchside.modules.TransformerConfig or None")
+        config = check_transformer_config(owner, config)
         self._init_tensor_parallel(check_layer_parallelism(owner, config.module_config))
         check_size(owner, "ffn_hidden_size", ffn_hidden_size)
         self._set_own_device_mesh(tp_mesh, weight_mesh)  # checks the meshes before any weight is built
