@@ -1,34 +1,122 @@
-"""Benchmark: the ~125M Llama-style model trained 3000 steps on one GPU, bf16 and each Hopper-native FP8 recipe.
+"""Benchmark: the ~125M Llama-style model trained 3000 steps, bf16 and each Hopper-native FP8 recipe.
 
-For each recipe (off = bf16 GEMMs, delayed, current, block), one run of `torchside.train` on the
-synthetic corpus: bf16 parameters with fp32 master weights in FusedAdam, the same seed, data and
-schedule. Printed per recipe: tokens/s (after the first 100 steps: Triton compilation and
-autotuning), wall time, final loss (mean of the last 50 steps), its distance to bf16's, NaN/Inf
-counts (losses and parameters); then `curves.png` with every loss curve. Exit code 1 if any run
-has a non-finite value or ends more than 2% above bf16 (issue 15's bar). MXFP8 and NVFP4 are not
-run: Hopper has no tensor cores for them (kernels.gemm emulates them).
+For each recipe (off = bf16 GEMMs, delayed, current, block), one `python -m torchside.train` process
+on the synthetic corpus: bf16 parameters with fp32 master weights in FusedAdam, the same seed, data
+and schedule. Recipes run one per GPU at a time (on 2 GPUs two at once; a GPU is never shared, so
+tokens/s is each recipe's own). Printed per recipe: tokens/s (after the first 100 steps: Triton
+compilation and autotuning), wall time, final loss (mean of the last 50 steps), its distance to
+bf16's, NaN/Inf counts (losses and parameters); then `curves.png` with every loss curve. Exit code 1
+if any run has a non-finite value or ends more than 2% above bf16 (issue 15's bar). MXFP8 and NVFP4
+are not run: Hopper has no tensor cores for them (kernels.gemm emulates them).
 
-Size per step: 8 sequences of 512 tokens (4096 tokens). The model does about 6 * 128M * 4096 =
-3.2 TFLOP per step (plus attention), which an H200 runs in ~10-25 ms at 130-300 TFLOP/s of eager
-bf16/FP8 with launch overheads; 3000 steps then take 30-75 s per recipe, within the 90 s budget.
-If a recipe is slower, lower --batch-size (the loss bar compares recipes at the same size).
+Size per step: 8 sequences of 512 tokens (4096 tokens), about 6 * 128M * 4096 = 3.2 TFLOP (plus
+attention). At this size the step is bound by kernel launches, not by the GPU's arithmetic.
+`--report-only` redraws the table and curves from the run directories of an earlier call (e.g. when
+the recipes ran in two device calls).
 
-Run on a CUDA machine:  PYTHONPATH=. python3 benchmarks/train_llama_gpu.py [--steps 3000 --batch-size 8 --seq-len 512]
+Run on a CUDA machine:  PYTHONPATH=. python3 benchmarks/train_llama_gpu.py [--recipes off,delayed --steps 3000]
 """
 
 from __future__ import annotations
 
 import argparse
 import datetime
+import json
+import os
+import subprocess
+import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-from torchside.train import TrainOptions, TrainSummary, plot_loss_curves, train
+from torchside.train import LOG_NAME, plot_loss_curves
 
 RECIPES = ("off", "delayed", "current", "block")
 LOSS_BAR = 0.02  # final loss within 2% of bf16's
+SUMMARY_NAME = "summary.json"
+
+
+@dataclass(frozen=True)
+class Run:
+    recipe: str
+    summary: dict  # torchside.train's summary line, plus wall_s
+    losses: list[float]
+
+
+def _command(recipe: str, args, out: Path) -> list[str]:
+    flags = {
+        "--config": "125m", "--steps": args.steps, "--batch-size": args.batch_size, "--seq-len": args.seq_len,
+        "--lr": args.lr, "--warmup-steps": min(150, args.steps // 10), "--recipe": recipe, "--dtype": "bf16",
+        "--device": "cuda", "--out": out, "--log-every": 100,
+    }  # fmt: skip
+    return [sys.executable, "-m", "torchside.train", *(str(x) for pair in flags.items() for x in pair), "--no-progress"]
+
+
+def train_all(recipes: list[str], args, root: Path) -> None:
+    """Each recipe in its own process, at most one per GPU at a time; writes <root>/<recipe>/summary.json."""
+    gpus = list(range(torch.cuda.device_count()))
+    waiting, running = list(recipes), {}
+    while waiting or running:
+        while waiting and len(running) < len(gpus):
+            recipe, gpu = waiting.pop(0), next(g for g in gpus if g not in running.values())
+            out = root / recipe
+            out.mkdir(parents=True, exist_ok=True)
+            env = os.environ | {"CUDA_VISIBLE_DEVICES": str(gpu)}
+            log = (out / "stdout.log").open("w")
+            process = subprocess.Popen(_command(recipe, args, out), env=env, stdout=log, stderr=subprocess.STDOUT)
+            running[(process, recipe, out, time.perf_counter())] = gpu
+            print(f"started {recipe} on GPU {gpu}", flush=True)
+        time.sleep(1)
+        for key in [k for k in running if k[0].poll() is not None]:
+            process, recipe, out, started = key
+            del running[key]
+            lines = (out / "stdout.log").read_text().splitlines()
+            summary_line = next((line for line in reversed(lines) if line.startswith("{")), None)
+            if summary_line is None:
+                print(f"{recipe}: exit {process.returncode} without a summary; last lines:", *lines[-15:], sep="\n")
+                continue
+            summary = json.loads(summary_line) | {"wall_s": time.perf_counter() - started}
+            (out / SUMMARY_NAME).write_text(json.dumps(summary))
+            print(f"finished {recipe}: {summary['tokens_per_s']:.0f} tokens/s, {summary['wall_s']:.0f} s", flush=True)
+
+
+def load_runs(recipes: list[str], root: Path) -> dict[str, Run]:
+    runs = {}
+    for recipe in recipes:
+        summary_path = root / recipe / SUMMARY_NAME
+        if summary_path.exists():
+            records = [json.loads(line) for line in (root / recipe / LOG_NAME).read_text().splitlines() if line]
+            runs[recipe] = Run(recipe, json.loads(summary_path.read_text()), [r["loss"] for r in records])
+    return runs
+
+
+def report(runs: dict[str, Run], recipes: list[str], root: Path) -> int:
+    """Print the table, draw the curves; 1 if a run is missing, non-finite or misses the loss bar."""
+    baseline = runs["off"].summary["final_loss"] if "off" in runs else None
+    print(f"{'recipe':8} {'steps':>6} {'tokens/s':>10} {'wall s':>7} {'final loss':>10} {'vs bf16':>8} {'NaN/Inf':>8}")
+    failed = False
+    for recipe in recipes:
+        if recipe not in runs:
+            print(f"{recipe:8} did not finish")
+            failed = True
+            continue
+        summary, steps = runs[recipe].summary, len(runs[recipe].losses)
+        relative = (summary["final_loss"] - baseline) / baseline if baseline else float("nan")
+        nonfinite = summary["nonfinite_losses"] + summary["nonfinite_params"]
+        failed |= nonfinite > 0 or (recipe != "off" and not relative <= LOSS_BAR)
+        print(
+            f"{recipe:8} {steps:6d} {summary['tokens_per_s']:10.0f} {summary['wall_s']:7.1f} "
+            f"{summary['final_loss']:10.4f} {relative:+8.2%} {nonfinite:8d}"
+        )
+    if runs:
+        floor = next(iter(runs.values())).summary["loss_floor"]
+        curves = {("bf16" if r == "off" else r): run.losses for r, run in runs.items()}
+        plot_loss_curves(curves, root / "curves.png", floor=floor)
+        print(f"corpus loss floor {floor:.4f}; curves in {root / 'curves.png'}")
+    print(f"verdict {'FAIL' if failed else 'PASS'} (bar: no NaN/Inf, final loss within {LOSS_BAR:.0%} of bf16)")
+    return 1 if failed else 0
 
 
 def main() -> int:
@@ -37,51 +125,20 @@ def main() -> int:
     parser.add_argument("--batch-size", type=int, default=8)
     parser.add_argument("--seq-len", type=int, default=512)
     parser.add_argument("--lr", type=float, default=1.5e-3)
-    parser.add_argument("--recipes", default=",".join(RECIPES), help="comma-separated, 'off' first")
+    parser.add_argument("--recipes", default=",".join(RECIPES), help="comma-separated recipes to train now")
+    parser.add_argument("--report-only", action="store_true", help="only report the runs already in --out")
     parser.add_argument("--out", default="runs/train_llama_gpu")
     args = parser.parse_args()
-    print(f"{datetime.date.today()}  {torch.cuda.get_device_name()}  torch {torch.__version__}")
-    results: dict[str, tuple[TrainSummary, float]] = {}
-    for recipe in args.recipes.split(","):
-        options = TrainOptions(
-            config="125m",
-            steps=args.steps,
-            batch_size=args.batch_size,
-            seq_len=args.seq_len,
-            lr=args.lr,
-            warmup_steps=min(150, args.steps // 10),
-            recipe=recipe,
-            dtype="bf16",
-            device="cuda",
-            out=str(Path(args.out, recipe)),
-            log_every=100,
-        )
-        started = time.perf_counter()
-        summary = train(options)
-        results[recipe] = (summary, time.perf_counter() - started)
-        torch.cuda.empty_cache()
-    return report(results, Path(args.out))
-
-
-def report(results: dict[str, tuple[TrainSummary, float]], out: Path) -> int:
-    """Print the table, draw the curves; 1 if a run is non-finite or misses the loss bar."""
-    baseline = results["off"][0].final_loss if "off" in results else None
-    header = f"{'recipe':8} {'tokens/s':>10} {'wall s':>7} {'final loss':>10} {'vs bf16':>8} {'NaN/Inf':>8}"
-    print(header)
-    failed = False
-    for recipe, (summary, wall_s) in results.items():
-        relative = (summary.final_loss - baseline) / baseline if baseline else float("nan")
-        nonfinite = summary.nonfinite_losses + summary.nonfinite_params
-        failed |= nonfinite > 0 or (recipe != "off" and relative > LOSS_BAR)
-        print(
-            f"{recipe:8} {summary.tokens_per_s:10.0f} {wall_s:7.1f} {summary.final_loss:10.4f} "
-            f"{relative:+8.2%} {nonfinite:8d}"
-        )
-    floor = next(iter(results.values()))[0].loss_floor
-    curves = {("bf16" if r == "off" else r): s.losses for r, (s, _) in results.items()}
-    plot_loss_curves(curves, out / "curves.png", floor=floor)
-    print(f"corpus loss floor {floor:.4f}; curves in {out / 'curves.png'}; verdict {'FAIL' if failed else 'PASS'}")
-    return 1 if failed else 0
+    root, recipes = Path(args.out), args.recipes.split(",")
+    unknown = sorted(set(recipes) - set(RECIPES))
+    if unknown:
+        parser.error(f"--recipes: unknown {unknown}; pick from {', '.join(RECIPES)}")
+    if not args.report_only:
+        if not torch.cuda.is_available():
+            parser.error("no CUDA device: run on a GPU machine, or pass --report-only")
+        print(f"{datetime.date.today()}  {torch.cuda.get_device_name()} x{torch.cuda.device_count()}  torch {torch.__version__}")
+        train_all(recipes, args, root)
+    return report(load_runs(list(RECIPES), root), list(RECIPES), root)
 
 
 if __name__ == "__main__":
