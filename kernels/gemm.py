@@ -49,6 +49,11 @@ from kernels.reference import Quantized
 # so it stays on this kernel (332 TFLOP/s at 8192^3): the reason Float8BlockScaling trails bf16.
 TENSORWISE_USES_TORCH_SCALED_MM = True
 BLOCKWISE_USES_TORCH_SCALED_MM = True
+# cuBLASLt reads the 128x128 scales [K/128, N/128] with a leading dim of K/128 floats that must be
+# 16-byte aligned: torch 2.11 does not check it, and with K/128 = 6 or 10 (K = 768, 1280) it returned
+# wrong products (relative error 0.4 to 5e7 on the H200, found by benchmarks/check_step_gemms.py when the
+# 125M Llama trained NaN from step 0 under Float8BlockScaling). So K/128 must be a multiple of 4.
+_BLOCKWISE_K_MULTIPLE = 4 * 128
 _blockwise_cublas_failed = False
 
 _NVFP4_GLOBAL_MAX = tl.constexpr(NVFP4_GLOBAL_MAX)
@@ -83,9 +88,9 @@ def _e8m0_to_f32(code):
 
 
 @triton.jit
-def _tile_coordinates(M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr):
-    """(tile row, tile column) of this program, GROUP_M tile rows at a time down each tile column."""
-    pid = tl.program_id(0)
+def _tile_coordinates(pid, M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr):
+    """(tile row, tile column) of tile `pid` of an [M, N] output, GROUP_M tile rows at a time down each
+    tile column (so the B tiles of those rows stay in L2)."""
     tiles_m = tl.cdiv(M, BLOCK_M)
     tiles_n = tl.cdiv(N, BLOCK_N)
     programs_per_group = GROUP_M * tiles_n
@@ -198,7 +203,7 @@ def _scaled_mm_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
 ):  # fmt: skip
     """One [BLOCK_M, BLOCK_N] tile of out: the K loop, then per-tensor or global scales, bias, store."""
-    tile_m, tile_n = _tile_coordinates(M, N, BLOCK_M, BLOCK_N, GROUP_M)
+    tile_m, tile_n = _tile_coordinates(tl.program_id(0), M, N, BLOCK_M, BLOCK_N, GROUP_M)
     rows = tile_m.to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = tile_n.to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
     # Operand rows past M (N) wrap around: loads stay in bounds unmasked; only the store is masked.
@@ -294,8 +299,9 @@ def _torch_scaled_mm_takes(a: GemmOperand, b: GemmOperand, out_dtype: torch.dtyp
             and BLOCKWISE_USES_TORCH_SCALED_MM
             and not _blockwise_cublas_failed
             and (a.scale_rows, b.scale_rows) == (1, 128)
-            and a.k % 128 == 0
+            and a.k % _BLOCKWISE_K_MULTIPLE == 0
             and b.rows % 128 == 0
+            and a.rows % 4 == 0  # the 1x128 scales' leading dim, 16-byte aligned like the 128x128 ones'
             and bias is None
         )
     return (

@@ -10,18 +10,29 @@ kernels.gemm's pieces (`_operand_tile` decodes a K tile of any family, the same 
 under the Triton interpreter each output equals scaled_mm's bit for bit; on CUDA scaled_mm may
 take cuBLASLt instead, and the two agree within fp32 accumulation rounding.
 
-How one launch covers all groups: a table (int64 [15, G]) holds each group's buffer
-addresses, sizes and strides; program i walks the groups' tile counts to find its group and its
-tile in that group (GROUP_M tile rows at a time, so B tiles stay in L2). A group with M or N of 0
-has no tiles; one with K = 0 writes its bias (or zeros). Per-tensor and 128-block operands whose K
-is not a multiple of 16 (an MoE wgrad reduces over each expert's token count) are copied with zero
-codes appended, so that every load is 16 bytes wide and the K loop pipelines: zeros add nothing.
+How one launch covers all groups: a table (int64 [16, G]) holds each group's sizes, row strides
+and buffer offsets; program i walks the groups' tile counts to find its group and its tile in that
+group (GROUP_M tile rows at a time, so B tiles stay in L2). A group with M or N of 0 has no tiles;
+one with K = 0 writes its bias (or zeros). Per-tensor and 128-block operands whose K is not a
+multiple of 16 (an MoE wgrad reduces over each expert's token count) are copied with zero codes
+appended: zeros add nothing.
+
+Why it is as fast as the dense kernel: every buffer is a real tensor argument (the group's buffer at
+the lowest address) plus a table offset, so Triton specializes pointer types and alignment as it does
+for kernels.gemm; offsets and row strides are stored in units of up to 16 bytes and K in units of 16,
+multiplied back by constexprs, so 16-byte alignment is proven by the arithmetic. (The previous design
+cast table addresses to pointers and declared alignment with `tl.multiple_of` on helper results;
+Triton 3.6, the H200's version, drops such hints when it inlines the helper: byte loads, no
+pipelining, 20x slower.) Compiled offline for sm_90 (Triton 3.6 and 3.9), the grouped and the dense
+kernel have the same main loop: 16-byte cp.async loads in a 3-stage pipeline feeding wgmma (fp8), and
+16-byte bf16 output stores.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 from collections.abc import Sequence
 
 import torch
@@ -39,27 +50,21 @@ from kernels.gemm import (
     _nvfp4_decode_factor,
     _scale_row_stride,
     _scaled_dot,
+    _tile_coordinates,
     _tune_big_problems_only,
     scaled_mm,
 )
 from kernels.gemm_reference import GemmOperand, check_gemm, gemm_operand
 from kernels.reference import Quantized
 
-# Rows of the per-group table: addresses, then sizes and strides (elements).
+# Rows of the per-group table (int64 [_TABLE_ROWS, G]): each buffer's offset (elements) from its base
+# argument, then sizes and row strides. _A, _B, _OUT and the strides of A, B and out are in units of
+# A_UNIT, B_UNIT, OUT_UNIT elements; K in units of _K_MULTIPLE.
 _A, _B, _A_SCALE, _B_SCALE, _A_AMAX, _B_AMAX, _BIAS, _OUT = (tl.constexpr(i) for i in range(8))
-_M, _N, _K, _A_STRIDE, _B_STRIDE, _A_SCALE_STRIDE, _B_SCALE_STRIDE = (tl.constexpr(i) for i in range(8, 15))
-_ALIGNED_ROWS = tuple(row.value for row in (_A, _B, _K, _A_STRIDE, _B_STRIDE))  # what ALIGNED promises divides by 16
-_K_MULTIPLE = 16  # per-tensor and 128-block operands get their K padded with zero codes to this
-
-# How the kernel types each address (torch dtype of the buffer -> pointer kind)
-_KINDS = {
-    torch.float8_e4m3fn: "e4m3",
-    torch.float8_e5m2: "e5m2",
-    torch.uint8: "u8",
-    torch.float32: "fp32",
-    torch.bfloat16: "bf16",
-    torch.float16: "fp16",
-}
+_M, _N, _K_UNITS, _A_STRIDE, _B_STRIDE, _OUT_STRIDE = (tl.constexpr(i) for i in range(8, 14))
+_A_SCALE_STRIDE, _B_SCALE_STRIDE = tl.constexpr(14), tl.constexpr(15)
+_K_MULTIPLE = tl.constexpr(16)  # every K is one (per-tensor and 128-block operands get zero codes appended)
+_ACCESS_BYTES = 16  # the widest load and store: a unit is at most this many bytes
 
 
 @triton.jit
@@ -69,36 +74,21 @@ def _entry(table_ptr, ROW: tl.constexpr, num_groups, group):
 
 
 @triton.jit
-def _typed(address, KIND: tl.constexpr):
-    """An int64 address as a pointer to KIND's element type."""
-    if KIND == "e4m3":
-        ptr = address.to(tl.pointer_type(tl.float8e4nv))
-    elif KIND == "e5m2":
-        ptr = address.to(tl.pointer_type(tl.float8e5))
-    elif KIND == "fp32":
-        ptr = address.to(tl.pointer_type(tl.float32))
-    elif KIND == "bf16":
-        ptr = address.to(tl.pointer_type(tl.bfloat16))
-    elif KIND == "fp16":
-        ptr = address.to(tl.pointer_type(tl.float16))
-    elif KIND == "i16":  # bf16 outputs are written as rounded bit patterns
-        ptr = address.to(tl.pointer_type(tl.int16))
-    else:
-        ptr = address.to(tl.pointer_type(tl.uint8))
-    return ptr
+def _size(table_ptr, ROW: tl.constexpr, num_groups, group):
+    """A size row of the table as int32: tile and row arithmetic stays 32-bit (addresses are 64-bit)."""
+    return _entry(table_ptr, ROW, num_groups, group).to(tl.int32)
 
 
 @triton.jit
 def _find_tile(table_ptr, num_groups, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     """(group, tile index within the group) of this program: groups own consecutive runs of programs."""
-    pid = tl.program_id(0).to(tl.int64)
-    group = tl.program_id(0) * 0
+    pid = tl.program_id(0)
+    group = pid * 0
     first_tile = pid * 0
     tiles_before = pid * 0
     for g in range(num_groups):
-        tiles = tl.cdiv(_entry(table_ptr, _M, num_groups, g), BLOCK_M) * tl.cdiv(
-            _entry(table_ptr, _N, num_groups, g), BLOCK_N
-        )
+        m = _size(table_ptr, _M, num_groups, g)
+        tiles = tl.cdiv(m, BLOCK_M) * tl.cdiv(_size(table_ptr, _N, num_groups, g), BLOCK_N)
         here = (pid >= tiles_before) & (pid < tiles_before + tiles)
         group = tl.where(here, g, group)
         first_tile = tl.where(here, tiles_before, first_tile)
@@ -108,62 +98,58 @@ def _find_tile(table_ptr, num_groups, BLOCK_M: tl.constexpr, BLOCK_N: tl.constex
 
 @triton.jit
 def _grouped_scaled_mm_kernel(
-    table_ptr, num_groups,  # int64 [15, num_groups]: the rows _A .. _B_SCALE_STRIDE
+    a_ptr, b_ptr,  # bases: each group's A and B lie at table offsets from these (see kernels.gemm's kernel)
+    a_scale_ptr, b_scale_ptr, a_amax_ptr, b_amax_ptr,  # bases of the scale_invs and nvfp4 global amaxes
+    bias_ptr, out_ptr,  # bases of the biases and of the outputs (fp32, or bf16 bits as int16)
+    table_ptr, num_groups,  # int64 [_TABLE_ROWS, num_groups]: offsets, sizes, strides (see the rows above)
     M, N, K,  # autotuning keys only (total rows, largest N, largest K): each group reads its own
     SCALING: tl.constexpr, SCALE_K: tl.constexpr, A_SCALE_ROWS: tl.constexpr, B_SCALE_ROWS: tl.constexpr,
     A_EXPONENT_BITS: tl.constexpr, A_MANTISSA_BITS: tl.constexpr, A_MAX_BITS: tl.constexpr, A_NAN_CODE: tl.constexpr,
     B_EXPONENT_BITS: tl.constexpr, B_MANTISSA_BITS: tl.constexpr, B_MAX_BITS: tl.constexpr, B_NAN_CODE: tl.constexpr,
-    A_KIND: tl.constexpr, B_KIND: tl.constexpr, SCALE_KIND: tl.constexpr, BIAS_KIND: tl.constexpr,
     HAS_BIAS: tl.constexpr, OUT_BF16: tl.constexpr, DOT_IN_FP32: tl.constexpr,
-    ALIGNED: tl.constexpr,  # operand addresses, row strides (bytes) and K are multiples of 16: wide, pipelined loads
+    A_UNIT: tl.constexpr, B_UNIT: tl.constexpr, OUT_UNIT: tl.constexpr,  # elements per table unit (<= 16 bytes)
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
 ):  # fmt: skip
     """One [BLOCK_M, BLOCK_N] tile of one group's output: kernels.gemm's K loop and epilogue on that group."""
     group, tile = _find_tile(table_ptr, num_groups, BLOCK_M, BLOCK_N)
-    m = _entry(table_ptr, _M, num_groups, group)
-    n = _entry(table_ptr, _N, num_groups, group)
-    k = _entry(table_ptr, _K, num_groups, group)
-    # The tile's place in the group: GROUP_M tile rows at a time down each tile column.
-    tiles_n = tl.cdiv(n, BLOCK_N)
-    band = tile // (GROUP_M * tiles_n)
-    band_rows = tl.minimum(tl.cdiv(m, BLOCK_M) - band * GROUP_M, GROUP_M)
-    within = tile % (GROUP_M * tiles_n)
-    rows = (band * GROUP_M + within % band_rows) * BLOCK_M + tl.arange(0, BLOCK_M)
-    cols = (within // band_rows) * BLOCK_N + tl.arange(0, BLOCK_N)
-    a_rows = rows % m  # past the edge: wrapped, in bounds; only the store is masked
-    b_rows = cols % n
-    a_ptr = _typed(_entry(table_ptr, _A, num_groups, group), A_KIND)
-    b_ptr = _typed(_entry(table_ptr, _B, num_groups, group), B_KIND)
-    a_scale_ptr = _typed(_entry(table_ptr, _A_SCALE, num_groups, group), SCALE_KIND)
-    b_scale_ptr = _typed(_entry(table_ptr, _B_SCALE, num_groups, group), SCALE_KIND)
-    a_stride = _entry(table_ptr, _A_STRIDE, num_groups, group)
-    b_stride = _entry(table_ptr, _B_STRIDE, num_groups, group)
-    if ALIGNED:  # what kernels.gemm gets from Triton's specialization of its pointer and int arguments
-        a_ptr, b_ptr = tl.multiple_of(a_ptr, 16), tl.multiple_of(b_ptr, 16)
-        a_stride, b_stride = tl.multiple_of(a_stride, 16), tl.multiple_of(b_stride, 16)
-        k = tl.multiple_of(k, 16)  # the K mask then covers whole 16-element runs
-    a_scale_stride = _entry(table_ptr, _A_SCALE_STRIDE, num_groups, group)
-    b_scale_stride = _entry(table_ptr, _B_SCALE_STRIDE, num_groups, group)
+    m = _size(table_ptr, _M, num_groups, group)
+    n = _size(table_ptr, _N, num_groups, group)
+    tile_m, tile_n = _tile_coordinates(tile, m, n, BLOCK_M, BLOCK_N, GROUP_M)
+    rows = tile_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = tile_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    # Units times constexprs: Triton proves the 16-byte alignment of each K run and output row.
+    k = _size(table_ptr, _K_UNITS, num_groups, group) * _K_MULTIPLE
     acc = _scaled_dot(
-        a_ptr, a_scale_ptr, a_rows, a_stride, a_scale_stride,
-        b_ptr, b_scale_ptr, b_rows, b_stride, b_scale_stride, k,
-        SCALING, SCALE_K, A_SCALE_ROWS, A_EXPONENT_BITS, A_MANTISSA_BITS, A_NAN_CODE,
+        a_ptr + _entry(table_ptr, _A, num_groups, group) * A_UNIT,
+        a_scale_ptr + _entry(table_ptr, _A_SCALE, num_groups, group),
+        rows % m,  # past the edge: wrapped, in bounds; only the store is masked
+        _entry(table_ptr, _A_STRIDE, num_groups, group) * A_UNIT,
+        _entry(table_ptr, _A_SCALE_STRIDE, num_groups, group),
+        b_ptr + _entry(table_ptr, _B, num_groups, group) * B_UNIT,
+        b_scale_ptr + _entry(table_ptr, _B_SCALE, num_groups, group),
+        cols % n,
+        _entry(table_ptr, _B_STRIDE, num_groups, group) * B_UNIT,
+        _entry(table_ptr, _B_SCALE_STRIDE, num_groups, group),
+        k, SCALING, SCALE_K, A_SCALE_ROWS, A_EXPONENT_BITS, A_MANTISSA_BITS, A_NAN_CODE,
         B_SCALE_ROWS, B_EXPONENT_BITS, B_MANTISSA_BITS, B_NAN_CODE, DOT_IN_FP32, BLOCK_M, BLOCK_N, BLOCK_K,
     )  # fmt: skip
     if SCALING == "nvfp4":
-        a_amax_ptr = _typed(_entry(table_ptr, _A_AMAX, num_groups, group), "fp32")
-        b_amax_ptr = _typed(_entry(table_ptr, _B_AMAX, num_groups, group), "fp32")
-        acc = acc * _nvfp4_decode_factor(a_amax_ptr) * _nvfp4_decode_factor(b_amax_ptr)
+        a_amax = a_amax_ptr + _entry(table_ptr, _A_AMAX, num_groups, group)
+        b_amax = b_amax_ptr + _entry(table_ptr, _B_AMAX, num_groups, group)
+        acc = acc * _nvfp4_decode_factor(a_amax) * _nvfp4_decode_factor(b_amax)
+    # n again (out[g] is contiguous, so it is the row stride), as a multiple of OUT_UNIT that Triton can see:
+    # masks constant over OUT_UNIT columns let the stores be 16 bytes wide.
+    n_seen = _entry(table_ptr, _OUT_STRIDE, num_groups, group) * OUT_UNIT
     if HAS_BIAS:
-        bias_ptr = _typed(_entry(table_ptr, _BIAS, num_groups, group), BIAS_KIND)
-        acc += tl.load(bias_ptr + cols, mask=cols < n, other=0.0).to(tl.float32)[None, :]
-    inside = (rows[:, None] < m) & (cols[None, :] < n)
-    offsets = rows[:, None] * n + cols[None, :]
+        bias = bias_ptr + _entry(table_ptr, _BIAS, num_groups, group)
+        acc += tl.load(bias + cols, mask=cols < n_seen, other=0.0).to(tl.float32)[None, :]
+    out = out_ptr + _entry(table_ptr, _OUT, num_groups, group) * OUT_UNIT
+    out_ptrs = out + rows[:, None] * n_seen + cols[None, :]
+    inside = (rows[:, None] < m) & (cols[None, :] < n_seen)
     if OUT_BF16:
-        out_ptr = _typed(_entry(table_ptr, _OUT, num_groups, group), "i16")
-        tl.store(out_ptr + offsets, f32_to_bf16_bits(acc).to(tl.int16, bitcast=True), mask=inside)
+        tl.store(out_ptrs, f32_to_bf16_bits(acc).to(tl.int16, bitcast=True), mask=inside)
     else:
-        tl.store(_typed(_entry(table_ptr, _OUT, num_groups, group), "fp32") + offsets, acc, mask=inside)
+        tl.store(out_ptrs, acc, mask=inside)
 
 
 @functools.cache
@@ -250,50 +236,82 @@ def _pad_k(op: GemmOperand, k: int) -> GemmOperand:
 
 
 def _aligned_k(a_op: GemmOperand, b_op: GemmOperand) -> tuple[GemmOperand, GemmOperand]:
-    """Both operands with K a multiple of 16 (an MoE wgrad's K is a token count): without it, the loads
-    go byte by byte and the K loop is not pipelined. MXFP8 and NVFP4 blocks already tile K by 32 and 16."""
-    if a_op.family not in ("tensorwise", "block") or a_op.k % _K_MULTIPLE == 0:
+    """Both operands with K a multiple of 16 (an MoE wgrad's K is a token count): the table holds K in
+    units of 16, which is what proves the loads 16 bytes wide. MXFP8 and NVFP4 blocks already tile K by 32, 16."""
+    if a_op.family not in ("tensorwise", "block") or a_op.k % _K_MULTIPLE.value == 0:
         return a_op, b_op
-    k = triton.cdiv(a_op.k, _K_MULTIPLE) * _K_MULTIPLE
+    k = triton.cdiv(a_op.k, _K_MULTIPLE.value) * _K_MULTIPLE.value
     return _pad_k(a_op, k), _pad_k(b_op, k)
 
 
+def _based(tensors: list[Tensor]) -> tuple[Tensor, list[int]]:
+    """The kernel's base argument for these per-group buffers (the one at the lowest address) and each
+    buffer's offset from it in elements; an empty buffer is never read and gets offset 0."""
+    used = [t for t in tensors if t.numel()] or tensors[:1]
+    base = min(used, key=Tensor.data_ptr)
+    offsets = [(t.data_ptr() - base.data_ptr()) // base.element_size() if t.numel() else 0 for t in tensors]
+    return base, offsets
+
+
+def _unit(values: list[int], element_size: int) -> int:
+    """The largest power of two, at most 16 bytes of elements, dividing every offset and stride of a buffer
+    kind: the kernel multiplies table entries by it, so wide accesses follow from the arithmetic."""
+    return math.gcd(_ACCESS_BYTES // element_size, *values)
+
+
 def _grouped_triton(
-    a_ops: list[GemmOperand], b_ops: list[GemmOperand], out_dtype: torch.dtype, bias: list | None, out: list
+    a_ops: list[GemmOperand],
+    b_ops: list[GemmOperand],
+    out_dtype: torch.dtype,
+    bias: list | None,
+    out: list,
+    tile: dict | None = None,
 ) -> None:
-    """One launch writing every out[g] (contiguous, allocated)."""
+    """One launch writing every out[g] (contiguous, allocated); `tile`: one of _TILES instead of autotuning."""
     a_ops, b_ops = map(list, zip(*(_aligned_k(a_op, b_op) for a_op, b_op in zip(a_ops, b_ops, strict=True))))
+    assert all(op.k % _K_MULTIPLE.value == 0 for op in a_ops), "padded above; MXFP8/NVFP4 quantizers tile K by 32/16"
     dot_in_fp32 = interpreting()
     first_a, first_b = a_ops[0], b_ops[0]
-    a_codes = [_kernel_codes(op, dot_in_fp32) for op in a_ops]
-    b_codes = [_kernel_codes(op, dot_in_fp32) for op in b_ops]
-    out_bits = [o.view(torch.int16) if out_dtype == torch.bfloat16 else o for o in out]
-    biases = bias if bias is not None else out  # never read without HAS_BIAS
+    device = first_a.data.device
+    a_base, a_offsets = _based([_kernel_codes(op, dot_in_fp32) for op in a_ops])
+    b_base, b_offsets = _based([_kernel_codes(op, dot_in_fp32) for op in b_ops])
+    a_scale_base, a_scale_offsets = _based([op.scale_inv for op in a_ops])
+    b_scale_base, b_scale_offsets = _based([op.scale_inv for op in b_ops])
+    a_amax_base, a_amax_offsets = _based([op.scale_inv if op.global_amax is None else op.global_amax for op in a_ops])
+    b_amax_base, b_amax_offsets = _based([op.scale_inv if op.global_amax is None else op.global_amax for op in b_ops])
+    out_base, out_offsets = _based([o.view(torch.int16) if out_dtype == torch.bfloat16 else o for o in out])
+    biases = [t.contiguous() for t in bias] if bias is not None else None  # referenced until the launch
+    bias_base, bias_offsets = _based(biases) if biases is not None else (out_base, [0] * len(out))  # read if HAS_BIAS
+    a_strides, b_strides = [op.data.shape[1] for op in a_ops], [op.data.shape[1] for op in b_ops]  # contiguous
+    n_sizes = [op.rows for op in b_ops]  # also the out row strides (contiguous)
+    a_unit = _unit(a_offsets + a_strides, a_base.element_size())
+    b_unit = _unit(b_offsets + b_strides, b_base.element_size())
+    out_unit = _unit(out_offsets + n_sizes, out_base.element_size())
     columns = [
-        [a_codes[g].data_ptr(), b_codes[g].data_ptr(), a_op.scale_inv.data_ptr(), b_op.scale_inv.data_ptr(),
-         (a_op.global_amax if a_op.global_amax is not None else a_op.scale_inv).data_ptr(),
-         (b_op.global_amax if b_op.global_amax is not None else b_op.scale_inv).data_ptr(),
-         biases[g].data_ptr(), out_bits[g].data_ptr(), a_op.rows, b_op.rows, a_op.k,
-         a_op.data.stride(0), b_op.data.stride(0), _scale_row_stride(a_op.scale_inv), _scale_row_stride(b_op.scale_inv)]
+        [a_offsets[g] // a_unit, b_offsets[g] // b_unit, a_scale_offsets[g], b_scale_offsets[g], a_amax_offsets[g],
+         b_amax_offsets[g], bias_offsets[g], out_offsets[g] // out_unit,
+         a_op.rows, b_op.rows, a_op.k // _K_MULTIPLE.value, a_strides[g] // a_unit, b_strides[g] // b_unit,
+         n_sizes[g] // out_unit, _scale_row_stride(a_op.scale_inv), _scale_row_stride(b_op.scale_inv)]
         for g, (a_op, b_op) in enumerate(zip(a_ops, b_ops, strict=True))
     ]  # fmt: skip
-    device = first_a.data.device
-    table = torch.tensor(columns, dtype=torch.int64).T.contiguous().to(device)
-    sizes = [(op.rows, b_op.rows) for op, b_op in zip(a_ops, b_ops, strict=True)]
+    # Pinned and non-blocking on CUDA: a pageable copy would make the host wait for the GPU on every launch.
+    table_rows = list(zip(*columns, strict=True))
+    table = torch.tensor(table_rows, dtype=torch.int64, pin_memory=device.type == "cuda").to(device, non_blocking=True)
+    sizes = [(a_op.rows, b_op.rows) for a_op, b_op in zip(a_ops, b_ops, strict=True)]
 
     def grid(meta):
         return (sum(triton.cdiv(m, meta["BLOCK_M"]) * triton.cdiv(n, meta["BLOCK_N"]) for m, n in sizes),)
 
     block = SCHEME_BLOCKS[first_a.scheme]
-    _tuned(first_a.family)[grid](
+    kernel, launch_options = (_tuned(first_a.family), {}) if tile is None else (_grouped_scaled_mm_kernel, tile)
+    kernel[grid](
+        a_base, b_base, a_scale_base, b_scale_base, a_amax_base, b_amax_base, bias_base, out_base,
         table, len(a_ops), sum(m for m, _ in sizes), max(n for _, n in sizes), max(op.k for op in a_ops),
         SCALING=first_a.family, SCALE_K=0 if block is None else block[1],
         A_SCALE_ROWS=max(first_a.scale_rows, 1), B_SCALE_ROWS=max(first_b.scale_rows, 1),
         **format_constants(first_a.fmt, "A_"), **format_constants(first_b.fmt, "B_"),
-        A_KIND=_KINDS[a_codes[0].dtype], B_KIND=_KINDS[b_codes[0].dtype], SCALE_KIND=_KINDS[first_a.scale_inv.dtype],
-        BIAS_KIND=_KINDS[biases[0].dtype], HAS_BIAS=bias is not None, OUT_BF16=out_dtype == torch.bfloat16,
-        DOT_IN_FP32=dot_in_fp32, ALIGNED=all(column[row] % 16 == 0 for column in columns for row in _ALIGNED_ROWS),
-        GROUP_M=_GROUP_M,
+        HAS_BIAS=bias is not None, OUT_BF16=out_dtype == torch.bfloat16, DOT_IN_FP32=dot_in_fp32,
+        A_UNIT=a_unit, B_UNIT=b_unit, OUT_UNIT=out_unit, GROUP_M=_GROUP_M, **launch_options,
     )  # fmt: skip
 
 

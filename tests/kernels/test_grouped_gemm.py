@@ -9,6 +9,14 @@ Operands come from the reference quantizers, group by group, with tests/kernels/
 
 from __future__ import annotations
 
+import dataclasses
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -95,6 +103,27 @@ def test_out_rows_of_one_tensor_are_written_in_place(device):
     assert torch.equal(y, torch.cat(grouped_scaled_mm(qa, qb, out_dtype=torch.float32)))
 
 
+@pytest.mark.parametrize("device", DEVICES)
+def test_row_slices_of_one_buffer_with_narrow_alignment(device):
+    """The MoE layout: every group's A is a row slice of one quantized x and every output a row slice of one y.
+    NVFP4 rows of 40 bytes and bf16 outputs of 12 columns put the groups 8 and 8 bytes apart, not 16:
+    the launcher must address them in those smaller units."""
+    rows, d_in, d_out = (3, 0, 1, 37), 80, 12
+    tensors = _tensors(sum(rows), d_in, d_out, device)
+    x_q = quantize(tensors["x"], "nvfp4_1x16", "e2m1", False)
+    starts = [sum(rows[:g]) for g in range(len(rows))]
+    qa = [
+        dataclasses.replace(x_q, shape=(m, d_in), data=x_q.data[r : r + m], scale_inv=x_q.scale_inv[r : r + m])
+        for r, m in zip(starts, rows, strict=True)
+    ]
+    weights = [_tensors(1, d_in, d_out, device, seed=g)["w"] for g in range(len(rows))]
+    qb = [quantize(w, "nvfp4_1x16", "e2m1", False) for w in weights]
+    y = torch.full((sum(rows), d_out), float("nan"), device=device, dtype=torch.bfloat16)
+    grouped_scaled_mm(qa, qb, out=list(y.split(rows)))
+    for g, part in enumerate(y.split(rows)):
+        if len(part):
+            assert_matches_float64(part, qa[g], False, qb[g], False, None, torch.bfloat16)
+
 def test_bad_groups_raise_with_the_fix():
     qa, qb, _, _ = _grouped_operands("tensorwise-fprop", "cpu")
     with pytest.raises(ValueError, match="same number"):
@@ -112,3 +141,52 @@ def test_bad_groups_raise_with_the_fix():
         grouped_scaled_mm(qa, qb, out_dtype=torch.float32, out=outs)
     with pytest.raises(ValueError, match="list of 4 tensors"):
         grouped_scaled_mm(qa, qb, bias=torch.zeros(37))
+
+
+# Compiles kernels.gemm's dense kernel and the grouped one for sm_90 with one tile, as Triton specializes
+# them for 16-byte aligned tensors and sizes that are multiples of 16; prints both PTX texts.
+_COMPILE_FOR_SM90 = """
+import json, triton
+from triton.backends.compiler import GPUTarget
+from kernels._casts import format_constants
+from kernels.gemm import _FP8_TILES, _scaled_mm_kernel
+from kernels.grouped_gemm import _grouped_scaled_mm_kernel
+
+tile = dict(_FP8_TILES[0])
+options = {"num_warps": tile.pop("num_warps"), "num_stages": tile.pop("num_stages")}
+constants = dict(SCALING="tensorwise", SCALE_K=0, A_SCALE_ROWS=1, B_SCALE_ROWS=1, HAS_BIAS=False, OUT_BF16=True,
+                 DOT_IN_FP32=False, GROUP_M=8, **format_constants("e4m3", "A_"), **format_constants("e4m3", "B_"))
+constants |= tile
+pointers = {"a_ptr": "*fp8e4nv", "b_ptr": "*fp8e4nv", "a_scale_ptr": "*fp32", "b_scale_ptr": "*fp32",
+            "a_amax_ptr": "*fp32", "b_amax_ptr": "*fp32", "bias_ptr": "*i16", "out_ptr": "*i16", "table_ptr": "*i64"}
+
+def ptx(kernel, constants):
+    names = kernel.arg_names
+    signature = {n: "constexpr" if n in constants else pointers.get(n, "i32") for n in names}
+    aligned = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(names) if n not in constants and n != "num_groups"}
+    source = triton.compiler.ASTSource(kernel, signature, {(names.index(n),): v for n, v in constants.items()}, aligned)
+    return triton.compile(source, target=GPUTarget("cuda", 90, 128), options=options).asm["ptx"]
+
+grouped = constants | {"A_UNIT": 16, "B_UNIT": 16, "OUT_UNIT": 8}
+print(json.dumps({"dense": ptx(_scaled_mm_kernel, constants), "grouped": ptx(_grouped_scaled_mm_kernel, grouped)}))
+"""
+_PTX_FEATURES = {  # what makes the dense kernel fast, as PTX spells it
+    "16-byte cp.async loads": r"cp\.async\.cg\.shared\.global.*0x10",
+    "wgmma instructions": r"wgmma\.mma_async",
+    "16-byte stores": r"st\.global\.v4",
+    "byte loads": r"ld\.global(\.\w+)*\.[bu]8\b",
+}
+
+
+def test_grouped_kernel_compiles_to_the_dense_kernels_loads_dots_and_stores():
+    """Offline sm_90 compile (no GPU needed): the grouped launch must not lose what the dense kernel's
+    specialization gives it (Triton 3.6 once compiled it to byte loads without cp.async: 20x slower)."""
+    env = {name: value for name, value in os.environ.items() if name != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = str(Path(__file__).parents[2])
+    done = subprocess.run([sys.executable, "-c", _COMPILE_FOR_SM90], env=env, capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr[-3000:]
+    ptx = json.loads(done.stdout)
+    counts = {kind: {name: len(re.findall(pattern, text)) for name, pattern in _PTX_FEATURES.items()}
+              for kind, text in ptx.items()}  # fmt: skip
+    assert counts["dense"]["16-byte cp.async loads"] > 0 and counts["dense"]["byte loads"] == 0, counts
+    assert counts["grouped"] == counts["dense"], counts
