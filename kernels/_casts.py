@@ -48,7 +48,7 @@ def _bits_f32(like, BITS: tl.constexpr):
 @triton.jit
 def f32_to_code(
     x, EXPONENT_BITS: tl.constexpr, MANTISSA_BITS: tl.constexpr, MAX_BITS: tl.constexpr, NAN_CODE: tl.constexpr,
-    IN_RANGE: tl.constexpr = False, TOP: tl.constexpr = False,
+    IN_RANGE: tl.constexpr = False, TOP: tl.constexpr = False, HARDWARE: tl.constexpr = False,
 ):
     """fp32 -> code (int32): canonical NaN, saturate to +-max (inf too), round to nearest even.
 
@@ -64,29 +64,50 @@ def f32_to_code(
     |x| is below the rounding limit, so the clamp and the NaN test are skipped and the sign comes from
     x * 0 (+-0) on the fp32 pipe. TOP: the code in the top bits of the int32, zeros below (packing
     codes into words then takes one shift each). No nested helpers: the interpreter pays per jit call.
+
+    HARDWARE (compiled kernels only, fp8 formats, with IN_RANGE): the cvt.rn.satfinite of sm_89+, one
+    instruction per two values instead of ~10 each. For finite values below the rounding limit round to
+    nearest even has one answer, so the bytes are the same; NaN, inf and overflow never reach it (its
+    NaN sign and the interpreter's wrong casts do not matter here).
     """
-    BIAS: tl.constexpr = (1 << (EXPONENT_BITS - 1)) - 1
-    SHIFT: tl.constexpr = 23 - MANTISSA_BITS
-    TO_MAGIC: tl.constexpr = 2.0 ** (SHIFT + BIAS - 127)  # a normal fp32: value's exponent, shifted
-    UNBIAS: tl.constexpr = 2.0 ** (BIAS - 127)
-    if IN_RANGE:
-        value = tl.abs(x)
-        sign = (x * 0.0).to(tl.int32, bitcast=True)
+    if HARDWARE and IN_RANGE and EXPONENT_BITS >= 4:
+        code = _hardware_fp8_code(x, EXPONENT_BITS, TOP)
     else:
-        bits = x.to(tl.int32, bitcast=True)
-        magnitude = bits & 0x7FFFFFFF
-        value = tl.minimum(magnitude, MAX_BITS).to(tl.float32, bitcast=True)
-        sign = bits & -2147483648
-    exponent = (value * TO_MAGIC).to(tl.int32, bitcast=True) & 0x7F800000
-    magic = tl.maximum(exponent, (SHIFT + 1) << 23).to(tl.float32, bitcast=True)  # floor: 2^(1 - BIAS + SHIFT)
-    grid = (tl.fma(value, UNBIAS, magic) - magic).to(tl.int32, bitcast=True)  # the code at bit SHIFT
-    # The code's bits to the top of the word under the sign (one shift-add), then down.
-    SIGN_SHIFT: tl.constexpr = 31 - EXPONENT_BITS - MANTISSA_BITS
-    code = (grid << (8 - EXPONENT_BITS)) + sign
-    if not TOP:
-        code = (code.to(tl.uint32, bitcast=True) >> SIGN_SHIFT).to(tl.int32)
-    if not IN_RANGE:
-        code = tl.where(magnitude > 0x7F800000, NAN_CODE << (SIGN_SHIFT if TOP else 0), code)
+        BIAS: tl.constexpr = (1 << (EXPONENT_BITS - 1)) - 1
+        SHIFT: tl.constexpr = 23 - MANTISSA_BITS
+        TO_MAGIC: tl.constexpr = 2.0 ** (SHIFT + BIAS - 127)  # a normal fp32: value's exponent, shifted
+        UNBIAS: tl.constexpr = 2.0 ** (BIAS - 127)
+        if IN_RANGE:
+            value = tl.abs(x)
+            sign = (x * 0.0).to(tl.int32, bitcast=True)
+        else:
+            bits = x.to(tl.int32, bitcast=True)
+            magnitude = bits & 0x7FFFFFFF
+            value = tl.minimum(magnitude, MAX_BITS).to(tl.float32, bitcast=True)
+            sign = bits & -2147483648
+        exponent = (value * TO_MAGIC).to(tl.int32, bitcast=True) & 0x7F800000
+        magic = tl.maximum(exponent, (SHIFT + 1) << 23).to(tl.float32, bitcast=True)  # floor: 2^(1 - BIAS + SHIFT)
+        grid = (tl.fma(value, UNBIAS, magic) - magic).to(tl.int32, bitcast=True)  # the code at bit SHIFT
+        # The code's bits to the top of the word under the sign (one shift-add), then down.
+        SIGN_SHIFT: tl.constexpr = 31 - EXPONENT_BITS - MANTISSA_BITS
+        code = (grid << (8 - EXPONENT_BITS)) + sign
+        if not TOP:
+            code = (code.to(tl.uint32, bitcast=True) >> SIGN_SHIFT).to(tl.int32)
+        if not IN_RANGE:
+            code = tl.where(magnitude > 0x7F800000, NAN_CODE << (SIGN_SHIFT if TOP else 0), code)
+    return code
+
+
+@triton.jit
+def _hardware_fp8_code(x, EXPONENT_BITS: tl.constexpr, TOP: tl.constexpr):
+    """e4m3 (EXPONENT_BITS 4) or e5m2 code of in-range x by the GPU's cvt.rn.satfinite (compiled kernels only)."""
+    if EXPONENT_BITS == 4:
+        narrow = x.to(tl.float8e4nv, fp_downcast_rounding="rtne")
+    else:
+        narrow = x.to(tl.float8e5, fp_downcast_rounding="rtne")
+    code = narrow.to(tl.uint8, bitcast=True).to(tl.int32)
+    if TOP:
+        code = code << 24
     return code
 
 

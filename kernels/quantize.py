@@ -93,6 +93,11 @@ def _pack4(M: int, columnwise: bool) -> bool:
     return columnwise and M % 4 == 0
 
 
+def _hardware_cast(x: Tensor) -> bool:
+    """In-range fp8 tiles cast by the GPU's cvt (compiled only: the interpreter's casts are wrong)."""
+    return backend_for(x.device) is Backend.TRITON
+
+
 def _global_amax(x2d: Tensor, hadamard: bool) -> Tensor:
     """int32 bits [amax of x, amax of RHT(x.T) (0 unless hadamard)], from the first launch."""
     amax_bits = torch.zeros(2, dtype=torch.int32, device=x2d.device)
@@ -143,6 +148,7 @@ def quantize_tensorwise(
         "tensorwise", x2d, data, columnwise_data, scale_inv if scale is None else scale, amax_bits, scale_inv,
         **format_constants(fmt), FMAX=f.max, POWER_2=power_2_scale, EPSILON=float(amax_epsilon),
         GIVEN_SCALE=scale is not None, ROWWISE=rowwise, COLUMNWISE=columnwise, PACK4=_pack4(M, columnwise),
+        HARDWARE_CAST=_hardware_cast(x),
     )
     return Quantized(
         "tensorwise", fmt, shape,
@@ -179,7 +185,7 @@ def quantize_blockwise(
     _launch(
         "blockwise", x2d, data, scale_inv, columnwise_data, columnwise_scale_inv,
         **format_constants(fmt), FMAX=reference.FORMATS[fmt].max, POWER_2=power_2_scale, SQUARE=square,
-        ROWWISE=rowwise, COLUMNWISE=columnwise, PACK4=_pack4(M, columnwise),
+        ROWWISE=rowwise, COLUMNWISE=columnwise, PACK4=_pack4(M, columnwise), HARDWARE_CAST=_hardware_cast(x),
     )
     return Quantized(
         f"block{block[0]}x{block[1]}", fmt, shape,
@@ -208,7 +214,7 @@ def quantize_mxfp8(
     _launch(
         "mxfp8", x2d, data, scale, columnwise_data, columnwise_scale,
         **format_constants(fmt), INV_FMAX=1.0 / f.max, MAX_EXPONENT=f.max_exponent, ROUND_UP=scale_rounding == "up",
-        ROWWISE=rowwise, COLUMNWISE=columnwise,
+        ROWWISE=rowwise, COLUMNWISE=columnwise, HARDWARE_CAST=_hardware_cast(x),
     )
     return Quantized(
         "mxfp8", fmt, shape,

@@ -32,6 +32,8 @@ def _elementwise_kernel(
         out = _casts.f32_to_code(x, EXPONENT_BITS, MANTISSA_BITS, MAX_BITS, NAN_CODE)
     elif OP == "encode_in_range":  # the fast path the kernels take once a tile is known to be in range
         out = _casts.f32_to_code(x, EXPONENT_BITS, MANTISSA_BITS, MAX_BITS, NAN_CODE, True)
+    elif OP == "encode_hardware":  # the GPU's cvt, which compiled kernels use on in-range fp8 tiles
+        out = _casts.f32_to_code(x, EXPONENT_BITS, MANTISSA_BITS, MAX_BITS, NAN_CODE, True, False, True)
     elif OP == "e2m1_stochastic":
         random_bits = tl.load(bits_ptr + offsets, mask=mask, other=0).to(tl.uint32)
         out = _casts.f32_to_e2m1_code_stochastic(x, random_bits)
@@ -72,21 +74,36 @@ def test_bit_cast_equals_reference_on_edge_values(device, fmt):
     assert torch.equal(got, expected.int()), _first_difference(x, got, expected.int())
 
 
-@pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("fmt", ["e4m3", "e5m2", "e2m1"])
-def test_in_range_cast_equals_reference_below_the_rounding_limit(device, fmt):
-    """The IN_RANGE fast path skips the clamp and the NaN test: below the rounding limit (the midpoint
-    above max, itself excluded) it must give the full cast's bytes, ties and subnormals included."""
-    generator = torch.Generator().manual_seed(4)
+def _below_rounding_limit(fmt: str, seed: int) -> torch.Tensor:
+    """The edge set and random values of `fmt` whose magnitude is below its rounding limit, the largest included."""
+    generator = torch.Generator().manual_seed(seed)
     f = formats.FORMATS[fmt]
     limit = f.max + 2.0 ** (math.floor(math.log2(f.max)) - f.mantissa_bits - 1)
     x = torch.cat([edge_values(fmt), torch.randn(3000, generator=generator) * f.max / 3])
     x = x[x.abs() < limit]
     below_limit = torch.nextafter(torch.tensor(limit), torch.tensor(0.0))  # the largest fp32 below it
-    x = torch.cat([x, below_limit[None], -below_limit[None]])
+    return torch.cat([x, below_limit[None], -below_limit[None]])
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("fmt", ["e4m3", "e5m2", "e2m1"])
+def test_in_range_cast_equals_reference_below_the_rounding_limit(device, fmt):
+    """The IN_RANGE fast path skips the clamp and the NaN test: below the rounding limit (the midpoint
+    above max, itself excluded) it must give the full cast's bytes, ties and subnormals included."""
+    x = _below_rounding_limit(fmt, 4)
     expected = formats.encode_e2m1(x) if fmt == "e2m1" else formats.encode_fp8(x, fmt)
     got = _run("encode_in_range", x.to(device), fmt).cpu()
     assert torch.equal(got, expected.int()), _first_difference(x, got, expected.int())
+
+
+@pytest.mark.parametrize("device", [d for d in DEVICES if d.values[0] == "cuda"])
+@pytest.mark.parametrize("fmt", ["e4m3", "e5m2"])
+def test_hardware_cast_equals_reference_below_the_rounding_limit(device, fmt):
+    """Compiled kernels cast in-range fp8 tiles with the GPU's cvt.rn.satfinite: same bytes as the spec."""
+    x = _below_rounding_limit(fmt, 5)
+    expected = formats.encode_fp8(x, fmt).int()
+    got = _run("encode_hardware", x.to(device), fmt).cpu()
+    assert torch.equal(got, expected), _first_difference(x, got, expected)
 
 
 @pytest.mark.parametrize("device", DEVICES)
