@@ -22,6 +22,7 @@ amax group).
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import threading
 
@@ -37,6 +38,7 @@ from tests.distributed import run_threads
 from torchside.autocast import fp8_autocast
 from torchside.modules import LayerNorm, LayerNormLinear, LayerNormMLP, Linear, ModuleConfig, RMSNorm
 from torchside.parallel import tp_comm
+from torchside.quantization import Quantizer
 from torchside.recipe import (
     DelayedScaling,
     Float8BlockScaling,
@@ -196,28 +198,59 @@ def test_column_parallel_fp8_gemms_are_exact(recipe_name):
         assert torch.equal(result["bias"], expected["bias"])
 
 
+# Per rank, the amax all-reduces of one step of the stack (2 blocks of 2 column and 2 row GEMMs), by how many
+# amaxes each carries. Float8CurrentScaling reduces every split tensor's amax, one all-reduce per GEMM in
+# the forward (input and weight together; an input gathered in high precision is whole: weight only) and
+# one per column GEMM's output grad. DelayedScaling reduces once per region instead (larger all-reduces).
+AMAX_ALL_REDUCES = {
+    ("current", True): {2: 8, 1: 4},
+    ("current", False): {2: 4, 1: 8},
+    ("delayed", True): {},
+    ("delayed", False): {},
+}
+
+
 @pytest.mark.parametrize("recipe_name", ["current", "delayed"])
-def test_fp8_all_gather_sends_bytes_and_equals_gathering_high_precision_exact(recipe_name, monkeypatch):
+def test_fp8_all_gather_sends_bytes_reduces_amaxes_once_per_gemm_and_equals_high_precision_exact(
+    recipe_name, monkeypatch
+):
     values, _ = _reference_step(None)
     gathered: list[tuple[int, torch.dtype]] = []
+    amax_sizes: list[tuple[int, int]] = []
     lock = threading.Lock()
-    original = tp_comm.all_gather_dim0
+    original_gather, original_all_reduce = tp_comm.all_gather_dim0, dist.all_reduce
 
-    def logged(t, group):
+    def logged_gather(t, group):
         with lock:
             gathered.append((dist.get_rank(), t.dtype))
-        return original(t, group)
+        return original_gather(t, group)
 
-    monkeypatch.setattr(tp_comm, "all_gather_dim0", logged)
+    def logged_all_reduce(t, *args, **kwargs):
+        if t.numel() <= 2:  # amaxes (the norm grads' all-reduces carry H values)
+            with lock:
+                amax_sizes.append((dist.get_rank(), t.numel()))
+        return original_all_reduce(t, *args, **kwargs)
+
+    monkeypatch.setattr(tp_comm, "all_gather_dim0", logged_gather)
+    monkeypatch.setattr(dist, "all_reduce", logged_all_reduce)
     results, dtypes = {}, {}
     for fp8_all_gather in (True, False):
         gathered.clear()
+        amax_sizes.clear()
         results[fp8_all_gather] = run_threads(_tp_step, TP, RECIPES[recipe_name], True, values, fp8_all_gather)
         dtypes[fp8_all_gather] = sorted(str(dtype) for rank, dtype in gathered if rank == 0)
+        sizes = collections.Counter(size for rank, size in amax_sizes if rank == 0)
+        assert sizes == AMAX_ALL_REDUCES[recipe_name, fp8_all_gather], (fp8_all_gather, sizes)
     # forward: the input of each column GEMM (2 per block); backward: dy of each row GEMM (2 per block)
     assert dtypes == {True: ["torch.float32"] * 4 + ["torch.uint8"] * 4, False: ["torch.float32"] * 8}
     for (with_fp8, _), (with_high_precision, _) in zip(results[True], results[False], strict=True):
         assert all(torch.equal(with_fp8[k], with_high_precision[k]) for k in with_fp8)
+
+
+def test_a_given_amax_needs_a_quantizer_that_reduces_one():
+    quantizer = Quantizer(Float8CurrentScaling(), "input")  # no amax group
+    with pytest.raises(ValueError, match="reduces none"):
+        quantizer.quantize(torch.ones(4, 16), amax=torch.ones(1))
 
 
 def _norm_step(rank, world_size, norm_class, values):

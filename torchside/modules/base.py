@@ -284,8 +284,11 @@ class FP8Module(TensorParallelMixin, nn.Module):
             check_recipe_fits_shard(recipe, type(self).__name__, name, self.tp_local_shape(name, spec), self.tp_size)
             # Float8CurrentScaling reduces each amax where its tensor is split: the single-device scale.
             groups = self.amax_groups(name) if isinstance(recipe, Float8CurrentScaling) else (None, None, None)
-            input_columnwise = columnwise and not self._gathers_fp8(g, recipe)  # else rebuilt after the gather
-            forward_q.append(Quantizer(recipe, "input", True, input_columnwise, groups[0], device=device))
+            gathers_fp8 = self._gathers_fp8(g, recipe)
+            input_columnwise = columnwise and not gathers_fp8  # else rebuilt after the gather
+            # A column GEMM that gathers its input in high precision casts it whole: no amax to reduce.
+            input_group = groups[0] if spec.parallel_mode != "column" or gathers_fp8 else None
+            forward_q.append(Quantizer(recipe, "input", True, input_columnwise, input_group, device=device))
             forward_q.append(Quantizer(recipe, "weight", True, columnwise, groups[1], device=device))
             backward_q.append(Quantizer(recipe, "grad", amax_reduction_group=groups[2], device=device))
         if isinstance(recipe, DelayedScaling):

@@ -39,7 +39,7 @@ from kernels import norm as norm_kernels
 from kernels.gemm import scaled_mm
 from kernels.gemm_reference import OUT_DTYPES
 from torchside.parallel.tp_comm import LinearParallelism, TPComm, has_per_tensor_scale, reduce_scatter_dim0
-from torchside.quantization import QuantizedStorage, QuantizedTensor, Quantizer
+from torchside.quantization import QuantizedStorage, QuantizedTensor, Quantizer, reduce_amaxes
 from torchside.recipe import Recipe
 
 BackwardHook = Callable[[], None] | None
@@ -67,18 +67,28 @@ def _quantized(weight: Tensor, quantizer: Quantizer | None) -> QuantizedStorage:
     return quantizer.quantize(weight).quantized_storage
 
 
+def _quantize_operands(
+    x_TI: Tensor, weight: Tensor, quantizers: GemmQuantizers
+) -> tuple[QuantizedStorage, QuantizedStorage]:
+    """(x, w) in FP8; where both amaxes are reduced over TP, one all-reduce carries the two."""
+    if isinstance(weight, QuantizedTensor):  # an FP8 parameter: cast already
+        return quantizers.input.quantize(x_TI).quantized_storage, weight.quantized_storage
+    x_amax, w_amax = reduce_amaxes([(quantizers.input, x_TI), (quantizers.weight, weight)])
+    x_fp8 = quantizers.input.quantize(x_TI, amax=x_amax)
+    return x_fp8.quantized_storage, quantizers.weight.quantize(weight, amax=w_amax).quantized_storage
+
+
 class _FP8Linear(torch.autograd.Function):
     @staticmethod
     def forward(
         ctx, x, weight, bias, quantizers: GemmQuantizers, on_backward_done: BackwardHook, gather: TPComm | None
     ):
         x_TI = x.reshape(-1, x.shape[-1])
-        x_fp8 = quantizers.input.quantize(x_TI).quantized_storage
+        x_fp8, w_fp8 = _quantize_operands(x_TI, weight, quantizers)
         x_shape = x.shape
         if gather is not None:  # x holds this rank's tokens: gather every rank's FP8 bytes
             x_fp8 = gather.gather_quantized_rows(x_fp8, columnwise=ctx.needs_input_grad[1])
             x_shape = (x.shape[0] * gather.size, *x.shape[1:])
-        w_fp8 = _quantized(weight, quantizers.weight)
         y_TO = scaled_mm(x_fp8.to_quantized(), w_fp8.to_quantized(), out_dtype=x.dtype, bias=bias)
         # Keep only what the backward reads: x for wgrad, w for dgrad.
         ctx.x_columnwise = _columnwise_only(x_fp8) if ctx.needs_input_grad[1] else None

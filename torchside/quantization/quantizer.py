@@ -5,12 +5,17 @@ One table maps each recipe family to the kernel function it calls (the same name
 adds what a single call cannot know: the delayed-scaling state (scale (1,) and
 amax_history (len,), fixed shapes, updated in place), the amax reduction group, and the
 stochastic-rounding step. Pickling and deepcopy drop the process group.
+
+A quantizer with an amax group all-reduces its tensor's amax before casting. `reduce_amaxes` does
+that for several tensors at once, one all-reduce per group (a GEMM's input and weight), and
+`quantize(x, amax=...)` takes the result.
 """
 
 from __future__ import annotations
 
 import importlib
-from collections.abc import Callable
+import math
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from types import ModuleType
 
@@ -20,7 +25,7 @@ from torch import Tensor
 
 from kernels._backend import Backend, backend_for
 from kernels.formats import FORMATS, scale_from_amax
-from kernels.reference import delayed_scaling_update, tensor_amax
+from kernels.reference import delayed_scaling_update
 from torchside.quantization.storage import from_quantized
 from torchside.quantization.tensor import QuantizedTensor
 from torchside.recipe import (
@@ -126,10 +131,18 @@ class Quantizer:
         fmt = "e2m1" if isinstance(self.recipe, NVFP4BlockScaling) else self.recipe.fp8_format.for_role(self.role)
         return FORMATS[fmt].max
 
-    def kernel_call(self, x: Tensor) -> tuple[str, dict]:
-        """(function name, keyword arguments) of the next quantization of `x`; advances the rounding step."""
+    def kernel_call(self, x: Tensor, amax: Tensor | None = None) -> tuple[str, dict]:
+        """(function name, keyword arguments) of the next quantization of `x`; advances the rounding step.
+
+        `amax`: x's amax already reduced over the group (`reduce_amaxes`); None reduces it here.
+        """
         family = _FAMILIES[type(self.recipe)]
         kwargs = family.arguments(self.recipe, self.role) | {"rowwise": self.rowwise, "columnwise": self.columnwise}
+        if amax is not None and not self.takes_reduced_amax:
+            raise ValueError(
+                f"amax= is the amax reduced over this quantizer's amax_reduction_group, but this "
+                f"{type(self.recipe).__name__} {self.role} quantizer reduces none: leave it None"
+            )
         if self.scale is not None:
             if self.scale.device != x.device:
                 raise ValueError(
@@ -137,32 +150,36 @@ class Quantizer:
                     f"build the Quantizer with device={str(x.device)!r}"
                 )
             kwargs["scale"] = self.scale
-        elif isinstance(self.recipe, Float8CurrentScaling) and self._reduces_amax():
-            # The scale must come from the amax of all shards: reduce it, then pass the scale it gives.
-            amax = tensor_amax(x)
-            dist.all_reduce(amax, op=dist.ReduceOp.MAX, group=self.amax_reduction_group)
-            kwargs["scale"] = scale_from_amax(
-                amax, self.fmax, power_2_scale=kwargs.pop("power_2_scale"), amax_epsilon=kwargs.pop("amax_epsilon")
-            )
-        elif isinstance(self.recipe, NVFP4BlockScaling) and self._reduces_amax():
-            # Every shard casts with the whole tensor's amax, as one device casting all of it would.
-            amax = tensor_amax(x)
-            dist.all_reduce(amax, op=dist.ReduceOp.MAX, group=self.amax_reduction_group)
-            kwargs["global_amax"] = amax
+        elif self.takes_reduced_amax:  # every shard casts with the amax of all of them
+            if amax is None:
+                (amax,) = reduce_amaxes([(self, x)])
+            if isinstance(self.recipe, Float8CurrentScaling):
+                power_2, epsilon = kwargs.pop("power_2_scale"), kwargs.pop("amax_epsilon")
+                kwargs["scale"] = scale_from_amax(amax, self.fmax, power_2_scale=power_2, amax_epsilon=epsilon)
+            else:  # NVFP4: the global amax
+                kwargs["global_amax"] = amax
         if self.stochastic_step is not None:
             kwargs["stochastic_seed"] = self.recipe.stochastic_rounding_seed + int(self.stochastic_step)
             self.stochastic_step.add_(1)
         return family.kernel, kwargs
 
-    def quantize(self, x: Tensor, *, backend: Backend | None = None) -> QuantizedTensor:
-        """`x` as a QuantizedTensor of x's shape and nominal dtype (backend: default from x's device)."""
+    def quantize(self, x: Tensor, *, backend: Backend | None = None, amax: Tensor | None = None) -> QuantizedTensor:
+        """`x` as a QuantizedTensor of x's shape and nominal dtype (backend: default from x's device).
+
+        `amax`: x's amax reduced over the group by `reduce_amaxes`; None reduces it here when needed.
+        """
         if not isinstance(x, Tensor) or not x.is_floating_point() or isinstance(x, QuantizedTensor):
             raise TypeError(f"quantize takes a float32, bfloat16 or float16 tensor, got {type(x).__name__}")
-        name, kwargs = self.kernel_call(x)
+        name, kwargs = self.kernel_call(x, amax)
         q = getattr(implementation(backend or backend_for(x.device)), name)(x, **kwargs)
         if self.amax_history is not None:  # row 0 collects the max of this step's amaxes
             self.amax_history[:1] = torch.maximum(self.amax_history[:1], q.amax)
         return QuantizedTensor(from_quantized(q), tuple(x.shape), x.dtype)
+
+    @property
+    def takes_reduced_amax(self) -> bool:
+        """Whether each quantization first all-reduces the tensor's amax (current scaling, NVFP4 with a group)."""
+        return self.scale is None and self._reduces_amax()
 
     def update(self) -> None:
         """DelayedScaling: reduce this step's amax over the group, set the next scale, roll the history."""
@@ -186,3 +203,31 @@ class Quantizer:
     def __getstate__(self) -> dict:
         # Process groups cannot be pickled or copied: the copy must be given its own group.
         return {**self.__dict__, "amax_reduction_group": None}
+
+
+def local_amax(x: Tensor) -> Tensor:
+    """max |x| as fp32 (1,) in one read of x (no full-size temporaries); NaN if any element is NaN."""
+    if x.numel() == 0:
+        return torch.zeros(1, device=x.device)
+    # The inf-norm reduces |x| in x's dtype without materializing it; the max is one of x's values: exact.
+    return torch.linalg.vector_norm(x, ord=math.inf).float().reshape(1)
+
+
+def reduce_amaxes(items: Sequence[tuple[Quantizer, Tensor]]) -> list[Tensor | None]:
+    """Each tensor's amax over its quantizer's group (None where it reduces none), one all-reduce per group.
+
+    Pass each result to that quantizer's `quantize(x, amax=...)`: a GEMM's operands then cost one
+    collective instead of one each.
+    """
+    amaxes: list[Tensor | None] = [local_amax(x) if q.takes_reduced_amax else None for q, x in items]
+    groups: dict[int, tuple[dist.ProcessGroup, list[int]]] = {}
+    for i, (q, _) in enumerate(items):
+        if amaxes[i] is not None:
+            groups.setdefault(id(q.amax_reduction_group), (q.amax_reduction_group, []))[1].append(i)
+    for group, indices in groups.values():
+        together = amaxes[indices[0]] if len(indices) == 1 else torch.cat([amaxes[i] for i in indices])
+        dist.all_reduce(together, op=dist.ReduceOp.MAX, group=group)
+        for k, i in enumerate(indices):
+            amaxes[i] = together[k : k + 1]
+    return amaxes
+
