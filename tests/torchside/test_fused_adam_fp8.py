@@ -121,13 +121,13 @@ def test_quantized_parameters_need_a_master_and_a_hook():
 
 
 def _model(recipe, tp_size: int, tp_mesh) -> nn.Sequential:
-    """A column- and a row-parallel weight, [512, 32] and [256, 64] (they do not chain: no forward runs),
-    so that every FSDP(2) x TP(2) shard holds whole 128-row blocks (Float8BlockScaling) and 32-wide tiles."""
+    """A column- and a row-parallel weight, [512, 32] and [256, 256] (they do not chain: no forward runs),
+    so that every FSDP(2) x TP(2) shard holds whole 128x128 blocks (Float8BlockScaling) and 32-wide tiles."""
     column, row = (ModuleConfig(tp_size=tp_size, parallel_mode=mode, amax_history_len=4) for mode in ("column", "row"))
     with quantized_model_init(recipe=recipe):
         return nn.Sequential(
             Linear(32, 512, bias=False, config=column, tp_mesh=tp_mesh),
-            Linear(64, 256, bias=False, config=row, tp_mesh=tp_mesh),
+            Linear(256, 256, bias=False, config=row, tp_mesh=tp_mesh),
         )
 
 

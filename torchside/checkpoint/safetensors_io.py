@@ -221,15 +221,18 @@ def import_safetensors(path: str | os.PathLike, model: nn.Module) -> None:
     if missing:
         raise ValueError(f"{path} lacks weights of this model: {', '.join(missing[:20])}")
     for fqn, param in params.items():
-        with safe_open(files[fqn], framework="pt") as f:
-            if fqn in fp8_facts and header.get("dtype") == "fp8":
-                buffers = {"rowwise_data": f.get_tensor(fqn)}
-                for buffer, suffix in _FP8_EXPORTED.items():
-                    if suffix and fqn + suffix in f.keys():
-                        buffers[buffer] = f.get_tensor(fqn + suffix)
-                _import_fp8(model, fqn, param, fp8_facts[fqn], buffers)
-            else:
-                _import_values(model, fqn, param, f.get_tensor(fqn))
+        if fqn in fp8_facts and header.get("dtype") == "fp8":
+            # A sharded export may put an FP8 weight's bytes and its scales in different files.
+            keys = {buffer: fqn + suffix for buffer, suffix in _FP8_EXPORTED.items() if fqn + suffix in files}
+            buffers = {buffer: _file_tensor(files, key) for buffer, key in keys.items()}
+            _import_fp8(model, fqn, param, fp8_facts[fqn], buffers)
+        else:
+            _import_values(model, fqn, param, _file_tensor(files, fqn))
+
+
+def _file_tensor(files: dict[str, Path], key: str) -> Tensor:
+    with safe_open(files[key], framework="pt") as f:
+        return f.get_tensor(key)
 
 
 def _files_by_key(path: Path) -> dict[str, Path]:

@@ -2,6 +2,7 @@
 
     1. set_device_mesh(tp_mesh, weight_mesh) on every outermost TP module (containers forward it);
     2. fully_shard each block, then the root (FSDP2 turns a TP Shard(0) into _StridedShard(0, sf=tp));
+       FP8 weights must split on whole scale blocks (a ValueError names the one that does not);
     3. materialize what is still on the meta device: to_empty, then reset_parameters.
 
 One exception to that order: a block that builds FP8 weights is materialized (and cast, every TP
@@ -16,14 +17,16 @@ here reads a mesh dimension's name. `mesh` is the data-parallel mesh: 1-D for FS
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable
 
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
-from torchside.parallel.module_mesh import TensorParallelMixin
+from torchside.parallel.module_mesh import TensorParallelMixin, local_tensor
+from torchside.quantization import QuantizedTensor
 
 
 def outermost_tp_modules(model: nn.Module) -> list[nn.Module]:
@@ -57,6 +60,33 @@ def materialize(module: nn.Module, device: torch.device | str) -> None:
 
 def _builds_fp8_weights_on_meta(block: nn.Module) -> bool:
     return any(getattr(m, "builds_fp8_weights", False) and _holds_meta(m) for m in block.modules())
+
+
+def _check_fp8_shards_whole(module: nn.Module, shards: int) -> None:
+    """ValueError naming an FP8 weight whose FSDP2 shards (dim 0 cut by torch.chunk) would split a scale block.
+
+    fully_shard would fail on it too, but without saying which weight or why.
+    """
+    pending = [("", module)]
+    while pending:
+        prefix, current = pending.pop(0)
+        for name, param in current.named_parameters(prefix=prefix, recurse=False):
+            local = local_tensor(param)
+            if not isinstance(local, QuantizedTensor):
+                continue
+            storage = local.quantized_storage
+            step = storage.row_granularity()
+            shard_rows = math.ceil(local.shape[0] / shards) * local.rows_per_index()
+            if shard_rows < storage.rows and shard_rows % step:
+                raise ValueError(
+                    f"parallelize: FSDP over {shards} ranks cuts FP8 weight {name} of {type(module).__name__} (this "
+                    f"rank's {storage.describe()}) into {shard_rows}-row shards, which split its groups of {step} "
+                    f"rows sharing a scale: make its rows per shard a multiple of {step}, shard over fewer ranks, or "
+                    "build it in high precision (quantized_model_init(enabled=False))"
+                )
+        # Children that fully_shard has split already hold FSDP shards: they were checked then.
+        children = current.named_children()
+        pending += [(f"{prefix}.{n}" if prefix else n, c) for n, c in children if not isinstance(c, FSDPModule)]
 
 
 def parallelize(
@@ -93,9 +123,11 @@ def parallelize(
                 break  # the model is itself the one block: sharded as the root below
             if _builds_fp8_weights_on_meta(block):
                 materialize(block, device)
+            _check_fp8_shards_whole(block, mesh.size(mesh.ndim - 1))
             fully_shard(block, reshard_after_forward=reshard_after_forward, **fsdp_options)
         if _builds_fp8_weights_on_meta(model):
             materialize(model, device)
+        _check_fp8_shards_whole(model, mesh.size(mesh.ndim - 1))  # HSDP shards over its last dim
         fully_shard(model, reshard_after_forward=False, **fsdp_options)  # the root is gathered first anyway
     materialize(model, device)
     return model

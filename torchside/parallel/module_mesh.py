@@ -29,7 +29,13 @@ from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate
 
-from torchside.parallel.placements import grad_is_partial_over_tp, local_shape, tp_placement, tp_shard_dim
+from torchside.parallel.placements import (
+    check_fp8_weight_fits_shard,
+    grad_is_partial_over_tp,
+    local_shape,
+    tp_placement,
+    tp_shard_dim,
+)
 from torchside.parallel.tp_comm import LinearParallelism, TPComm
 
 _KEPT_PARAM_ATTRIBUTES = ("high_precision_init_val",)  # python attributes a re-wrapped parameter keeps
@@ -134,10 +140,13 @@ class TensorParallelMixin:
                 f"{owner}.set_device_mesh: tp_mesh holds ranks {group_ranks(group)} but ModuleConfig.tp_group "
                 f"holds {group_ranks(self.tp_comm.group)}: pass the mesh of the same ranks"
             )
+        fp8_init = getattr(self, "quantized_init", None)  # an FP8Module's quantized_model_init: FP8 GEMM weights
         for name, spec in self._param_specs.items():
             param = getattr(self, name)
             if param is None:
                 continue
+            if fp8_init is not None and spec.role == "linear_weight":
+                check_fp8_weight_fits_shard(fp8_init.recipe, owner, name, spec.shape, self.tp_local_shape(name, spec))
             if isinstance(param, DTensor) and param.device_mesh.ndim != 1:
                 raise ValueError(
                     f"{owner}.{name} is already sharded over a {param.device_mesh.ndim}-D mesh: call "

@@ -29,7 +29,7 @@ from __future__ import annotations
 
 from torch.distributed.tensor import Placement, Replicate, Shard
 
-from torchside.recipe import MXFP8BlockScaling, NVFP4BlockScaling, Recipe
+from torchside.recipe import Float8BlockScaling, MXFP8BlockScaling, NVFP4BlockScaling, Recipe
 
 ROLES = ("linear_weight", "linear_bias", "norm")
 PARALLEL_MODES = (None, "column", "row")
@@ -102,9 +102,32 @@ def check_recipe_fits_shard(recipe: Recipe, owner: str, name: str, shape: tuple[
         )
 
 
+def check_fp8_weight_fits_shard(
+    recipe: Recipe, owner: str, name: str, shape: tuple[int, ...], local: tuple[int, ...]
+) -> None:
+    """ValueError when the TP shards of an FP8 weight would cut through its Float8BlockScaling blocks.
+
+    A stored FP8 weight shard must be the slice of the whole weight's cast, so that FSDP2 gathers
+    and checkpoints reshard its bytes; a shard holding part of a 128x128 block would scale it by
+    its own amax instead. (MXFP8 and NVFP4 tiles: check_recipe_fits_shard.)
+    """
+    if not isinstance(recipe, Float8BlockScaling):
+        return
+    block = recipe.block_for("weight")
+    for dim, (whole, part) in enumerate(zip(shape, local, strict=True)):
+        if part != whole and part % block[dim]:
+            raise ValueError(
+                f"{owner}.{name}: an FP8 weight of shape {tuple(shape)} under Float8BlockScaling has "
+                f"{block[0]}x{block[1]} scale blocks, but tensor parallelism splits dim {dim} into {part}-wide "
+                f"shards that cut through them: make dim {dim} a multiple of {block[dim]} * {whole // part}, "
+                "use another recipe, or build the weight in high precision (quantized_model_init(enabled=False))"
+            )
+
+
 __all__ = [
     "PARALLEL_MODES",
     "ROLES",
+    "check_fp8_weight_fits_shard",
     "check_recipe_fits_shard",
     "grad_is_partial_over_tp",
     "local_shape",

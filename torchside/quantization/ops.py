@@ -203,6 +203,15 @@ def _new_like(cls, func, args, kwargs):
     return t.like(storage, shape)
 
 
+@implements([aten.zeros_like.default])
+def _zeros_like(cls, func, args, kwargs):
+    # A gradient or accumulator for this tensor (DCP's optimizer-state init makes one per parameter):
+    # plain zeros of the nominal dtype. Quantized zeros come from new_zeros.
+    a = _bind(func, args, kwargs)
+    t = a["self"]
+    return torch.zeros(t.shape, dtype=a["dtype"] or t.dtype, device=a["device"] or t.device)
+
+
 @implements([aten.is_pinned.default])
 def _is_pinned(cls, func, args, kwargs):
     return all(b.is_pinned() for b in args[0].quantized_storage.buffers().values())

@@ -1,10 +1,11 @@
 """Shared by the checkpoint tests: the model, topologies, a deterministic training loop, gathered state.
 
 The model is test_tensor_parallel's 2-block stack (LayerNormLinear column / Linear row pair and a
-LayerNormMLP per block). Training: FusedAdam on the high-precision parameters; FP8 weights (FusedAdam
-does not step QuantizedTensors yet) by SGD on their dequantized values, re-cast in place, so their
-whole state is their bytes. Every rank's loss is its tokens' squared error over the global token
-count times the data-parallel size (a power of 2: FSDP2's gradient average is undone exactly), so
+LayerNormMLP per block), at its widths (hidden 64, ffn 128) or wider ones: Float8BlockScaling FP8
+weights need 128-row shards. Training: FusedAdam on every parameter; an FP8 weight steps an fp32
+master that `requantize_fp8_weights` casts back into its bytes (its state: bytes, master, moments).
+Every rank's loss is its tokens' squared error over the global token count times the data-parallel
+size (a power of 2: FSDP2's gradient average is undone exactly), so
 gradients and optimizer states are the same on every topology.
 
 `gathered_state` reads the model and optimizer directly (not through torchside.checkpoint): full
@@ -14,6 +15,8 @@ parameter name, FP8 scaling buffers. numpy arrays, so gloo processes return them
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import torch
 import torch.distributed as dist
@@ -21,16 +24,15 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor
 
-from tests.torchside.test_tensor_parallel import HISTORY, RECIPES, H, S, make_stack, seeded
+from tests.torchside.test_tensor_parallel import HISTORY, RECIPES, F, H, S, seeded
 from torchside.autocast import fp8_autocast, quantized_model_init
-from torchside.modules import ModuleConfig
-from torchside.optim import FusedAdam
+from torchside.modules import LayerNormLinear, LayerNormMLP, Linear, ModuleConfig
+from torchside.optim import FusedAdam, requantize_fp8_weights
 from torchside.parallel import parallelize
 from torchside.quantization import QuantizedTensor
 
 B = 8  # global batch columns: 2 per rank on 4 data-parallel ranks
 ADAM = dict(lr=1e-2, betas=(0.9, 0.99), weight_decay=0.01)
-FP8_LR = 0.05
 
 
 class Topology:
@@ -65,18 +67,37 @@ def topology(name: str, pair_mesh: DeviceMesh | None = None) -> Topology:
     raise ValueError(name)
 
 
-def build(topo: Topology, recipe_name: str, fp8_params: bool, seed: int) -> tuple[nn.Module, FusedAdam]:
-    """The stack on `topo`, parameters from `seed` (every rank alike, so replicas agree), and its optimizer."""
+class Block(nn.Module):
+    """test_tensor_parallel's block at any width: x + proj(qkv(x)), then x + mlp(x)."""
+
+    def __init__(self, config: ModuleConfig, tp_mesh: DeviceMesh | None, hidden: int, ffn: int) -> None:
+        super().__init__()
+        column, row = (dataclasses.replace(config, parallel_mode=mode) for mode in ("column", "row"))
+        self.qkv = LayerNormLinear(hidden, ffn, config=column, tp_mesh=tp_mesh)
+        self.proj = Linear(ffn, hidden, config=row, tp_mesh=tp_mesh)
+        self.mlp = LayerNormMLP(hidden, ffn, config=config, tp_mesh=tp_mesh)
+
+    def forward(self, x):
+        x = x + self.proj(self.qkv(x))
+        return x + self.mlp(x)
+
+
+def build(
+    topo: Topology, recipe_name: str, fp8_params: bool, seed: int, widths: tuple[int, int] = (H, F)
+) -> tuple[nn.Module, FusedAdam]:
+    """The stack of (hidden, ffn) `widths` on `topo`, parameters from `seed` (every rank alike, so replicas
+    agree), and its optimizer."""
     torch.manual_seed(seed)
     config = ModuleConfig(amax_history_len=HISTORY, tp_size=topo.tp_size)
     with quantized_model_init(enabled=fp8_params, recipe=RECIPES[recipe_name] or RECIPES["current"]):
-        model = make_stack(config, topo.tp_mesh)
+        model = nn.Sequential(*(Block(config, topo.tp_mesh, *widths) for _ in range(2)))
     if topo.dp_mesh is not None:
         parallelize(model, topo.dp_mesh, weight_mesh=topo.weight_mesh, blocks=list(model))
     elif topo.tp_mesh is not None:
         parallelize(model, None, weight_mesh=topo.weight_mesh)
-    high_precision = [p for p in model.parameters() if not isinstance(local(p), QuantizedTensor)]
-    return model, FusedAdam(high_precision, **ADAM)
+    optimizer = FusedAdam(model.parameters(), master_weights=True, **ADAM)  # masters: the FP8 weights' only
+    requantize_fp8_weights(optimizer, model)
+    return model, optimizer
 
 
 def local(t: torch.Tensor) -> torch.Tensor:
@@ -86,24 +107,18 @@ def local(t: torch.Tensor) -> torch.Tensor:
 def train(model, optimizer, topo: Topology, recipe_name: str, first_step: int, steps: int) -> list[float]:
     """`steps` training steps from `first_step` (the data of step i is seeded by i); the global losses."""
     recipe = RECIPES[recipe_name]
+    hidden = model[0].qkv.in_features
     losses = []
     for step in range(first_step, first_step + steps):
-        x, target = (t.chunk(topo.dp_size, dim=1)[topo.dp_rank] for t in (seeded((S, B, H), 100 + step),
-                                                                          seeded((S, B, H), 200 + step)))  # fmt: skip
+        x, target = (seeded((S, B, hidden), seed + step).chunk(topo.dp_size, dim=1)[topo.dp_rank] for seed in (100, 200))
         with fp8_autocast(enabled=recipe is not None, recipe=recipe, amax_reduction_group=topo.group):
             y = model(x)
         squared = (y - target).square().sum()
-        (squared * topo.dp_size / (S * B * H)).backward()
+        (squared * topo.dp_size / (S * B * hidden)).backward()
         if topo.group is not None:
             dist.all_reduce(squared, group=topo.group)
         losses.append(squared.item() / topo.tp_size)  # without sequence parallelism TP ranks share tokens
         optimizer.step()
-        with torch.no_grad():
-            for name, param in model.named_parameters():
-                if isinstance(local(param), QuantizedTensor):
-                    values = local(param).dequantize(torch.float32) - FP8_LR * local(param.grad)
-                    module, attribute = name.rsplit(".", 1)
-                    model.get_submodule(module).quantize_weight_(attribute, values)
         optimizer.zero_grad(set_to_none=True)
         for param in model.parameters():
             param.grad = None
@@ -111,9 +126,17 @@ def train(model, optimizer, topo: Topology, recipe_name: str, first_step: int, s
 
 
 def _full(param: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+    """The whole tensor of which `values` is this rank's piece, laid out like `param`'s shard.
+
+    `values` may be narrower than the shard along a dim (packed E2M1 bytes: half as many): the whole
+    tensor is narrower by the same factor.
+    """
     if not isinstance(param, DTensor):
         return values
-    spec = dict(run_check=False, shape=param.shape, stride=param.stride())  # one-byte FP8 data: the param's shape
+    shard = param.to_local().shape
+    shape = torch.Size(whole * size // part for whole, size, part in zip(param.shape, values.shape, shard, strict=True))
+    stride = torch.empty(shape, device="meta").stride()
+    spec = dict(run_check=False, shape=shape, stride=stride)
     return DTensor.from_local(values, param.device_mesh, param.placements, **spec).full_tensor()
 
 
