@@ -104,22 +104,35 @@ class _Round(torch.autograd.Function):
 
 
 class QuantizedMath64:
-    """The float64 model of one module's FP8 math: which scale and seed each cast uses."""
+    """The float64 model of one module's FP8 math: which scale and seed each cast uses.
 
-    def __init__(self, recipe, module, dtype: torch.dtype) -> None:
-        self.recipe, self.dtype = recipe, dtype
+    `follow`: {(role, gemm): codes} the model takes instead of casting itself (the module's own
+    casts, each checked separately), so that a cast the module's fp32 arithmetic legitimately
+    rounds the other way does not travel down the model. `cast_inputs` and `casts` record, by
+    (role, gemm), what the model cast (or would have) and the codes it used.
+    """
+
+    def __init__(self, recipe, module, dtype: torch.dtype, follow: dict | None = None) -> None:
+        self.recipe, self.dtype, self.follow = recipe, dtype, follow
+        self.cast_inputs: dict[tuple[str, int], torch.Tensor] = {}
+        self.casts: dict[tuple[str, int], R.Quantized] = {}
         delayed = isinstance(recipe, DelayedScaling)
         self.forward_scale = module.fp8_forward_scale.cpu().clone() if delayed else None
         self.backward_scale = module.fp8_backward_scale.cpu().clone() if delayed else None
 
     def quantize(self, x: torch.Tensor, role: str, gemm: int) -> R.Quantized:
+        self.cast_inputs[role, gemm] = x.detach().to(self.dtype)
+        if self.follow is not None:
+            return self.follow[role, gemm]
         scale = None
         if self.forward_scale is not None:
             slot = {"input": 2 * gemm, "weight": 2 * gemm + 1}.get(role, gemm)
             scales = self.backward_scale if role == "grad" else self.forward_scale
             scale = scales[slot : slot + 1]
         seed = getattr(self.recipe, "stochastic_rounding_seed", 0)  # a fresh quantizer's first step
-        return _reference_quantize(x.to(self.dtype), self.recipe, role, scale=scale, stochastic_seed=seed)
+        q = _reference_quantize(x.to(self.dtype), self.recipe, role, scale=scale, stochastic_seed=seed)
+        self.casts[role, gemm] = q
+        return q
 
     def linear(self, x, w, b, gemm: int) -> torch.Tensor:
         return _Linear64.apply(x, w, b, self, gemm)
