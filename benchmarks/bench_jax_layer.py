@@ -11,6 +11,7 @@ Floor: the projections' GEMM flops (2 * T * in * out, x3 for forward + backward)
 at the bf16 peak.
 
 Run on a CUDA machine:  XLA_PYTHON_CLIENT_PREALLOCATE=false PYTHONPATH=. python3 benchmarks/bench_jax_layer.py
+(add `--compile-cache /tmp/jax-cache` so that a second run in the same machine session skips compiling).
 """
 
 from __future__ import annotations
@@ -28,7 +29,6 @@ from benchmarks.floors import PEAK_TFLOPS
 from jaxside.hlo import fp8_gemm_count
 from jaxside.modules import ModuleConfig, TransformerConfig, TransformerLayer, fp8_autocast
 from jaxside.recipe import Float8CurrentScaling
-
 
 
 def build_step(args, recipe):
@@ -57,8 +57,19 @@ def build_step(args, recipe):
     return jax.jit(step), (params, rest, x, dy)
 
 
+def compile_step(name: str, step, arguments):
+    """The compiled step, its trace and compile times printed as they end (the H200 run once spent 60 s compiling)."""
+    start = time.perf_counter()
+    lowered = step.lower(*arguments)
+    traced = time.perf_counter()
+    compiled = lowered.compile()
+    done = time.perf_counter()
+    print(f"{name}: traced in {traced - start:.1f} s, compiled in {done - traced:.1f} s", flush=True)
+    return compiled
+
+
 def time_ms(step, arguments, repeats: int) -> float:
-    jax.block_until_ready(step(*arguments))  # compile and warm up
+    jax.block_until_ready(step(*arguments))  # warm up
     times = []
     for _ in range(repeats):
         start = time.perf_counter()
@@ -80,16 +91,21 @@ def main() -> None:
     for name, default in (("hidden", 4096), ("heads", 32), ("groups", 8), ("ffn", 14336), ("seq", 2048), ("batch", 4)):
         parser.add_argument(f"--{name}", type=int, default=default)
     parser.add_argument("--repeats", type=int, default=10)
+    parser.add_argument("--compile-cache", metavar="DIR", help="persistent compile cache (reruns skip compiling)")
     args = parser.parse_args()
+    if args.compile_cache:
+        jax.config.update("jax_compilation_cache_dir", args.compile_cache)
+        jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
     device = jax.devices()[0]
     print(f"# bench_jax_layer {datetime.date.today()} on {device.device_kind}, jax {jax.__version__}; "
           f"TransformerLayer H={args.hidden} heads={args.heads}/{args.groups} F={args.ffn} swiglu, "
-          f"seq {args.seq} x batch {args.batch}, bf16, forward + backward")  # fmt: skip
+          f"seq {args.seq} x batch {args.batch}, bf16, forward + backward", flush=True)  # fmt: skip
     rows = []
     for name, recipe, peak in (("FP8 off (bf16)", None, "bf16"), ("Float8CurrentScaling", Float8CurrentScaling(), "fp8")):
         step, arguments = build_step(args, recipe)
-        fp8, total = fp8_gemm_count(step.lower(*arguments).compile().as_text())
-        rows.append((name, time_ms(step, arguments, args.repeats), floor_ms(args, PEAK_TFLOPS[peak]), fp8, total))
+        compiled = compile_step(name, step, arguments)
+        fp8, total = fp8_gemm_count(compiled.as_text())
+        rows.append((name, time_ms(compiled, arguments, args.repeats), floor_ms(args, PEAK_TFLOPS[peak]), fp8, total))
     bf16_ms = rows[0][1]
     print(f"{'case':24s} {'ms':>8s} {'vs bf16':>8s} {'floor ms':>9s} {'of floor':>9s} {'FP8 GEMMs':>10s} {'all GEMMs':>10s}")
     for name, ms, floor, fp8, total in rows:

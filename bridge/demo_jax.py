@@ -9,10 +9,10 @@
   elements there, bit for bit.
 - numerics: one unseen batch through the torch Llama (hooks keep the input of the first layer and every
   layer's output, gathered over the DP ranks), and from the same hidden states through the jaxside twin
-  of the layers with the trained weights and FP8 scaling state; relative error per layer against
-  bridge.numerics' forward tolerance for the recipe. The twin runs on rank 0's JAX device on the whole
-  batch: the sharded forward on the multi-process JAX CPU mesh crashed here (a segfault when its
-  output is read; JAX 0.10, gloo collectives), so the comparison does not depend on it.
+  of the layers with the trained weights and the FP8 scaling state that forward started from; relative
+  error per layer against bridge.numerics' forward tolerance for the recipe. The twin runs on rank 0's
+  JAX device on the whole batch: the sharded forward on the multi-process JAX CPU mesh crashed here (a
+  segfault when its output is read; JAX 0.10, gloo collectives), so the comparison does not depend on it.
 
 The embedding and the tied head have no JAX twin here: the comparison covers the TransformerLayers.
 """
@@ -87,6 +87,7 @@ def cross_check(runtime, model, meshes, options, corpus, out: str, reference: di
     dist.all_gather_object(differ_per_rank, differ_here)  # each process checked its own shards
     moved_differ = sorted({name for names in differ_per_rank for name in names})
 
+    scaling = _scaling_state(model)  # before the forward: DelayedScaling's update at its region's exit moves them on
     with torch.no_grad():
         hidden, torch_outputs = _torch_forward(model, meshes, options, corpus)
     # The whole batch's activations on rank 0 (DP ranks' columns; every TP rank holds a copy).
@@ -96,7 +97,6 @@ def cross_check(runtime, model, meshes, options, corpus, out: str, reference: di
         "transfer": {"parameters": len(pairs), "differ": moved_differ},
         "forward_tolerance": tolerance(options.recipe, "forward").relative,
     }
-    scaling = _scaling_state(model)
     if runtime.rank == 0:
         result["forward"] = _forward_checks(options.recipe, model.config, pairs, reference, scaling, hidden,
                                             torch_outputs)  # fmt: skip
@@ -124,11 +124,15 @@ def _gather_batch(local, meshes):
 
 
 def _scaling_state(model) -> dict:
-    """The layers' buffers (FP8 scales and amax histories among them) by name, on the CPU (every rank calls it)."""
+    """A CPU copy of the layers' buffers (FP8 scales and amax histories among them) by name; every rank calls it.
+
+    A copy, not `.cpu()`, which is the live buffer itself on a CPU run: it would show the state after the
+    next forward's DelayedScaling update, not the scales that forward casts with (0.03 error vs 1e-7).
+    """
     from torch.distributed.tensor import DTensor
 
     return {
-        name: (buffer.full_tensor() if isinstance(buffer, DTensor) else buffer).detach().cpu()
+        name: (buffer.full_tensor() if isinstance(buffer, DTensor) else buffer).detach().to("cpu", copy=True)
         for name, buffer in model.layers.named_buffers(prefix="layers")
     }
 

@@ -8,8 +8,9 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
-from bridge import cli
+from bridge import cli, demo_jax
 
 EXPECTED_CHECKS = (
     "training current, FSDP2 2 x TP 2: loss falls",
@@ -62,3 +63,31 @@ def test_demo_refuses_bad_options(argv, message, capsys):
         cli.main(["demo", *argv])
     assert exit_info.value.code == 2
     assert message in capsys.readouterr().err
+
+
+def test_scaling_state_is_the_state_the_next_forward_quantizes_with(monkeypatch):
+    """The twin gets the DelayedScaling scales torch's forward uses: a copy taken before, not the live buffers.
+
+    The demo once read them after torch's forward, through `.cpu()`, which on a CPU run is the live buffer:
+    the twin then cast with the scales of the update at that forward's exit (relative error 0.03 vs 1e-4).
+    """
+    from torchside.autocast import fp8_autocast
+    from torchside.modules import Linear, ModuleConfig
+    from torchside.recipe import DelayedScaling
+
+    monkeypatch.setenv("TRITON_INTERPRET", "0")  # the reference kernels: a 64 x 64 cast needs no interpreter
+    torch.manual_seed(0)
+    model = torch.nn.Module()
+    model.layers = torch.nn.ModuleList([Linear(64, 64, config=ModuleConfig(amax_history_len=4))])
+    recipe = DelayedScaling(amax_history_len=4)
+    with fp8_autocast(recipe=recipe):  # a first step: the scales leave their initial 1
+        model.layers[0](torch.randn(64, 64))
+    before = {name: buffer.clone() for name, buffer in model.layers.named_buffers(prefix="layers")}
+    snapshot = demo_jax._scaling_state(model)
+    with torch.no_grad(), fp8_autocast(recipe=recipe):
+        model.layers[0](4 * torch.randn(64, 64))  # larger amaxes: the exit moves the input scale
+    live_scale = model.layers[0].fp8_forward_scale
+    assert not torch.equal(live_scale, before["layers.0.fp8_forward_scale"]), "the forward must move the scale"
+    assert snapshot.keys() == before.keys()
+    for name, value in before.items():
+        assert torch.equal(snapshot[name], value), name
