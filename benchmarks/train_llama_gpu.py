@@ -56,14 +56,15 @@ def _command(recipe: str, args, out: Path) -> list[str]:
 
 def train_all(recipes: list[str], args, root: Path) -> None:
     """Each recipe in its own process, at most one per GPU at a time; writes <root>/<recipe>/summary.json."""
-    gpus = list(range(torch.cuda.device_count()))
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")  # the children get one of the devices this process sees
+    gpus = visible.split(",") if visible else [str(g) for g in range(torch.cuda.device_count())]
     waiting, running = list(recipes), {}
     while waiting or running:
         while waiting and len(running) < len(gpus):
             recipe, gpu = waiting.pop(0), next(g for g in gpus if g not in running.values())
             out = root / recipe
             out.mkdir(parents=True, exist_ok=True)
-            env = os.environ | {"CUDA_VISIBLE_DEVICES": str(gpu)}
+            env = os.environ | {"CUDA_VISIBLE_DEVICES": gpu}
             log = (out / "stdout.log").open("w")
             process = subprocess.Popen(_command(recipe, args, out), env=env, stdout=log, stderr=subprocess.STDOUT)
             running[(process, recipe, out, time.perf_counter())] = gpu
