@@ -11,9 +11,11 @@ Float8Linear (tensorwise, torch.compile) when `import torchao` works.
 
 Part 2 (issue 5: GroupedLinear within 15% of one dense FP8 GEMM of the same total size). 8 groups,
 uneven splits of 16384 tokens, 4096 -> 14336, bf16, Float8CurrentScaling: GroupedLinear forward +
-backward against Linear on all tokens; then the fprop GEMM alone, the grouped launch against one dense
-scaled_mm (cuBLASLt) and against kernels.gemm's own Triton kernel (the same tile code as the grouped
-launch, so the gap between those two is the cost of grouping). Floor: 2 * T * in * out (x3 for a step)
+backward against Linear on all tokens (GroupedLinear's three GEMMs go through grouped_scaled_mm, which
+runs cuBLASLt per group here); then the fprop GEMM alone: grouped_scaled_mm against one dense scaled_mm
+(cuBLASLt), and with kernels.gemm's Triton kernels instead of cuBLASLt (its measured switch, which
+grouped_scaled_mm follows: then one grouped launch) against the dense Triton kernel (the same tile
+code, so the gap between those two is the cost of grouping). Floor: 2 * T * in * out (x3 for a step)
 at 1425 TFLOP/s.
 
 Run on a CUDA machine:  PYTHONPATH=. python3 benchmarks/bench_transformer_layer.py [--seq 4096 --batch 2]
@@ -154,7 +156,8 @@ def _bench_layer_peers(args, x, dy, freqs, baseline_ms: float, floors: dict) -> 
 
 @contextlib.contextmanager
 def _triton_tensorwise_gemm():
-    """kernels.gemm's Triton kernel for tensorwise GEMMs instead of cuBLASLt (a measured switch in kernels.gemm)."""
+    """kernels.gemm's Triton kernel for tensorwise GEMMs instead of cuBLASLt (a measured switch in kernels.gemm;
+    grouped_scaled_mm follows it: one grouped Triton launch instead of cuBLASLt per group)."""
     saved = gemm.TENSORWISE_USES_TORCH_SCALED_MM
     gemm.TENSORWISE_USES_TORCH_SCALED_MM = False
     try:
@@ -195,14 +198,17 @@ def bench_grouped(args) -> None:
     x_all, w_all = quantized(x.detach()), quantized(dense.weight.detach())
     y = torch.empty(tokens, GROUPED_OUT, device="cuda", dtype=torch.bfloat16)
     gemm_floor = step_floor / 3
+    y_parts = list(y.split(SPLITS))
     cublas_ms = _ms(lambda: gemm.scaled_mm(x_all, w_all), None)
+    grouped_gemm_ms = _ms(lambda: grouped_scaled_mm(x_parts, w_parts, out=y_parts), None)
     with _triton_tensorwise_gemm():
         triton_ms = _ms(lambda: gemm.scaled_mm(x_all, w_all), None)
-    grouped_gemm_ms = _ms(lambda: grouped_scaled_mm(x_parts, w_parts, out=list(y.split(SPLITS))), None)
+        one_launch_ms = _ms(lambda: grouped_scaled_mm(x_parts, w_parts, out=y_parts), None)
     _row("fprop GEMM: dense scaled_mm (cuBLASLt)", cublas_ms, cublas_ms, gemm_floor)
+    _row("fprop GEMM: grouped_scaled_mm (cuBLASLt)", grouped_gemm_ms, cublas_ms, gemm_floor, "one call per group")
     _row("fprop GEMM: dense kernels.gemm Triton kernel", triton_ms, cublas_ms, gemm_floor)
-    _row("fprop GEMM: grouped_scaled_mm, one launch", grouped_gemm_ms, cublas_ms, gemm_floor,
-         f"{grouped_gemm_ms / triton_ms:.2f}x the same kernel ungrouped")  # fmt: skip
+    _row("fprop GEMM: grouped_scaled_mm, one launch", one_launch_ms, cublas_ms, gemm_floor,
+         f"{one_launch_ms / triton_ms:.2f}x the same kernel ungrouped")  # fmt: skip
 
 
 def main() -> None:

@@ -315,15 +315,18 @@ def _torch_scaled_mm_takes(a: GemmOperand, b: GemmOperand, out_dtype: torch.dtyp
     )
 
 
-def _torch_scaled_mm(a: GemmOperand, b: GemmOperand, out_dtype: torch.dtype, bias: Tensor | None) -> Tensor:
-    """FP8 through cuBLASLt; its scales are our scale_invs (it multiplies by them)."""
+def _torch_scaled_mm(
+    a: GemmOperand, b: GemmOperand, out_dtype: torch.dtype, bias: Tensor | None, out: Tensor | None = None
+) -> Tensor:
+    """FP8 through cuBLASLt; its scales are our scale_invs (it multiplies by them); written into `out` if given."""
     a_fp8 = a.data.view(FORMATS[a.fmt].torch_dtype)
     b_fp8_t = b.data.view(FORMATS[b.fmt].torch_dtype).t()  # [K, N] column-major
     assert b_fp8_t.stride(0) == 1 and a.k % 16 == 0 and b.rows % 16 == 0, "checked by _torch_scaled_mm_takes"
     scale_a, scale_b = a.scale_inv, b.scale_inv
     if a.family == "block":  # cuBLASLt reads 1x128 scales M-major and 128x128 ones as [K/128, N/128]
         scale_a, scale_b = a.scale_inv.t().contiguous().t(), b.scale_inv.t()
-    return torch._scaled_mm(a_fp8, b_fp8_t, scale_a=scale_a, scale_b=scale_b, bias=bias, out_dtype=out_dtype)
+    kwargs = {} if out is None else {"out": out}
+    return torch._scaled_mm(a_fp8, b_fp8_t, scale_a=scale_a, scale_b=scale_b, bias=bias, out_dtype=out_dtype, **kwargs)
 
 
 def scaled_mm(

@@ -1,21 +1,23 @@
-"""Grouped scaled FP8 GEMM: out[g] = A[g] @ B[g]^T for G independent groups, in ONE Triton launch.
+"""Grouped scaled FP8 GEMM: out[g] = A[g] @ B[g]^T for G groups: cuBLASLt per group, or ONE Triton launch.
 
 The groups may differ in M, N and K (MoE experts: fprop and dgrad differ in M, wgrad in K); each
 group's operands carry their own scales. All groups share one scaling family and the formats of
 A and of B (one recipe quantized them), which the kernel takes as constexprs.
 
 The spec is `scaled_mm_loop`: `kernels.gemm.scaled_mm` once per group (its docstring gives the
-fprop/dgrad/wgrad layouts and the arithmetic). The launch computes the same per-tile math with
-kernels.gemm's pieces (`_operand_tile` decodes a K tile of any family, the same epilogue), so
-under the Triton interpreter each output equals scaled_mm's bit for bit; on CUDA scaled_mm may
-take cuBLASLt instead, and the two agree within fp32 accumulation rounding.
+fprop/dgrad/wgrad layouts and the arithmetic). A measured choice (`GROUPS_USE_TORCH_SCALED_MM`): on CUDA,
+where kernels.gemm would send every group to cuBLASLt (`_torch_scaled_mm_takes`), one `torch._scaled_mm`
+per group writes out[g] in place; everything else (1x128 x 1x128 wgrad, MXFP8, NVFP4, odd shapes, the
+interpreter) runs as ONE Triton launch, with kernels.gemm's per-tile math (`_operand_tile`, the same
+epilogue): under the interpreter it equals scaled_mm bit for bit; on CUDA the paths agree within fp32
+accumulation rounding.
 
 How one launch covers all groups: a table (int64 [16, G]) holds each group's sizes, row strides
 and buffer offsets; program i walks the groups' tile counts to find its group and its tile in that
 group (GROUP_M tile rows at a time, so B tiles stay in L2). A group with M or N of 0 has no tiles;
 one with K = 0 writes its bias (or zeros). Per-tensor and 128-block operands whose K is not a
-multiple of 16 (an MoE wgrad reduces over each expert's token count) are copied with zero codes
-appended: zeros add nothing.
+multiple of 16 (an MoE wgrad reduces over each expert's token count) are copied once, with zero codes
+appended (zeros add nothing), before either path: cuBLASLt needs it as much as the launch.
 
 Why it is as fast as the dense kernel: every buffer is a real tensor argument (the group's buffer at
 the lowest address) plus a table offset, so Triton specializes pointer types and alignment as it does
@@ -51,11 +53,20 @@ from kernels.gemm import (
     _scale_row_stride,
     _scaled_dot,
     _tile_coordinates,
+    _torch_scaled_mm,
+    _torch_scaled_mm_takes,
     _tune_big_problems_only,
     scaled_mm,
 )
 from kernels.gemm_reference import GemmOperand, check_gemm, gemm_operand
 from kernels.reference import Quantized
+
+# Measured choice (benchmarks/bench_grouped_gemm.py, one H200, 2026-11-30; GroupedLinear's problem: 8 groups
+# [2861, 1024, 3517, 611, 2290, 1999, 3077, 1005] of 16384 tokens, 4096 -> 14336, tensorwise e4m3, bf16 out):
+# fprop, dense torch._scaled_mm 1.50 ms, a loop of 8 torch._scaled_mm 1.60 ms, the one Triton launch 4.43 ms (the
+# dense Triton kernel 4.28); wgrad (K split), dense torch._scaled_mm 1.48 ms, the launch 5.38 ms. So per-group
+# cuBLASLt where it takes every group, written in place: a copy of the 470 MB fprop output would add 0.22 ms.
+GROUPS_USE_TORCH_SCALED_MM = True
 
 # Rows of the per-group table (int64 [_TABLE_ROWS, G]): each buffer's offset (elements) from its base
 # argument, then sizes and row strides. _A, _B, _OUT and the strides of A, B and out are in units of
@@ -229,19 +240,52 @@ def scaled_mm_loop(
 
 
 def _pad_k(op: GemmOperand, k: int) -> GemmOperand:
-    """op with zero codes appended along K up to k: they decode to 0 in the per-tensor and 128-block families."""
-    data = torch.zeros(op.rows, k, dtype=op.data.dtype, device=op.data.device)
-    data[:, : op.k] = op.data
-    return dataclasses.replace(op, data=data, k=k)
+    """op with zero codes appended along K up to k (they decode to 0 in the per-tensor and 128-block families),
+    in one pass: each byte read and written once."""
+    tail = op.data.new_zeros(op.rows, k - op.k)
+    return dataclasses.replace(op, data=torch.cat([op.data, tail], dim=1), k=k)
 
 
 def _aligned_k(a_op: GemmOperand, b_op: GemmOperand) -> tuple[GemmOperand, GemmOperand]:
-    """Both operands with K a multiple of 16 (an MoE wgrad's K is a token count): the table holds K in
-    units of 16, which is what proves the loads 16 bytes wide. MXFP8 and NVFP4 blocks already tile K by 32, 16."""
+    """Both operands with K a multiple of 16 (an MoE wgrad's K is a token count): cuBLASLt's fp8 GEMM needs it,
+    and the launch's table holds K in units of 16, which is what proves its loads 16 bytes wide. MXFP8 and
+    NVFP4 blocks already tile K by 32, 16."""
     if a_op.family not in ("tensorwise", "block") or a_op.k % _K_MULTIPLE.value == 0:
         return a_op, b_op
     k = triton.cdiv(a_op.k, _K_MULTIPLE.value) * _K_MULTIPLE.value
     return _pad_k(a_op, k), _pad_k(b_op, k)
+
+
+def _has_product(a_op: GemmOperand, b_op: GemmOperand) -> bool:
+    """Whether the group multiplies anything: an empty output needs nothing, K = 0 only its bias (or zeros)."""
+    return min(a_op.rows, b_op.rows, a_op.k) > 0
+
+
+def _cublas_takes_every_group(
+    a_ops: list[GemmOperand], b_ops: list[GemmOperand], out_dtype: torch.dtype, bias: list | None
+) -> bool:
+    """Whether the groups go to cuBLASLt one by one (GROUPS_USE_TORCH_SCALED_MM): where kernels.gemm would send
+    every group with a product there (operands K-aligned by _aligned_k). A pure function of the operands."""
+    return GROUPS_USE_TORCH_SCALED_MM and all(
+        _torch_scaled_mm_takes(a_op, b_op, out_dtype, None if bias is None else bias[g])
+        for g, (a_op, b_op) in enumerate(zip(a_ops, b_ops, strict=True))
+        if _has_product(a_op, b_op)
+    )
+
+
+def _cublas_per_group(
+    a_ops: list[GemmOperand], b_ops: list[GemmOperand], out_dtype: torch.dtype, bias: list | None, out: list
+) -> None:
+    """kernels.gemm._torch_scaled_mm on each group with a product, cuBLASLt writing out[g] in place (a copy
+    of the fprop output would cost ~15% of the GEMM); K = 0 writes the bias, or zeros."""
+    for g, (a_op, b_op) in enumerate(zip(a_ops, b_ops, strict=True)):
+        bias_g = None if bias is None else bias[g]
+        if not _has_product(a_op, b_op):  # empty, or an empty sum (an expert without tokens, in wgrad)
+            out[g].zero_()
+            if bias_g is not None:
+                out[g] += bias_g  # in fp32, rounded once
+            continue
+        _torch_scaled_mm(a_op, b_op, out_dtype, bias_g, out=out[g])
 
 
 def _based(tensors: list[Tensor]) -> tuple[Tensor, list[int]]:
@@ -267,9 +311,9 @@ def _grouped_triton(
     out: list,
     tile: dict | None = None,
 ) -> None:
-    """One launch writing every out[g] (contiguous, allocated); `tile`: one of _TILES instead of autotuning."""
-    a_ops, b_ops = map(list, zip(*(_aligned_k(a_op, b_op) for a_op, b_op in zip(a_ops, b_ops, strict=True))))
-    assert all(op.k % _K_MULTIPLE.value == 0 for op in a_ops), "padded above; MXFP8/NVFP4 quantizers tile K by 32/16"
+    """One launch writing every out[g] (contiguous, allocated) from operands K-aligned by _aligned_k;
+    `tile`: one of _TILES instead of autotuning."""
+    assert all(op.k % _K_MULTIPLE.value == 0 for op in a_ops), "_aligned_k; MXFP8/NVFP4 quantizers tile K by 32/16"
     dot_in_fp32 = interpreting()
     first_a, first_b = a_ops[0], b_ops[0]
     device = first_a.data.device
@@ -325,18 +369,29 @@ def grouped_scaled_mm(
     bias: Sequence[Tensor] | None = None,
     out: Sequence[Tensor] | None = None,
 ) -> list[Tensor]:
-    """out[g] = A[g] @ B[g]^T (+ bias[g]) for every group in one launch; `out`: row slices of one tensor, say."""
+    """out[g] = A[g] @ B[g]^T (+ bias[g]) for every group: on CUDA one cuBLASLt call per group where it takes
+    them all, else one Triton launch (see the module docstring); `out`: row slices of one tensor, say."""
     a_ops, b_ops, bias, out = _checked_groups(a, b, a_columnwise, b_columnwise, out_dtype, bias, out)
-    if backend_for(a_ops[0].data.device) is Backend.REFERENCE:
-        return scaled_mm_loop(
-            a, b, a_columnwise=a_columnwise, b_columnwise=b_columnwise, out_dtype=out_dtype, bias=bias, out=out
-        )
+    spec = functools.partial(scaled_mm_loop, a, b, a_columnwise=a_columnwise, b_columnwise=b_columnwise)
+    device = a_ops[0].data.device
+    backend = backend_for(device)
+    if backend is Backend.REFERENCE:
+        return spec(out_dtype=out_dtype, bias=bias, out=out)
     if out is None:
-        device = a_ops[0].data.device
         out = [torch.empty(a_op.rows, b_op.rows, dtype=out_dtype, device=device) for a_op, b_op in zip(a_ops, b_ops)]
-    if any(a_op.rows * b_op.rows for a_op, b_op in zip(a_ops, b_ops, strict=True)):
+    # at most one padded copy per operand, read by whichever path runs
+    a_ops, b_ops = map(list, zip(*(_aligned_k(a_op, b_op) for a_op, b_op in zip(a_ops, b_ops, strict=True))))
+    if backend is Backend.TRITON and _cublas_takes_every_group(a_ops, b_ops, out_dtype, bias):
+        try:
+            _cublas_per_group(a_ops, b_ops, out_dtype, bias, out)
+        except (RuntimeError, ValueError):
+            if a_ops[0].family != "block":
+                raise
+            # a torch build without blockwise _scaled_mm: kernels.gemm.scaled_mm records it and runs Triton
+            return spec(out_dtype=out_dtype, bias=bias, out=out)
+    elif any(a_op.rows * b_op.rows for a_op, b_op in zip(a_ops, b_ops, strict=True)):
         _grouped_triton(a_ops, b_ops, out_dtype, bias, out)
     return out
 
 
-__all__ = ["grouped_scaled_mm", "scaled_mm_loop"]
+__all__ = ["GROUPS_USE_TORCH_SCALED_MM", "grouped_scaled_mm", "scaled_mm_loop"]

@@ -1,9 +1,10 @@
-"""kernels.grouped_gemm: one launch for G groups of different sizes, against float64 per group and against
-its spec, the loop of kernels.gemm.scaled_mm (bit for bit where both run the same Triton tile math).
+"""kernels.grouped_gemm: G groups of different sizes, against float64 per group and against its spec, the
+loop of kernels.gemm.scaled_mm (bit for bit where both run the same Triton tile math); both of its paths,
+the one Triton launch and cuBLASLt per group, and the choice between them.
 
 Groups differ the way MoE experts do: fprop and dgrad in M (the rows each expert got, 0 and 1
 included), wgrad in K (the same counts, now the reduction length: a group of 0 rows writes zeros;
-a K that is not a multiple of 16 goes through the launcher's zero-code padding).
+a K that is not a multiple of 16 goes through the zero-code padding).
 Operands come from the reference quantizers, group by group, with tests/kernels/test_gemm.py's helpers.
 """
 
@@ -20,7 +21,9 @@ from pathlib import Path
 import pytest
 import torch
 
+from kernels import gemm, grouped_gemm
 from kernels import reference as R
+from kernels.gemm_reference import gemm_operand
 from kernels.grouped_gemm import grouped_scaled_mm, scaled_mm_loop
 from tests.kernels.devices import DEVICES
 from tests.kernels.test_gemm import LAYOUTS, _tensors, assert_matches_float64, quantize
@@ -39,12 +42,23 @@ CASES = {
     "nvfp4-fprop-1x16x16x16": ("fprop", ("nvfp4_1x16", "e2m1"), ("nvfp4_16x16", "e2m1"), (80, 48), (3, 0, 48), False),
     "nvfp4-wgrad-hadamard": ("wgrad", ("nvfp4_1x16", "e2m1"), ("nvfp4_1x16", "e2m1"), (80, 48), (16, 0, 48), True),
 }  # fmt: skip
+# The same layouts at sizes cuBLASLt takes (K and N multiples of 16; blocks: K in 512s, N in 128s, M in 4s),
+# wgrad's K (the rows per group, 37 and 1 among them) once padded: on CUDA they run on cuBLASLt, group by group.
+CUBLAS_CASES = {
+    "tensorwise-fprop": ("fprop", ("tensorwise", "e4m3"), ("tensorwise", "e4m3"), (64, 48), ROWS, False),
+    "tensorwise-dgrad-hybrid": ("dgrad", ("tensorwise", "e5m2"), ("tensorwise", "e4m3"), (64, 48), ROWS, False),
+    "tensorwise-wgrad-hybrid": ("wgrad", ("tensorwise", "e5m2"), ("tensorwise", "e4m3"), (64, 48), ROWS, False),
+    "block-fprop-1x128x128x128": (
+        "fprop", ("block1x128", "e4m3"), ("block128x128", "e4m3"), (512, 128), (36, 0, 4, 132), False
+    ),
+}  # fmt: skip
 EPILOGUES = {"fp32": (torch.float32, None), "bf16-bias": (torch.bfloat16, torch.bfloat16)}
+CUDA_EPILOGUES = EPILOGUES | {"bf16": (torch.bfloat16, None)}  # GroupedLinear's block fprop: bf16, no bias
 
 
-def _grouped_operands(case: str, device: str) -> tuple[list[R.Quantized], list[R.Quantized], bool, bool]:
+def _grouped_operands(case: tuple, device: str) -> tuple[list[R.Quantized], list[R.Quantized], bool, bool]:
     """Per group: fresh x [m, I], w [O, I], dy [m, O] (seeded by group), quantized as the layout needs."""
-    layout, (a_scheme, a_fmt), (b_scheme, b_fmt), (d_in, d_out), rows, hadamard = CASES[case]
+    layout, (a_scheme, a_fmt), (b_scheme, b_fmt), (d_in, d_out), rows, hadamard = case
     (a_name, a_columnwise), (b_name, b_columnwise) = LAYOUTS[layout]
     qa, qb = [], []
     for g, m in enumerate(rows):
@@ -66,7 +80,7 @@ def _biases(qb: list[R.Quantized], b_columnwise: bool, dtype: torch.dtype | None
 @pytest.mark.parametrize("epilogue", EPILOGUES)
 @pytest.mark.parametrize("case", CASES)
 def test_grouped_matches_float64_per_group(device, epilogue, case):
-    qa, qb, a_columnwise, b_columnwise = _grouped_operands(case, device)
+    qa, qb, a_columnwise, b_columnwise = _grouped_operands(CASES[case], device)
     out_dtype, bias_dtype = EPILOGUES[epilogue]
     bias = _biases(qb, b_columnwise, bias_dtype, device)
     got = grouped_scaled_mm(
@@ -85,7 +99,7 @@ def test_grouped_matches_float64_per_group(device, epilogue, case):
 @pytest.mark.parametrize("case", CASES)
 def test_grouped_launch_equals_the_scaled_mm_loop_exact(case):
     """Under the interpreter both run the same tile math (kernels.gemm's _operand_tile, same tiles): equal bits."""
-    qa, qb, a_columnwise, b_columnwise = _grouped_operands(case, "cpu")
+    qa, qb, a_columnwise, b_columnwise = _grouped_operands(CASES[case], "cpu")
     bias = _biases(qb, b_columnwise, torch.bfloat16, "cpu")
     kwargs = {"a_columnwise": a_columnwise, "b_columnwise": b_columnwise, "out_dtype": torch.bfloat16, "bias": bias}
     for got, want in zip(grouped_scaled_mm(qa, qb, **kwargs), scaled_mm_loop(qa, qb, **kwargs), strict=True):
@@ -95,7 +109,7 @@ def test_grouped_launch_equals_the_scaled_mm_loop_exact(case):
 @pytest.mark.parametrize("device", DEVICES)
 def test_out_rows_of_one_tensor_are_written_in_place(device):
     """The MoE fprop: every group writes its rows of one [T, O] output."""
-    qa, qb, _, _ = _grouped_operands("tensorwise-fprop", device)
+    qa, qb, _, _ = _grouped_operands(CASES["tensorwise-fprop"], device)
     rows = [q.shape[0] for q in qa]
     y = torch.full((sum(rows), qb[0].shape[0]), float("nan"), device=device)
     returned = grouped_scaled_mm(qa, qb, out_dtype=torch.float32, out=list(y.split(rows)))
@@ -124,8 +138,117 @@ def test_row_slices_of_one_buffer_with_narrow_alignment(device):
         if len(part):
             assert_matches_float64(part, qa[g], False, qb[g], False, None, torch.bfloat16)
 
+
+def _aligned_operands(qa, qb, a_columnwise: bool, b_columnwise: bool) -> tuple[list, list]:
+    """Each group's GemmOperands with K padded as grouped_scaled_mm pads them before it picks a path."""
+    pairs = [
+        grouped_gemm._aligned_k(gemm_operand(qa_g, a_columnwise, "a"), gemm_operand(qb_g, b_columnwise, "b"))
+        for qa_g, qb_g in zip(qa, qb, strict=True)
+    ]
+    return [a_op for a_op, _ in pairs], [b_op for _, b_op in pairs]
+
+
+_BLOCK = (("block1x128", "e4m3"), ("block128x128", "e4m3"))
+# id: (case, out_dtype, bias dtype, whether every group goes to cuBLASLt): kernels.gemm's rules, group by group
+DISPATCH = {
+    "tensorwise-fprop-bf16-bias": (CUBLAS_CASES["tensorwise-fprop"], torch.bfloat16, torch.bfloat16, True),
+    "tensorwise-dgrad-fp32": (CUBLAS_CASES["tensorwise-dgrad-hybrid"], torch.float32, None, True),
+    "tensorwise-wgrad-k-padded": (CUBLAS_CASES["tensorwise-wgrad-hybrid"], torch.bfloat16, None, True),
+    "block-fprop": (CUBLAS_CASES["block-fprop-1x128x128x128"], torch.bfloat16, None,
+                    gemm.BLOCKWISE_USES_TORCH_SCALED_MM),
+    "fp32-out-with-bias": (CUBLAS_CASES["tensorwise-fprop"], torch.float32, torch.float32, False),
+    "bf16-out-fp32-bias": (CUBLAS_CASES["tensorwise-fprop"], torch.bfloat16, torch.float32, False),
+    "n-37": (("fprop", ("tensorwise", "e4m3"), ("tensorwise", "e4m3"), (64, 37), ROWS, False),
+             torch.bfloat16, None, False),
+    "e5m2-x-e5m2": (("dgrad", ("tensorwise", "e5m2"), ("tensorwise", "e5m2"), (64, 48), ROWS, False),
+                    torch.bfloat16, None, False),
+    "block-fprop-m-37": (("fprop", *_BLOCK, (512, 128), ROWS, False), torch.bfloat16, None, False),
+    "block-fprop-bias": (CUBLAS_CASES["block-fprop-1x128x128x128"], torch.bfloat16, torch.bfloat16, False),
+    "block-wgrad-1x128x1x128": (("wgrad", ("block1x128", "e5m2"), ("block1x128", "e4m3"), (512, 128),
+                                 (512, 0, 1024), False), torch.bfloat16, None, False),
+    "mxfp8-dgrad": (CASES["mxfp8-dgrad-hybrid"], torch.bfloat16, None, False),
+    "nvfp4-fprop": (CASES["nvfp4-fprop-1x16x16x16"], torch.bfloat16, None, False),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("case", DISPATCH)
+def test_dispatch_to_cublas_per_group_follows_kernels_gemm_rules(case):
+    """All groups or none; groups with no product do not count (wgrad's K = 0 group: its empty codes have no
+    row stride cuBLASLt would take, yet it must not keep the others off)."""
+    spec, out_dtype, bias_dtype, expected = DISPATCH[case]
+    qa, qb, a_columnwise, b_columnwise = _grouped_operands(spec, "cpu")
+    a_ops, b_ops = _aligned_operands(qa, qb, a_columnwise, b_columnwise)
+    bias = _biases(qb, b_columnwise, bias_dtype, "cpu")
+    assert grouped_gemm._cublas_takes_every_group(a_ops, b_ops, out_dtype, bias) == expected
+
+
+def test_zero_codes_appended_to_k_let_every_wgrad_group_onto_cublas(monkeypatch):
+    """wgrad's K is each group's row count (37, 0, 1, 130): unpadded, the groups of 37 and 1 keep all four off
+    cuBLASLt; padded (the codes kept, zeros after them, one copy per operand), all go; the switch turns it off."""
+    qa, qb, a_columnwise, b_columnwise = _grouped_operands(CUBLAS_CASES["tensorwise-wgrad-hybrid"], "cpu")
+    raw = ([gemm_operand(q, a_columnwise, "a") for q in qa], [gemm_operand(q, b_columnwise, "b") for q in qb])
+    assert not grouped_gemm._cublas_takes_every_group(*raw, torch.bfloat16, None)
+    padded = _aligned_operands(qa, qb, a_columnwise, b_columnwise)
+    assert grouped_gemm._cublas_takes_every_group(*padded, torch.bfloat16, None)
+    for before, after in zip(raw[0] + raw[1], padded[0] + padded[1], strict=True):
+        assert after.k == -(-before.k // 16) * 16 and after.data.shape == (before.rows, after.k)
+        assert torch.equal(after.data[:, : before.k], before.data) and not after.data[:, before.k :].any()
+    monkeypatch.setattr(grouped_gemm, "GROUPS_USE_TORCH_SCALED_MM", False)
+    assert not grouped_gemm._cublas_takes_every_group(*padded, torch.bfloat16, None)
+
+
+def _check_written_into_rows_of_one_tensor(case: tuple, epilogue: tuple, device: str, run) -> None:
+    """run(qa, qb, aligned operands, kwargs of grouped_scaled_mm, out) writes each group into its rows of one
+    NaN-filled tensor; every group's rows must match float64 (a group with K = 0: its bias, or zeros)."""
+    qa, qb, a_columnwise, b_columnwise = _grouped_operands(case, device)
+    out_dtype, bias_dtype = epilogue
+    bias = _biases(qb, b_columnwise, bias_dtype, device)
+    a_ops, b_ops = _aligned_operands(qa, qb, a_columnwise, b_columnwise)
+    rows = [a_op.rows for a_op in a_ops]
+    y = torch.full((sum(rows), b_ops[0].rows), float("nan"), device=device, dtype=out_dtype)
+    kwargs = {"a_columnwise": a_columnwise, "b_columnwise": b_columnwise, "out_dtype": out_dtype, "bias": bias}
+    run(qa, qb, (a_ops, b_ops), kwargs, list(y.split(rows)))
+    for g, part in enumerate(y.split(rows)):
+        if part.numel():  # a group without rows in fprop/dgrad has nothing to write
+            bias_g = None if bias is None else bias[g]
+            assert_matches_float64(part, qa[g], a_columnwise, qb[g], b_columnwise, bias_g, out_dtype)
+
+
+@pytest.mark.parametrize("epilogue", EPILOGUES)
+@pytest.mark.parametrize("case", [case for case in CUBLAS_CASES if case.startswith("tensorwise")])
+def test_cublas_path_on_cpu_scaled_mm_writes_float64_products(case, epilogue):
+    """The per-group path's own code (fp8 views, scales, out= into rows of one tensor, K = 0) on torch._scaled_mm's
+    CPU kernel, which takes per-tensor fp8 in cuBLASLt's layout; the CUDA test below runs it on cuBLASLt."""
+
+    def run(qa, qb, operands, kwargs, out):
+        grouped_gemm._cublas_per_group(*operands, kwargs["out_dtype"], kwargs["bias"], out)
+
+    _check_written_into_rows_of_one_tensor(CUBLAS_CASES[case], EPILOGUES[epilogue], "cpu", run)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("epilogue", CUDA_EPILOGUES)
+@pytest.mark.parametrize("case", CUBLAS_CASES)
+def test_cuda_dispatch_to_cublas_per_group_matches_float64(monkeypatch, case, epilogue):
+    """grouped_scaled_mm on CUDA: one torch._scaled_mm per group with a product, written in place (cuBLASLt's
+    blockwise mode takes no bias: that epilogue runs the one launch, checked the same way)."""
+    calls = []
+    original = torch._scaled_mm
+    monkeypatch.setattr(torch, "_scaled_mm", lambda *args, **kwargs: calls.append(1) or original(*args, **kwargs))
+    a_scheme = CUBLAS_CASES[case][1][0]
+    on_cublas = a_scheme == "tensorwise" or CUDA_EPILOGUES[epilogue][1] is None
+
+    def run(qa, qb, operands, kwargs, out):
+        returned = grouped_scaled_mm(qa, qb, **kwargs, out=out)
+        assert all(r.data_ptr() == o.data_ptr() for r, o in zip(returned, out, strict=True) if o.numel())
+        products = sum(min(a_op.rows, b_op.rows, a_op.k) > 0 for a_op, b_op in zip(*operands, strict=True))
+        assert len(calls) == (products if on_cublas else 0)
+
+    _check_written_into_rows_of_one_tensor(CUBLAS_CASES[case], CUDA_EPILOGUES[epilogue], "cuda", run)
+
+
 def test_bad_groups_raise_with_the_fix():
-    qa, qb, _, _ = _grouped_operands("tensorwise-fprop", "cpu")
+    qa, qb, _, _ = _grouped_operands(CASES["tensorwise-fprop"], "cpu")
     with pytest.raises(ValueError, match="same number"):
         grouped_scaled_mm(qa, qb[:-1])
     with pytest.raises(ValueError, match="same number"):

@@ -1,9 +1,9 @@
 """TransformerEngine-style modules whose GEMMs run in FP8 inside `torchside.autocast.fp8_autocast`.
 
-`Linear`, `LayerNormLinear` (LayerNorm or RMSNorm), `LayerNormMLP`, `LayerNorm`, `RMSNorm` (tensor
-parallel through `ModuleConfig` and `set_device_mesh`), and `DotProductAttention`,
-`MultiheadAttention`, `TransformerLayer` (settings in a frozen `TransformerConfig`; single-device
-for now) and `GroupedLinear` (MoE: one grouped GEMM launch for all groups).
+`Linear`, `LayerNormLinear` (LayerNorm or RMSNorm), `LayerNormMLP`, `LayerNorm`, `RMSNorm`,
+`DotProductAttention`, `MultiheadAttention`, `TransformerLayer` (settings in a frozen
+`TransformerConfig`) and `GroupedLinear` (MoE: every group's GEMM in one call of
+`kernels.grouped_gemm`); tensor parallel through `ModuleConfig` and `set_device_mesh`.
 """
 
 from torchside.modules.attention import DotProductAttention

@@ -6,10 +6,14 @@ TransformerEngine's te.GroupedLinear names. `forward(x, m_splits)`: rows m_split
 group 0, the next m_splits[1] through group 1, and so on (a split may be 0).
 
 Inside fp8_autocast every group has its own FP8 quantizers (input, weight, grad; scales per group)
-and each of the three GEMM kinds runs as ONE grouped launch over all groups
-(`kernels.grouped_gemm.grouped_scaled_mm`):
+and each of the three GEMM kinds is one `kernels.grouped_gemm.grouped_scaled_mm` call over all groups
+(on CUDA a cuBLASLt GEMM per group where cuBLASLt takes every group, else one grouped Triton launch),
+writing each group's rows of y and dx, and each dw_g, in place:
 
     fprop  y_g  = x_g @ w_g.T + b_g      dgrad  dx_g = dy_g @ w_g      wgrad  dw_g = dy_g.T @ x_g
+
+The wgrad reduces over each group's token count; grouped_scaled_mm appends zero codes to the two
+columnwise copies when it is not a multiple of 16 (one padded copy of each, per backward).
 
 A group with no rows gets zero weight and bias gradients. MXFP8 and NVFP4 blocks run along the
 rows of the wgrad copies, so with gradients every split must be a multiple of 32 (MXFP8) or 16
@@ -49,9 +53,9 @@ class _GroupedFP8Linear(torch.autograd.Function):
         groups = len(m_splits)
         weights, biases = params[:groups], params[groups:] if has_bias else None
         x_TI = x.reshape(-1, x.shape[-1])
-        live = [g for g in range(groups) if m_splits[g]]  # groups with rows: the only ones in the launches
+        live = [g for g in range(groups) if m_splits[g]]  # groups with rows: the only ones in the GEMMs
         x_parts = x_TI.split(m_splits)
-        x_fp8 = {g: quantizers[g].input.quantize(x_parts[g]).quantized_storage for g in live}
+        x_fp8 = {g: quantizers[g].input.quantize_storage(x_parts[g]) for g in live}
         w_fp8 = {g: _quantized(weights[g], quantizers[g].weight) for g in live}
         y_TO = torch.empty(x_TI.shape[0], weights[0].shape[0], dtype=x.dtype, device=x.device)
         y_parts = y_TO.split(m_splits)
@@ -79,7 +83,7 @@ class _GroupedFP8Linear(torch.autograd.Function):
         x_saved, w_saved, ctx.x_columnwise, ctx.w_columnwise = ctx.x_columnwise, ctx.w_columnwise, None, None
         dy_TO = dy.reshape(-1, dy.shape[-1])
         dy_parts = dy_TO.split(ctx.m_splits)
-        dy_fp8 = {g: ctx.quantizers[g].grad_output.quantize(dy_parts[g]).quantized_storage.to_quantized() for g in live}
+        dy_fp8 = {g: ctx.quantizers[g].grad_output.quantize_storage(dy_parts[g]).to_quantized() for g in live}
         dx = None
         if ctx.needs_input_grad[0]:
             dx_TI = torch.empty(dy_TO.shape[0], ctx.w_shape[1], dtype=ctx.x_dtype, device=dy.device)
@@ -95,7 +99,7 @@ class _GroupedFP8Linear(torch.autograd.Function):
             dx = dx_TI.reshape(ctx.x_shape)
         weight_grads = [None] * groups
         if x_saved is not None:
-            weight_grads = [  # an empty group's gradient is zero; the launch writes the others
+            weight_grads = [  # an empty group's gradient is zero; grouped_scaled_mm writes the others
                 (torch.empty if g in live else torch.zeros)(ctx.w_shape, dtype=ctx.w_dtype, device=dy.device)
                 for g in range(groups)
             ]
@@ -190,7 +194,7 @@ class GroupedLinear(FP8Module):
         return y + bias_rows.reshape(y.shape)
 
     def _local_groups(self, x_TI: Tensor, splits: list[int], weights: list[Tensor], biases: list[Tensor]) -> Tensor:
-        """Every group's GEMM on this rank's shards: one grouped FP8 launch, or a torch linear per group."""
+        """Every group's GEMM on this rank's shards: grouped FP8 GEMMs, or a torch linear per group."""
         out_features = weights[0].shape[0]
         plan = self.fp8_plan(x_TI.device)
         if plan is None:
