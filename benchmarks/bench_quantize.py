@@ -138,7 +138,7 @@ def main() -> None:
               f"{'yes' if exact else 'NO'}")
         torch.cuda.empty_cache()
     for name in triton_quantize._KERNELS:  # the config each kernel's autotuner kept for this shape
-        print(f"# {name}: {getattr(triton_quantize._kernel(name, tuned=True), 'best_config', None)}")
+        print(f"# {name}: {getattr(triton_quantize._kernel(name, tuned=True)[0], 'best_config', None)}")
     print("\nfloor: one read of x plus the outputs at 4.24 TB/s; 'floor as run' counts the second read of x "
           "that current scaling and NVFP4 make for their global amax; 'of copy': that floor "
           "at the copy bandwidth measured above. Peers: tensorwise = eager amax, scale, "

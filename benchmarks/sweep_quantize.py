@@ -67,7 +67,7 @@ def _configured(name: str, config: dict, hardware_cast: bool | None = None):
     forced = _forced(name, tuple(sorted(config.items())))
 
     def kernel(kernel_name: str, tuned: bool):
-        return forced if kernel_name == name else default_kernel(kernel_name, tuned)
+        return (forced, {}) if kernel_name == name else default_kernel(kernel_name, tuned)
 
     with contextlib.ExitStack() as stack:
         stack.enter_context(mock.patch.object(triton_quantize, "_kernel", kernel))

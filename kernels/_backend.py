@@ -30,15 +30,13 @@ def triton_available() -> bool:
 
 
 def backend_for(device: torch.device | str) -> Backend:
-    """The backend a launch on `device` uses now."""
-    device = torch.device(device)
+    """The backend a launch on `device` uses now (TRITON_INTERPRET is read on every call: tests switch it)."""
     if not triton_available():
         return Backend.REFERENCE
     if interpreting():
         return Backend.INTERPRETER
-    if device.type == "cuda":
-        return Backend.TRITON
-    return Backend.REFERENCE
+    device_type = device.type if isinstance(device, torch.device) else torch.device(device).type
+    return Backend.TRITON if device_type == "cuda" else Backend.REFERENCE
 
 
 def describe() -> str:

@@ -63,14 +63,34 @@ def check_scale(scale: Tensor, device: torch.device) -> Tensor:
     return scale.reshape(1)
 
 
+def check_scale_or_amax(
+    scale: Tensor | None, amax: Tensor | None, power_2_scale: bool, amax_epsilon: float, device: torch.device
+) -> None:
+    """Tensorwise: a given delayed-scaling scale, or a given amax to scale from (current scaling), or neither."""
+    if scale is not None:
+        if amax is not None:
+            raise ValueError("pass scale (delayed scaling) or amax (current scaling from a given amax), not both")
+        if power_2_scale or amax_epsilon:
+            raise ValueError(
+                "power_2_scale and amax_epsilon shape a current scale; with a given scale leave them unset"
+            )
+        check_scale(scale, device)
+    elif amax is not None:
+        _check_one_fp32(amax, "amax", "the amax to scale from, e.g. reduced over the shards of x", device)
+
+
+def _check_one_fp32(value: Tensor, name: str, meaning: str, device: torch.device) -> None:
+    if not isinstance(value, Tensor) or value.dtype != torch.float32 or value.numel() != 1:
+        raise TypeError(f"{name} must be an fp32 tensor of one element ({meaning}), got {value!r}")
+    if value.device != device:
+        raise ValueError(f"{name} is on {value.device} but x is on {device}; move it to {device}")
+
+
 def check_global_amax(global_amax: Tensor | None, rotated_columnwise: bool, device: torch.device) -> None:
     """An NVFP4 global amax given for a shard: fp32, one element, on x's device, for unrotated copies."""
     if global_amax is None:
         return
-    if not isinstance(global_amax, Tensor) or global_amax.dtype != torch.float32 or global_amax.numel() != 1:
-        raise TypeError(f"global_amax must be an fp32 tensor of one element (the whole tensor's amax), got {global_amax!r}")
-    if global_amax.device != device:
-        raise ValueError(f"global_amax is on {global_amax.device} but x is on {device}; move it to {device}")
+    _check_one_fp32(global_amax, "global_amax", "the whole tensor's amax", device)
     if rotated_columnwise:
         raise ValueError(
             "global_amax stands for x's amax, not for that of the Hadamard-rotated columnwise copy: "

@@ -182,7 +182,7 @@ def _fp8_operand(
 
 @triton.jit
 def _amax_kernel(
-    x_ptr, amax_bits_ptr,  # x [M, K]; int32[2]: amax of x, amax of RHT(x.T)
+    x_ptr, amax_bits_ptr,  # x [M, K]; int32 [amax of x] (HADAMARD: [amax of x, amax of RHT(x.T)])
     M, K, stride_m, stride_k,
     HADAMARD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
@@ -197,23 +197,28 @@ def _amax_kernel(
 @triton.jit
 def _tensorwise_kernel(
     x_ptr, data_ptr, columnwise_ptr,  # x [M, K]; uint8 [M, K] and [K, M]
-    scale_ptr, amax_bits_ptr, scale_inv_ptr,  # fp32 (1,) given scale; int32 (1,) amax bits; fp32 (1,)
+    given_ptr, amax_bits_ptr,  # fp32 (1,): the given scale or amax (GIVEN); int32 (1,): amax bits
+    scale_inv_ptr, columnwise_scale_inv_ptr,  # fp32 (1,) each: the same value, one buffer per copy
     M, K, stride_m, stride_k,
     EXPONENT_BITS: tl.constexpr, MANTISSA_BITS: tl.constexpr, MAX_BITS: tl.constexpr, NAN_CODE: tl.constexpr,
-    FMAX: tl.constexpr, POWER_2: tl.constexpr, EPSILON: tl.constexpr, GIVEN_SCALE: tl.constexpr,
+    FMAX: tl.constexpr, POWER_2: tl.constexpr, EPSILON: tl.constexpr,
+    GIVEN: tl.constexpr,  # "scale" (delayed scaling), "amax" (to scale from: reduced over shards) or "" (none)
     ROWWISE: tl.constexpr, COLUMNWISE: tl.constexpr, PACK4: tl.constexpr, HARDWARE_CAST: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
-    """x * scale -> fp8 rowwise and transposed; a given (delayed) scale lets the amax fuse into this pass."""
+    """x * scale -> fp8 rowwise and transposed; a given scale or amax lets x's amax fuse into this pass."""
     x, rows, cols = _load_tile(x_ptr, M, K, stride_m, stride_k, BLOCK_M, BLOCK_K, PACK4)
     x = to_f32(x)
-    if GIVEN_SCALE:  # in range when this tile's amax is
-        scale = tl.load(scale_ptr)
-        amax_bits = _tile_max(abs_bits(x))
-        tl.atomic_max(amax_bits_ptr, amax_bits)
-    else:  # the global amax: finite means every |x * scale| <= max (up to rounding), so in range
+    if GIVEN == "":  # the global amax of the first launch: finite means every |x * scale| <= max (up to rounding)
         amax_bits = tl.load(amax_bits_ptr)
         scale = scale_from_amax(amax_bits.to(tl.float32, bitcast=True), FMAX, POWER_2, EPSILON)
+    else:  # in range when this tile's amax is (a given amax may come from a reduction that lost a NaN)
+        amax_bits = _tile_max(abs_bits(x))
+        tl.atomic_max(amax_bits_ptr, amax_bits)
+        if GIVEN == "scale":
+            scale = tl.load(given_ptr)
+        else:
+            scale = scale_from_amax(tl.load(given_ptr), FMAX, POWER_2, EPSILON)
     in_range = tl.abs(amax_bits.to(tl.float32, bitcast=True) * scale) < rounding_limit(MAX_BITS, MANTISSA_BITS)
     codes = _cast(x * scale, in_range, EXPONENT_BITS, MANTISSA_BITS, MAX_BITS, NAN_CODE, HARDWARE_CAST)
     if ROWWISE:
@@ -221,7 +226,11 @@ def _tensorwise_kernel(
     if COLUMNWISE:
         _store_transposed(columnwise_ptr, codes, rows, cols, M, K, BLOCK_M, PACK4)
     if (tl.program_id(0) == 0) & (tl.program_id(1) == 0):
-        tl.store(scale_inv_ptr, _reciprocal_rn(scale))
+        scale_inv = _reciprocal_rn(scale)
+        if ROWWISE:
+            tl.store(scale_inv_ptr, scale_inv)
+        if COLUMNWISE:
+            tl.store(columnwise_scale_inv_ptr, scale_inv)
 
 
 @triton.jit

@@ -24,7 +24,7 @@ from kernels._checks import (
     check_divisible,
     check_global_amax,
     check_roles,
-    check_scale,
+    check_scale_or_amax,
     element_format,
     matrix_view,
 )
@@ -63,24 +63,27 @@ _AUTOTUNE_MIN_ELEMENTS = 1 << 22
 
 
 @functools.cache
-def _kernel(name: str, tuned: bool):
-    """The kernel with its configs, built on first use (the config list depends on the backend)."""
+def _kernel(name: str, tuned: bool) -> tuple[object, dict]:
+    """(kernel, launch meta-parameters): autotuned over its candidates (built on first use: the config list
+    depends on the backend), or the bare kernel and its first candidate, launched directly (the autotuner's
+    per-launch work would buy nothing)."""
     kernel, candidates, key = _KERNELS[name]
-    configs = autotune_configs(candidates if tuned else candidates[:1])
-    return triton.autotune(configs=configs, key=key)(kernel)
+    if tuned:
+        return triton.autotune(configs=autotune_configs(candidates), key=key)(kernel), {}
+    return kernel, candidates[0]
 
 
 def _launch(name: str, x2d: Tensor, *buffers: Tensor, **meta) -> None:
     """Launch kernel `name` over the tiles of x2d [M, K]: (x, *buffers, M, K, strides, **meta)."""
     M, K = x2d.shape
-    kernel = _kernel(name, tuned=M * K >= _AUTOTUNE_MIN_ELEMENTS)
+    kernel, config = _kernel(name, tuned=M * K >= _AUTOTUNE_MIN_ELEMENTS)
 
-    def grid(config):
-        block_m = config.get("BLOCK_M", config.get("BLOCK"))
-        block_k = config.get("BLOCK_K", config.get("BLOCK"))
+    def grid(meta):
+        block_m = meta.get("BLOCK_M", meta.get("BLOCK"))
+        block_k = meta.get("BLOCK_K", meta.get("BLOCK"))
         return triton.cdiv(M, block_m), triton.cdiv(K, block_k)
 
-    kernel[grid](x2d, *buffers, M, K, x2d.stride(0), x2d.stride(1), **meta)
+    kernel[grid](x2d, *buffers, M, K, x2d.stride(0), x2d.stride(1), **meta, **config)
 
 
 def _bytes(shape: tuple[int, ...], wanted: bool, device: torch.device, dtype: torch.dtype = torch.uint8) -> Tensor:
@@ -99,8 +102,8 @@ def _hardware_cast(x: Tensor) -> bool:
 
 
 def _global_amax(x2d: Tensor, hadamard: bool) -> Tensor:
-    """int32 bits [amax of x, amax of RHT(x.T) (0 unless hadamard)], from the first launch."""
-    amax_bits = torch.zeros(2, dtype=torch.int32, device=x2d.device)
+    """int32 bits [amax of x] (hadamard: [amax of x, amax of RHT(x.T)]), from the first launch."""
+    amax_bits = torch.zeros(2 if hadamard else 1, dtype=torch.int32, device=x2d.device)
     _launch("amax", x2d, amax_bits, HADAMARD=hadamard)
     return amax_bits
 
@@ -124,30 +127,33 @@ def quantize_tensorwise(
     fmt: str = "e4m3",
     scale: Tensor | None = None,
     *,
+    amax: Tensor | None = None,
     power_2_scale: bool = False,
     amax_epsilon: float = 0.0,
     rowwise: bool = True,
     columnwise: bool = False,
 ) -> Quantized:
-    """One fp32 scale for the tensor: current scaling (scale=None) or a given delayed-scaling scale."""
+    """One fp32 scale for the tensor: current scaling (scale=None, from x's amax or a given `amax`) or a given
+    delayed-scaling scale. A given scale or amax takes one launch (x's amax is recorded in it), none two."""
     f = element_format(fmt, FP8_FORMATS)
     check_roles(rowwise, columnwise)
     x2d, shape = matrix_view(x)
+    check_scale_or_amax(scale, amax, power_2_scale, amax_epsilon, x.device)
     M, K = x2d.shape
-    if scale is None:
-        amax_bits = _global_amax(x2d, hadamard=False)
-    elif power_2_scale or amax_epsilon:
-        raise ValueError("power_2_scale and amax_epsilon shape a current scale; with a given scale leave them unset")
-    else:
-        scale = check_scale(scale, x.device)
-        amax_bits = torch.zeros(1, dtype=torch.int32, device=x.device)  # the cast pass records the amax
+    if scale is None and amax is None:
+        amax_bits, given, given_kind = _global_amax(x2d, hadamard=False), None, ""
+    else:  # the cast pass records x's amax
+        amax_bits = torch.zeros(1, dtype=torch.int32, device=x.device)
+        given, given_kind = (scale, "scale") if amax is None else (amax, "amax")
     data = _bytes((M, K), rowwise, x.device)
     columnwise_data = _bytes((K, M), columnwise, x.device)
     scale_inv = torch.empty(1, dtype=torch.float32, device=x.device)
+    columnwise_scale_inv = torch.empty(1, dtype=torch.float32, device=x.device) if columnwise else scale_inv
     _launch(
-        "tensorwise", x2d, data, columnwise_data, scale_inv if scale is None else scale, amax_bits, scale_inv,
+        "tensorwise", x2d, data, columnwise_data, scale_inv if given is None else given, amax_bits,
+        scale_inv, columnwise_scale_inv,
         **format_constants(fmt), FMAX=f.max, POWER_2=power_2_scale, EPSILON=float(amax_epsilon),
-        GIVEN_SCALE=scale is not None, ROWWISE=rowwise, COLUMNWISE=columnwise, PACK4=_pack4(M, columnwise),
+        GIVEN=given_kind, ROWWISE=rowwise, COLUMNWISE=columnwise, PACK4=_pack4(M, columnwise),
         HARDWARE_CAST=_hardware_cast(x),
     )
     return Quantized(
@@ -155,8 +161,8 @@ def quantize_tensorwise(
         data=data if rowwise else None,
         scale_inv=scale_inv if rowwise else None,
         columnwise_data=columnwise_data if columnwise else None,
-        columnwise_scale_inv=scale_inv.clone() if columnwise else None,
-        amax=amax_bits[:1].view(torch.float32),
+        columnwise_scale_inv=columnwise_scale_inv if columnwise else None,
+        amax=amax_bits.view(torch.float32),
     )
 
 

@@ -22,7 +22,7 @@ from kernels._checks import (
     check_divisible,
     check_global_amax,
     check_roles,
-    check_scale,
+    check_scale_or_amax,
     element_format,
     matrix_view,
 )
@@ -98,23 +98,28 @@ def quantize_tensorwise(
     fmt: str = "e4m3",
     scale: Tensor | None = None,
     *,
+    amax: Tensor | None = None,
     power_2_scale: bool = False,
     amax_epsilon: float = 0.0,
     rowwise: bool = True,
     columnwise: bool = False,
 ) -> Quantized:
-    """One fp32 scale for the tensor: current scaling (scale=None) or a given delayed-scaling scale."""
+    """One fp32 scale for the tensor: current scaling (scale=None) or a given delayed-scaling scale.
+
+    Current scaling scales from x's amax, or from a given `amax` (fp32, one element: that of all the
+    shards x is one of, so that each casts as the whole tensor would). The result's amax is x's own.
+    """
     f = element_format(fmt, FP8_FORMATS)
     check_roles(rowwise, columnwise)
     x2d, shape = matrix_view(x)
+    check_scale_or_amax(scale, amax, power_2_scale, amax_epsilon, x.device)
     x2d = x2d.float()
-    amax = tensor_amax(x2d)  # measured in both modes: delayed scaling records it in the history
+    x_amax = tensor_amax(x2d)  # measured in every mode: delayed scaling records it in the history
     if scale is None:
-        scale = scale_from_amax(amax, f.max, power_2_scale=power_2_scale, amax_epsilon=amax_epsilon)
-    elif power_2_scale or amax_epsilon:
-        raise ValueError("power_2_scale and amax_epsilon shape a current scale; with a given scale leave them unset")
+        from_amax = x_amax if amax is None else amax.reshape(1)
+        scale = scale_from_amax(from_amax, f.max, power_2_scale=power_2_scale, amax_epsilon=amax_epsilon)
     else:
-        scale = check_scale(scale, x2d.device)
+        scale = scale.reshape(1)
     scale_inv = 1.0 / scale
     return Quantized(
         "tensorwise",
@@ -124,7 +129,7 @@ def quantize_tensorwise(
         scale_inv=scale_inv if rowwise else None,
         columnwise_data=encode_fp8(x2d.T * scale, fmt).contiguous() if columnwise else None,
         columnwise_scale_inv=scale_inv.clone() if columnwise else None,
-        amax=amax,
+        amax=x_amax,
     )
 
 

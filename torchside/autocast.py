@@ -57,24 +57,28 @@ class DelayedScalingSync:
         return first
 
     def reduce_and_update(self) -> None:
-        """All-reduce (MAX) every row 0 at once, then set each scale and roll each history; once per region."""
+        """All-reduce (MAX) every row 0 at once, then set every scale and roll every history; once per region.
+
+        The histories are stacked side by side ([len, all slots]) and updated by one call: the update
+        treats each slot (column) alone, so the values are those of one update per module, in a
+        handful of ops instead of a dozen per module.
+        """
         states = list(self._states.values())
         self._states.clear()
         if not states:
             return
-        current_amaxes = torch.cat([history[0] for history, _, _ in states])
+        (fmax,) = {fmax for _, _, fmax in states}  # a sync serves one direction: one element format
+        history = torch.cat([history for history, _, _ in states], dim=1)
+        scale = torch.cat([scale for _, scale, _ in states])
         if self.recipe.reduce_amax and self.group is not None and dist.get_world_size(self.group) > 1:
-            dist.all_reduce(current_amaxes, op=dist.ReduceOp.MAX, group=self.group)
-        offset = 0
-        for history, scale, fmax in states:
-            slots = scale.numel()
-            history[0].copy_(current_amaxes[offset : offset + slots])
-            offset += slots
-            new_history, new_scale = delayed_scaling_update(
-                history, scale, fmax, margin=self.recipe.margin, algo=self.recipe.amax_compute_algo
-            )
-            history.copy_(new_history)
-            scale.copy_(new_scale)
+            dist.all_reduce(history[0], op=dist.ReduceOp.MAX, group=self.group)  # row 0 is contiguous
+        new_history, new_scale = delayed_scaling_update(
+            history, scale, fmax, margin=self.recipe.margin, algo=self.recipe.amax_compute_algo
+        )
+        slots = [scale.numel() for _, scale, _ in states]
+        targets = [t for history, scale, _ in states for t in (history, scale)]
+        sources = [t for pair in zip(new_history.split(slots, dim=1), new_scale.split(slots)) for t in pair]
+        torch._foreach_copy_(targets, sources)
 
 
 @dataclass

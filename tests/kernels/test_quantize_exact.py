@@ -25,6 +25,11 @@ SCHEMES = {
         "quantize_tensorwise", {"fmt": "e5m2", "power_2_scale": True, "amax_epsilon": 0.5}, "any"
     ),
     "tensorwise_e4m3_delayed": ("quantize_tensorwise", {"fmt": "e4m3", "scale": 0.37}, "any"),
+    # a given amax (as reduced over shards) below most inputs' own: tiles overflow and clamp
+    "tensorwise_e4m3_given_amax": ("quantize_tensorwise", {"fmt": "e4m3", "amax": 3.0}, "any"),
+    "tensorwise_e5m2_pow2_eps_given_amax": (
+        "quantize_tensorwise", {"fmt": "e5m2", "power_2_scale": True, "amax_epsilon": 0.5, "amax": 0.25}, "any"
+    ),
     "block1x128_e4m3": ("quantize_blockwise", {"fmt": "e4m3", "block": (1, 128)}, "any"),
     "block1x128_e5m2_fp32_scale": ("quantize_blockwise", {"fmt": "e5m2", "power_2_scale": False}, "any"),
     "block128x128_e4m3": ("quantize_blockwise", {"fmt": "e4m3", "block": (128, 128)}, "any"),
@@ -49,8 +54,9 @@ FIELDS = ("data", "scale_inv", "columnwise_data", "columnwise_scale_inv")
 def _quantize_both(name: str, x: torch.Tensor, **roles) -> tuple[reference.Quantized, reference.Quantized]:
     function, kwargs, _ = SCHEMES[name]
     kwargs = dict(kwargs)
-    if "scale" in kwargs:
-        kwargs["scale"] = torch.tensor([kwargs["scale"]], device=x.device)
+    for given in ("scale", "amax"):
+        if given in kwargs:
+            kwargs[given] = torch.tensor([kwargs[given]], device=x.device)
     assert backend_for(x.device) is not Backend.REFERENCE, "the kernels must run, not fall back to the reference"
     got = getattr(triton_quantize, function)(x, **kwargs, **roles)
     expected = getattr(reference, function)(x, **kwargs, **roles)
@@ -210,7 +216,7 @@ def test_empty_and_high_rank_inputs(device):
 # kernel -> the schemes that launch it; every autotune candidate of every kernel must give the same bytes
 SCHEMES_BY_KERNEL = {
     "amax": ["tensorwise_e4m3", "nvfp4_1x16_hadamard_stochastic"],
-    "tensorwise": ["tensorwise_e4m3", "tensorwise_e4m3_delayed"],
+    "tensorwise": ["tensorwise_e4m3", "tensorwise_e4m3_delayed", "tensorwise_e4m3_given_amax"],
     "blockwise": ["block1x128_e4m3", "block128x128_e4m3"],
     "mxfp8": ["mxfp8_e4m3_up"],
     "nvfp4": ["nvfp4_1x16_hadamard_stochastic", "nvfp4_16x16"],
@@ -251,6 +257,36 @@ def test_nvfp4_shards_given_the_global_amax_cast_as_the_whole_tensor(device, blo
         assert torch.equal(shard.amax.cpu(), expected.amax), name
         alone = implementation.quantize_nvfp4(whole[:32], **roles)
         assert not torch.equal(alone.data.cpu(), expected.data[:32]), f"{name}: the test cannot tell the amaxes apart"
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_tensorwise_shards_given_the_whole_amax_cast_as_the_whole_tensor(device):
+    """Current scaling from the amax of all shards: each shard holds the whole tensor's bytes for its rows,
+    and its amax stays its own (what delayed scaling's history and a checkpoint record)."""
+    whole = _random((64, 96), torch.bfloat16, device)
+    whole[:32] *= 2.0**-6
+    whole_amax = whole.float().abs().amax().reshape(1)
+    expected = reference.quantize_tensorwise(whole.cpu(), rowwise=True, columnwise=True)
+    for name, implementation in (("reference", reference), ("triton", triton_quantize)):
+        shard = implementation.quantize_tensorwise(whole[:32], amax=whole_amax, rowwise=True, columnwise=True)
+        assert torch.equal(shard.data.cpu(), expected.data[:32]), name
+        assert torch.equal(shard.columnwise_data.cpu(), expected.columnwise_data[:, :32]), name
+        assert torch.equal(shard.scale_inv.cpu(), expected.scale_inv), name
+        assert torch.equal(shard.columnwise_scale_inv.cpu(), expected.scale_inv), name
+        assert torch.equal(shard.amax.cpu(), whole[:32].float().abs().amax().reshape(1).cpu()), name
+        alone = implementation.quantize_tensorwise(whole[:32])
+        assert not torch.equal(alone.data.cpu(), expected.data[:32]), f"{name}: the test cannot tell the amaxes apart"
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_tensorwise_takes_a_scale_or_an_amax_not_both(device):
+    x = _random((32, 32), torch.float32, device)
+    one = torch.ones(1, device=device)
+    for implementation in (reference, triton_quantize):
+        with pytest.raises(ValueError, match="not both"):
+            implementation.quantize_tensorwise(x, scale=one, amax=one)
+        with pytest.raises(TypeError, match="amax must be an fp32 tensor of one element"):
+            implementation.quantize_tensorwise(x, amax=torch.ones(2, device=device))
 
 
 @pytest.mark.parametrize("device", DEVICES)

@@ -1,6 +1,6 @@
 """Record what one FP8 step of a module really computed: every cast and every GEMM, by submodule.
 
-`record_fp8_step(module)` wraps `Quantizer.quantize` and the `scaled_mm` the modules call (the name
+`record_fp8_step(module)` wraps `Quantizer.quantize_storage` and the `scaled_mm` the modules call (the name
 torchside.modules.functions imports) for the duration of a `with` block. It records, on the
 module's device (the tensors are kept alive, so no buffer address is reused while recording):
 
@@ -110,7 +110,7 @@ def record_fp8_step(module: nn.Module) -> Iterator[Recording]:
     """Record every cast and GEMM of `module`'s FP8 submodules inside the block (module docstring)."""
     recording = Recording()
     original_quantize, original_kernel_call, original_scaled_mm = (
-        Quantizer.quantize, Quantizer.kernel_call, functions.scaled_mm
+        Quantizer.quantize_storage, Quantizer.kernel_call, functions.scaled_mm
     )  # fmt: skip
     calls: list[tuple[str, dict]] = []
     buffer_owner: dict[int, CastKey] = {}  # data_ptr of a rowwise or columnwise copy -> its cast
@@ -124,7 +124,7 @@ def record_fp8_step(module: nn.Module) -> Iterator[Recording]:
         result = original_quantize(self, x, *args, **kw)
         key = _cast_keys(module).get(id(self))
         if key is not None:
-            q = result.quantized_storage.to_quantized()
+            q = result.to_quantized()
             kernel, kwargs = calls[-1]
             recording.casts[key] = Cast(key, x.detach().clone(), kernel, kwargs, q)
             for copy in (q.data, q.columnwise_data):
@@ -144,11 +144,11 @@ def record_fp8_step(module: nn.Module) -> Iterator[Recording]:
         )  # fmt: skip
         return out
 
-    Quantizer.kernel_call, Quantizer.quantize, functions.scaled_mm = kernel_call, quantize, scaled_mm
+    Quantizer.kernel_call, Quantizer.quantize_storage, functions.scaled_mm = kernel_call, quantize, scaled_mm
     try:
         yield recording
     finally:
-        Quantizer.kernel_call, Quantizer.quantize = original_kernel_call, original_quantize
+        Quantizer.kernel_call, Quantizer.quantize_storage = original_kernel_call, original_quantize
         functions.scaled_mm = original_scaled_mm
 
 

@@ -64,7 +64,7 @@ def _columnwise_only(storage: QuantizedStorage) -> QuantizedStorage | None:
 def _quantized(weight: Tensor, quantizer: Quantizer | None) -> QuantizedStorage:
     if isinstance(weight, QuantizedTensor):
         return weight.quantized_storage
-    return quantizer.quantize(weight).quantized_storage
+    return quantizer.quantize_storage(weight)
 
 
 def _quantize_operands(
@@ -72,10 +72,10 @@ def _quantize_operands(
 ) -> tuple[QuantizedStorage, QuantizedStorage]:
     """(x, w) in FP8; where both amaxes are reduced over TP, one all-reduce carries the two."""
     if isinstance(weight, QuantizedTensor):  # an FP8 parameter: cast already
-        return quantizers.input.quantize(x_TI).quantized_storage, weight.quantized_storage
+        return quantizers.input.quantize_storage(x_TI), weight.quantized_storage
     x_amax, w_amax = reduce_amaxes([(quantizers.input, x_TI), (quantizers.weight, weight)])
-    x_fp8 = quantizers.input.quantize(x_TI, amax=x_amax)
-    return x_fp8.quantized_storage, quantizers.weight.quantize(weight, amax=w_amax).quantized_storage
+    x_fp8 = quantizers.input.quantize_storage(x_TI, amax=x_amax)
+    return x_fp8, quantizers.weight.quantize_storage(weight, amax=w_amax)
 
 
 class _FP8Linear(torch.autograd.Function):
@@ -104,7 +104,7 @@ class _FP8Linear(torch.autograd.Function):
         # copies are freed as soon as this GEMM's backward ends, not when the output is deleted.
         x_saved, w_saved, ctx.x_columnwise, ctx.w_columnwise = ctx.x_columnwise, ctx.w_columnwise, None, None
         dy_TO = dy.reshape(-1, dy.shape[-1])
-        dy_fp8 = ctx.quantizers.grad_output.quantize(dy_TO).quantized_storage.to_quantized()
+        dy_fp8 = ctx.quantizers.grad_output.quantize_storage(dy_TO).to_quantized()
         dx = dw = dbias = None
         if ctx.needs_input_grad[0]:
             w_columnwise = w_saved.to_quantized()

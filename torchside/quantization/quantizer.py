@@ -24,9 +24,9 @@ import torch.distributed as dist
 from torch import Tensor
 
 from kernels._backend import Backend, backend_for
-from kernels.formats import FORMATS, scale_from_amax
+from kernels.formats import FORMATS
 from kernels.reference import delayed_scaling_update
-from torchside.quantization.storage import from_quantized
+from torchside.quantization.storage import QuantizedStorage, from_quantized
 from torchside.quantization.tensor import QuantizedTensor
 from torchside.recipe import (
     DelayedScaling,
@@ -153,11 +153,11 @@ class Quantizer:
         elif self.takes_reduced_amax:  # every shard casts with the amax of all of them
             if amax is None:
                 (amax,) = reduce_amaxes([(self, x)])
-            if isinstance(self.recipe, Float8CurrentScaling):
-                power_2, epsilon = kwargs.pop("power_2_scale"), kwargs.pop("amax_epsilon")
-                kwargs["scale"] = scale_from_amax(amax, self.fmax, power_2_scale=power_2, amax_epsilon=epsilon)
-            else:  # NVFP4: the global amax
-                kwargs["global_amax"] = amax
+            kwargs["amax" if isinstance(self.recipe, Float8CurrentScaling) else "global_amax"] = amax
+        elif isinstance(self.recipe, Float8CurrentScaling):
+            # The amax by torch (one dispatch) rather than by a second kernel launch: the host issues
+            # launches slower than the GPU runs these casts. The same amax, so the same scale and bytes.
+            kwargs["amax"] = local_amax(x)
         if self.stochastic_step is not None:
             kwargs["stochastic_seed"] = self.recipe.stochastic_rounding_seed + int(self.stochastic_step)
             self.stochastic_step.add_(1)
@@ -168,13 +168,20 @@ class Quantizer:
 
         `amax`: x's amax reduced over the group by `reduce_amaxes`; None reduces it here when needed.
         """
+        return QuantizedTensor(self.quantize_storage(x, backend=backend, amax=amax), tuple(x.shape), x.dtype)
+
+    def quantize_storage(
+        self, x: Tensor, *, backend: Backend | None = None, amax: Tensor | None = None
+    ) -> QuantizedStorage:
+        """The buffers `quantize` wraps, for callers that only read them (the FP8 GEMMs)."""
         if not isinstance(x, Tensor) or not x.is_floating_point() or isinstance(x, QuantizedTensor):
             raise TypeError(f"quantize takes a float32, bfloat16 or float16 tensor, got {type(x).__name__}")
         name, kwargs = self.kernel_call(x, amax)
         q = getattr(implementation(backend or backend_for(x.device)), name)(x, **kwargs)
         if self.amax_history is not None:  # row 0 collects the max of this step's amaxes
-            self.amax_history[:1] = torch.maximum(self.amax_history[:1], q.amax)
-        return QuantizedTensor(from_quantized(q), tuple(x.shape), x.dtype)
+            current = self.amax_history[:1]
+            torch.maximum(current, q.amax, out=current)
+        return from_quantized(q)
 
     @property
     def takes_reduced_amax(self) -> bool:

@@ -70,7 +70,7 @@ class QuantizedStorage:
 
     @property
     def device(self) -> torch.device:
-        return next(iter(self.buffers().values())).device
+        return next(t for name in BUFFER_FIELDS if (t := getattr(self, name)) is not None).device
 
     def buffers(self) -> dict[str, Tensor]:
         """The buffers present, by field name, in field order."""
@@ -130,19 +130,8 @@ class QuantizedStorage:
 
     def to_quantized(self) -> reference.Quantized:
         """These buffers as the kernels' result type, shaped [rows, cols]."""
-        named = {BUFFERS[name].quantized_name: t for name, t in self.buffers().items()}
-        return reference.Quantized(
-            scheme=self.scheme,
-            fmt=self.fmt,
-            shape=(self.rows, self.cols),
-            data=named.get("data"),
-            scale_inv=named.get("scale_inv"),
-            columnwise_data=named.get("columnwise_data"),
-            columnwise_scale_inv=named.get("columnwise_scale_inv"),
-            amax=named.get("amax"),
-            columnwise_amax=named.get("columnwise_amax"),
-            hadamard=self.hadamard,
-        )
+        named = {buffer.quantized_name: getattr(self, name) for name, buffer in BUFFERS.items()}
+        return reference.Quantized(self.scheme, self.fmt, (self.rows, self.cols), hadamard=self.hadamard, **named)
 
     def dequantize(self, dtype: torch.dtype) -> Tensor:
         """The values as a [rows, cols] tensor of `dtype`, from the rowwise copy if there is one."""
