@@ -28,7 +28,6 @@ from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_mo
 from torch.distributed.tensor import DTensor, Shard
 
 from tests.distributed import run_processes
-from torchside.autocast import fp8_autocast
 from torchside.models.llama import LLAMA_CONFIGS, Llama, LlamaConfig
 from torchside.models.llama_parallel import (
     build_meshes,
