@@ -7,7 +7,7 @@
 set -uo pipefail
 out=${OUT:-out}
 mkdir -p "$out"
-export PYTHONPATH=. PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_PREALLOCATE=false
+export PYTHONPATH=. PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_PREALLOCATE=false PYTEST_INSTAFAIL=1  # tracebacks as they happen (tests/conftest.py)
 TORCHRUN=" bench_tp_layer bench_transfer "
 gpus=$(python3 -c "import torch; print(torch.cuda.device_count())")
 summary=()

@@ -20,6 +20,8 @@ from __future__ import annotations
 
 import functools
 import math
+import sys
+import time
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -125,13 +127,20 @@ def verify(runtime, cases: Sequence[VerifyCase], rules: Iterable[params.Rule] = 
 
     rules = tuple(rules)
     reports = []
+    total = sum(len(case.recipes) for case in cases)
     for case in cases:
         if case.mesh.size != runtime.world_size:
             raise ValueError(f"mesh {case.mesh} needs {case.mesh.size} processes; {runtime.world_size} are running")
         world = init_device_mesh(runtime.device_type, case.mesh.sizes, mesh_dim_names=MESH_AXES)
         mesh = jax_mesh(world)
         for recipe in case.recipes:
-            reports.append(_verify_recipe(runtime, world, mesh, case, recipe, rules).to_json())
+            started = time.perf_counter()
+            report = _verify_recipe(runtime, world, mesh, case, recipe, rules)
+            reports.append(report.to_json())
+            if runtime.rank == 0:  # progress on long grids (the tables come at the end)
+                verdict = "passed" if report.passed else f"DIVERGED at {report.first_divergence.name}"
+                print(f"verify [{len(reports)}/{total}] {case.mesh} {recipe}: {verdict} "
+                      f"({time.perf_counter() - started:.1f} s)", file=sys.stderr, flush=True)  # fmt: skip
     return reports
 
 

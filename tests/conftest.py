@@ -3,6 +3,8 @@
 - JAX gets 8 host CPU devices (this only affects JAX's CPU platform; a GPU run keeps its GPUs).
 - Without CUDA, Triton kernels run in the interpreter (TRITON_INTERPRET=1).
 - `gpu` tests are skipped without CUDA.
+- With PYTEST_INSTAFAIL=1 a failure's traceback prints when it happens (GPU runs under a time limit
+  would otherwise lose it with the end-of-run summary).
 """
 
 import os
@@ -24,3 +26,8 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip_gpu)
+
+
+def pytest_runtest_logreport(report):
+    if report.failed and os.environ.get("PYTEST_INSTAFAIL") == "1":
+        print(f"\n=== FAILED {report.nodeid} ({report.when})\n{report.longreprtext}", flush=True)
