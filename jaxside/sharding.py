@@ -22,7 +22,8 @@ Activations are named by their logical axes (`x_BSD` is ("batch", "seq", "embed"
 over both data axes, and in a TP mode the feature dims a TP layer splits (mlp, heads, vocab) over tp.
 Parameter axes carry names too; in a TP mode they must agree with the activations: the kernel axis
 TP splits must be a name whose activations TP splits, else the layer's output would not be laid out
-as its kernel is.
+as its kernel is. A module reads each parameter in its `gathered_spec` (the rules without dp_shard,
+applied by `constrain`): torch's FSDP2 all-gathers a parameter before use, and so must XLA.
 """
 
 from __future__ import annotations
@@ -143,6 +144,29 @@ def named_sharding(
     return NamedSharding(mesh, spec)
 
 
+def gathered_spec(logical_axes: Sequence[str], mode: str | None, role: str) -> PartitionSpec:
+    """The layout a GEMM or norm reads a parameter in: `spec_for` without dp_shard, as FSDP2 unshards it.
+
+    What tp splits stays split. Reading a kernel in its stored layout instead would hand XLA a GEMM
+    whose out features are split over dp_shard too, while the batch is: XLA then gathers the batch.
+    """
+    return PartitionSpec(*(_without_fsdp(entry) for entry in spec_for(logical_axes, mode, role)))
+
+
+def constrain(x: jax.Array, spec: PartitionSpec) -> jax.Array:
+    """x laid out as `spec` on its mesh: the one in context (`jax.set_mesh`), else the one x is on.
+
+    Inside jit an array's type carries its mesh, so a parameter `place`d on a make_mesh mesh keeps
+    it. Off such a mesh (one device, or another mesh's axes) x is returned as it is.
+    """
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh.empty:
+        mesh = jax.typeof(x).sharding.mesh
+    if tuple(mesh.axis_names) != MESH_AXES:
+        return x
+    return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, spec))
+
+
 def _checked_axes(logical_axes: Sequence[str]) -> tuple[str, ...]:
     if isinstance(logical_axes, str):
         raise TypeError(f"logical_axes={logical_axes!r} is one string; pass a tuple of names, e.g. ({logical_axes!r},)")
@@ -152,6 +176,11 @@ def _checked_axes(logical_axes: Sequence[str]) -> tuple[str, ...]:
     if unknown:
         raise ValueError(f"unknown logical axes {unknown}; use names from {known}")
     return axes
+
+
+def _without_fsdp(entry: MeshAxes) -> MeshAxes:
+    kept = tuple(axis for axis in ((entry,) if isinstance(entry, str) else entry or ()) if axis != DP_SHARD)
+    return kept[0] if len(kept) == 1 else kept or None
 
 
 def _splits_over_tp(entry: MeshAxes) -> bool:

@@ -226,14 +226,15 @@ def _gamma(weight, zero_centered_gamma: bool) -> Array:
 
 
 def _norm_forward(x, weight, bias, rms: bool, eps: float, zero_centered_gamma: bool):
-    x2d = x.reshape(-1, x.shape[-1]).astype(jnp.float32)
-    mean = None if rms else jnp.mean(x2d, axis=1)
-    centered = x2d if rms else x2d - mean[:, None]
-    rstd = lax.rsqrt(jnp.mean(centered * centered, axis=1) + eps)
-    y = centered * rstd[:, None] * _gamma(weight, zero_centered_gamma)
+    # Reduced over the last dim in place: flattening [S, B, H] to [S * B, H] would gather a batch split over devices.
+    x32 = x.astype(jnp.float32)
+    mean = None if rms else jnp.mean(x32, axis=-1, keepdims=True)
+    centered = x32 if rms else x32 - mean
+    rstd = lax.rsqrt(jnp.mean(centered * centered, axis=-1, keepdims=True) + eps)
+    y = centered * rstd * _gamma(weight, zero_centered_gamma)
     if bias is not None:
         y = y + bias.astype(jnp.float32)
-    return y.reshape(x.shape).astype(x.dtype), (x, weight, mean, rstd)
+    return y.astype(x.dtype), (x, weight, mean, rstd)
 
 
 @partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5))
@@ -243,15 +244,16 @@ def _normalize(x, weight, bias, rms: bool, eps: float, zero_centered_gamma: bool
 
 def _normalize_bwd(rms: bool, eps: float, zero_centered_gamma: bool, residuals, dy):
     x, weight, mean, rstd = residuals
-    x2d, dy2d = x.reshape(-1, x.shape[-1]).astype(jnp.float32), dy.reshape(-1, x.shape[-1]).astype(jnp.float32)
-    xhat = (x2d if mean is None else x2d - mean[:, None]) * rstd[:, None]
-    gdy = _gamma(weight, zero_centered_gamma) * dy2d
-    inner = gdy - xhat * jnp.mean(xhat * gdy, axis=1, keepdims=True)
+    x32, dy32 = x.astype(jnp.float32), dy.astype(jnp.float32)
+    xhat = (x32 if mean is None else x32 - mean) * rstd
+    gdy = _gamma(weight, zero_centered_gamma) * dy32
+    inner = gdy - xhat * jnp.mean(xhat * gdy, axis=-1, keepdims=True)
     if mean is not None:
-        inner = inner - jnp.mean(gdy, axis=1, keepdims=True)
-    dx = (inner * rstd[:, None]).reshape(x.shape).astype(x.dtype)
-    dweight = jnp.sum(dy2d * xhat, axis=0).astype(weight.dtype)
-    dbias = None if mean is None else jnp.sum(dy2d, axis=0).astype(weight.dtype)
+        inner = inner - jnp.mean(gdy, axis=-1, keepdims=True)
+    dx = (inner * rstd).astype(x.dtype)
+    tokens = tuple(range(x.ndim - 1))
+    dweight = jnp.sum(dy32 * xhat, axis=tokens).astype(weight.dtype)
+    dbias = None if mean is None else jnp.sum(dy32, axis=tokens).astype(weight.dtype)
     return dx, dweight, dbias
 
 

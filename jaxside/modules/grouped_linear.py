@@ -25,6 +25,7 @@ from jax import Array
 
 from jaxside.modules.base import FP8Module, Initializer, default_kernel_init, parameter
 from jaxside.modules.config import KERNEL_AXES, ModuleConfig, check_config, check_params_dtype, check_size
+from jaxside.modules.placement import gathered
 
 
 def _check_m_splits(m_splits: object, groups: int, tokens: int) -> list[int]:
@@ -82,8 +83,8 @@ class GroupedLinear(FP8Module):
         parts, start = [], 0
         for g, m in enumerate(splits):
             if m:
-                bias = getattr(self, f"bias{g}")[...] if self.use_bias else None
-                parts.append(self.linear(plan, g, rows[start : start + m], getattr(self, f"kernel{g}")[...], bias))
+                bias = gathered(getattr(self, f"bias{g}")) if self.use_bias else None
+                parts.append(self.linear(plan, g, rows[start : start + m], gathered(getattr(self, f"kernel{g}")), bias))
             start += m
         y_TO = jnp.concatenate(parts) if parts else jnp.zeros((0, self.out_features), x_TI.dtype)
         return y_TO.reshape(*x_TI.shape[:-1], self.out_features)

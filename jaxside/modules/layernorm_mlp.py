@@ -27,6 +27,7 @@ from jax import Array
 from jaxside.modules.base import FP8Module, Initializer, default_kernel_init, parameter
 from jaxside.modules.config import ModuleConfig, check_config, check_params_dtype, check_size
 from jaxside.modules.normalization import NormSettings
+from jaxside.modules.placement import gathered
 
 
 def _op(function: Callable[..., Array], *operands) -> Array:
@@ -129,9 +130,10 @@ class LayerNormMLP(FP8Module):
     def __call__(self, x_TH) -> Array | tuple[Array, Array | None]:
         """y [..., H]; with return_bias, (y without fc2's bias, fc2's bias) for the caller to fuse."""
         plan = self.fp8_plan()
-        fc1_bias = None if self.fc1_bias is None else self.fc1_bias[...]
-        fc2_bias = None if self.fc2_bias is None else self.fc2_bias[...]
+        fc1_bias = None if self.fc1_bias is None else gathered(self.fc1_bias)
+        fc2_bias = None if self.fc2_bias is None else gathered(self.fc2_bias)
         normalized_TH = self.norm.apply(self, x_TH, prefix="layer_norm_")
-        h_TF1 = self.linear(plan, 0, normalized_TH, self.fc1_kernel[...], fc1_bias)
-        y_TH = self.linear(plan, 1, self._activate(h_TF1), self.fc2_kernel[...], None if self.return_bias else fc2_bias)
+        h_TF1 = self.linear(plan, 0, normalized_TH, gathered(self.fc1_kernel), fc1_bias)
+        fc2_kernel = gathered(self.fc2_kernel)
+        y_TH = self.linear(plan, 1, self._activate(h_TF1), fc2_kernel, None if self.return_bias else fc2_bias)
         return (y_TH, fc2_bias) if self.return_bias else y_TH

@@ -17,6 +17,7 @@ from jax import Array
 from jaxside.modules.base import FP8Module, Initializer, default_kernel_init, parameter
 from jaxside.modules.config import KERNEL_AXES, ModuleConfig, check_config, check_params_dtype, check_size
 from jaxside.modules.normalization import NormSettings
+from jaxside.modules.placement import gathered
 
 
 class _Projection(FP8Module):
@@ -51,8 +52,8 @@ class _Projection(FP8Module):
         self.bias = parameter(rngs, zeros, shape[1:], self.params_dtype, out_axes, "bias", mode) if bias else None
 
     def _project(self, plan, x_TI) -> Array | tuple[Array, Array | None]:
-        bias = None if self.bias is None else self.bias[...]
-        y_TO = self.linear(plan, 0, x_TI, self.kernel[...], None if self.return_bias else bias)
+        bias = None if self.bias is None else gathered(self.bias)
+        y_TO = self.linear(plan, 0, x_TI, gathered(self.kernel), None if self.return_bias else bias)
         return (y_TO, bias) if self.return_bias else y_TO
 
 

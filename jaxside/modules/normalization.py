@@ -19,6 +19,7 @@ from jax import Array
 from jaxside.modules.base import FP8Module, parameter
 from jaxside.modules.config import ModuleConfig, check_config, check_params_dtype, check_size
 from jaxside.modules.functions import normalize
+from jaxside.modules.placement import gathered
 
 NORMALIZATIONS = {"LayerNorm": True, "RMSNorm": False}  # name -> has a bias (and subtracts the mean)
 
@@ -57,8 +58,8 @@ class NormSettings:
 
     def apply(self, module: nnx.Module, x_TH, prefix: str) -> Array:
         """Normalize x with `module`'s `{prefix}weight` / `{prefix}bias`."""
-        bias = getattr(module, f"{prefix}bias")[...] if self.has_bias else None
-        weight = getattr(module, f"{prefix}weight")[...]
+        bias = gathered(getattr(module, f"{prefix}bias")) if self.has_bias else None
+        weight = gathered(getattr(module, f"{prefix}weight"))
         return normalize(
             x_TH, weight, bias, rms=not self.has_bias, eps=self.eps, zero_centered_gamma=self.zero_centered_gamma
         )
