@@ -73,25 +73,26 @@ def _floor_ms(case: Case, args) -> float:
     return seconds * 1e3
 
 
+def train_step(layer, case: Case, x, dy, freqs) -> torch.Tensor:
+    """One forward + backward of the layer under the case's recipe (gradients dropped); the output."""
+    with fp8_autocast(enabled=case.recipe is not None, recipe=case.recipe, amax_reduction_group=dist.group.WORLD):
+        y = layer(x, rotary_pos_emb=freqs)
+    y.backward(dy)
+    for p in layer.parameters():
+        p.grad = None
+    return y.detach()
+
+
 def _step_ms(layer, case: Case, x, dy, freqs) -> tuple[float, torch.Tensor]:
     """Median wall time of one synchronized step (every rank starts together), and the step's output."""
-
-    def step():
-        with fp8_autocast(enabled=case.recipe is not None, recipe=case.recipe, amax_reduction_group=dist.group.WORLD):
-            y = layer(x, rotary_pos_emb=freqs)
-        y.backward(dy)
-        for p in layer.parameters():
-            p.grad = None
-        return y.detach()
-
     for _ in range(WARMUP):
-        output = step()
+        output = train_step(layer, case, x, dy, freqs)
     times = []
     for _ in range(STEPS):
         dist.barrier()
         torch.cuda.synchronize()
         start = time.perf_counter()
-        step()
+        train_step(layer, case, x, dy, freqs)
         torch.cuda.synchronize()
         times.append((time.perf_counter() - start) * 1e3)
     return statistics.median(times), output

@@ -35,8 +35,7 @@ import torch.distributed as dist
 from torch.autograd import DeviceType
 from torch.profiler import ProfilerActivity, profile, record_function
 
-from benchmarks.bench_tp_layer import CASES, TP, WARMUP, Case
-from torchside.autocast import fp8_autocast
+from benchmarks.bench_tp_layer import CASES, TP, WARMUP, Case, train_step
 from torchside.modules import ModuleConfig, TransformerConfig, TransformerLayer
 from torchside.modules.rotary import RotaryPositionEmbedding
 
@@ -74,17 +73,8 @@ def _synchronize(device: torch.device) -> None:
 
 def _profile_case(layer, case: Case, inputs, device: torch.device):
     """(wall ms per step, the profiler's raw events) of STEPS steps after WARMUP unprofiled ones."""
-    x, dy, freqs = inputs
-
-    def step():
-        with fp8_autocast(enabled=case.recipe is not None, recipe=case.recipe, amax_reduction_group=dist.group.WORLD):
-            y = layer(x, rotary_pos_emb=freqs)
-        y.backward(dy)
-        for p in layer.parameters():
-            p.grad = None
-
     for _ in range(WARMUP):
-        step()
+        train_step(layer, case, *inputs)
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
     walls = []
     with profile(activities=activities) as prof:
@@ -94,7 +84,7 @@ def _profile_case(layer, case: Case, inputs, device: torch.device):
             start = time.perf_counter()
             with record_function(DEVICE_RANGE):  # the GPU is idle at its start and done at its end
                 with record_function(HOST_RANGE):
-                    step()
+                    train_step(layer, case, *inputs)
                 _synchronize(device)
             walls.append((time.perf_counter() - start) * 1e3)
     return walls, prof

@@ -72,12 +72,14 @@ def reference_kernels(monkeypatch):
 
 
 class Block(nn.Module):
-    def __init__(self, config: ModuleConfig, tp_mesh=None) -> None:
+    """x + proj(qkv(x)), then x + mlp(x): a column, a row and a fc1/fc2 pair, (hidden, ffn) wide."""
+
+    def __init__(self, config: ModuleConfig, tp_mesh=None, hidden: int = H, ffn: int = F) -> None:
         super().__init__()
         column, row = (dataclasses.replace(config, parallel_mode=mode) for mode in ("column", "row"))
-        self.qkv = LayerNormLinear(H, F, config=column, tp_mesh=tp_mesh)
-        self.proj = Linear(F, H, config=row, tp_mesh=tp_mesh)
-        self.mlp = LayerNormMLP(H, F, config=config, tp_mesh=tp_mesh)
+        self.qkv = LayerNormLinear(hidden, ffn, config=column, tp_mesh=tp_mesh)
+        self.proj = Linear(ffn, hidden, config=row, tp_mesh=tp_mesh)
+        self.mlp = LayerNormMLP(hidden, ffn, config=config, tp_mesh=tp_mesh)
 
     def forward(self, x):
         x = x + self.proj(self.qkv(x))

@@ -15,8 +15,6 @@ parameter name, FP8 scaling buffers. numpy arrays, so gloo processes return them
 
 from __future__ import annotations
 
-import dataclasses
-
 import numpy as np
 import torch
 import torch.distributed as dist
@@ -24,9 +22,9 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor
 
-from tests.torchside.test_tensor_parallel import HISTORY, RECIPES, F, H, S, seeded
+from tests.torchside.test_tensor_parallel import HISTORY, RECIPES, Block, F, H, S, seeded
 from torchside.autocast import fp8_autocast, quantized_model_init
-from torchside.modules import LayerNormLinear, LayerNormMLP, Linear, ModuleConfig
+from torchside.modules import ModuleConfig
 from torchside.optim import FusedAdam, requantize_fp8_weights
 from torchside.parallel import parallelize
 from torchside.quantization import QuantizedTensor
@@ -65,21 +63,6 @@ def topology(name: str, pair_mesh: DeviceMesh | None = None) -> Topology:
         rep, dp = world.get_coordinate()
         return Topology(name, world, world, None, world["dp"], 4, 2 * rep + dp)
     raise ValueError(name)
-
-
-class Block(nn.Module):
-    """test_tensor_parallel's block at any width: x + proj(qkv(x)), then x + mlp(x)."""
-
-    def __init__(self, config: ModuleConfig, tp_mesh: DeviceMesh | None, hidden: int, ffn: int) -> None:
-        super().__init__()
-        column, row = (dataclasses.replace(config, parallel_mode=mode) for mode in ("column", "row"))
-        self.qkv = LayerNormLinear(hidden, ffn, config=column, tp_mesh=tp_mesh)
-        self.proj = Linear(ffn, hidden, config=row, tp_mesh=tp_mesh)
-        self.mlp = LayerNormMLP(hidden, ffn, config=config, tp_mesh=tp_mesh)
-
-    def forward(self, x):
-        x = x + self.proj(self.qkv(x))
-        return x + self.mlp(x)
 
 
 def build(
