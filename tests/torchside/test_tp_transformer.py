@@ -8,7 +8,11 @@ in another order) for FP8 off, Float8BlockScaling and MXFP8, whose power-of-2 sc
 with that noise; to twice one process's own quantization error (FP8 against FP8 off) for
 DelayedScaling and Float8CurrentScaling, whose scales (fmax / amax, not a power of 2) move with a
 1e-7 change of an amax, enough to flip an FP8 byte and feed it downstream (and current scaling
-takes each DP rank's own activation amax), and for NVFP4 (per-shard global amax).
+takes each DP rank's own activation amax), and for NVFP4 (per-shard global amax). On CUDA every
+FP8 recipe gets the latter bound: each rank's GEMMs run at other shapes than one process's, cuBLAS
+and the Triton autotuner pick another kernel per shape, so even the forward's fp32 sums differ in
+the last bit and can flip an FP8 byte (measured on 2 H200s: Float8BlockScaling under FSDP2 moved
+the losses 2.4e-5, the weights up to 1.2e-4).
 
 Bitwise: none of the 5-step cases, and they cannot be: FSDP2 reduce-scatters weight gradients that
 each DP rank summed over its own tokens, and row-parallel GEMMs (proj, fc2) add TP partial sums,
@@ -170,23 +174,24 @@ def _train_cases(rank, world_size, mesh_name, cases, references, device_type="cp
     return results
 
 
-def _bounds(recipe_name: str, fp8_weights: bool, references) -> tuple[float, dict[str, float]]:
+def _bounds(recipe_name: str, fp8_weights: bool, references, device_type: str) -> tuple[float, dict[str, float]]:
     """(loss bound, parameter bounds): fp32 order, or twice one process's own FP8 error (module docstring)."""
     _, expected_losses, expected = references[recipe_name, fp8_weights]
-    if recipe_name not in SCALES_MOVE:
+    fp8_bytes_can_flip = recipe_name in SCALES_MOVE or (device_type == "cuda" and recipe_name != "off")
+    if not fp8_bytes_can_flip:
         return FP32_ORDER, dict.fromkeys(expected, FP32_ORDER)
     _, high_precision_losses, high_precision = references["off", False]
     loss_bound = 2 * max(abs(a - b) / b for a, b in zip(expected_losses, high_precision_losses, strict=True))
     return loss_bound, {n: 2 * relative_error(expected[n], high_precision[n]) for n in expected}
 
 
-def check_mesh(mesh_name: str, references: dict, results_per_rank: list[dict]) -> None:
+def check_mesh(mesh_name: str, references: dict, results_per_rank: list[dict], device_type: str = "cpu") -> None:
     """Every case's losses (every rank) and final parameters (rank 0) within its bounds."""
     failures = []
     for case, (_, final) in results_per_rank[0].items():
         _, recipe_name, fp8_weights = case
         _, expected_losses, expected = references[recipe_name, fp8_weights]
-        loss_bound, bounds = _bounds(recipe_name, fp8_weights, references)
+        loss_bound, bounds = _bounds(recipe_name, fp8_weights, references, device_type)
         loss_error = max(
             abs(a - b) / b for results in results_per_rank for a, b in zip(results[case][0], expected_losses)
         )
@@ -366,4 +371,4 @@ def _nccl_parity(rank, world_size, mesh_name, cases):
 @pytest.mark.parametrize("mesh_name", ["fsdp2", "tp2"])
 def test_nccl_on_two_gpus_matches_one_process(mesh_name):
     per_rank = run_processes(_nccl_parity, 2, mesh_name, _mesh_cases(mesh_name), backend="nccl", timeout=600)
-    check_mesh(mesh_name, per_rank[0][0], [results for _, results in per_rank])
+    check_mesh(mesh_name, per_rank[0][0], [results for _, results in per_rank], "cuda")
