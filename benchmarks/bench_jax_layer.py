@@ -62,9 +62,9 @@ def compile_step(name: str, step, arguments):
     start = time.perf_counter()
     lowered = step.lower(*arguments)
     traced = time.perf_counter()
+    print(f"{name}: traced in {traced - start:.1f} s ({len(lowered.as_text()) / 1e3:.0f} kB of StableHLO)", flush=True)
     compiled = lowered.compile()
-    done = time.perf_counter()
-    print(f"{name}: traced in {traced - start:.1f} s, compiled in {done - traced:.1f} s", flush=True)
+    print(f"{name}: compiled in {time.perf_counter() - traced:.1f} s", flush=True)
     return compiled
 
 
