@@ -8,7 +8,9 @@ diverges. Blocks, by model name (H hidden, F = 4H ffn):
     mlp           x + mlp(x)                 mlp: LayerNormMLP H -> F -> H (fc1 column, fc2 row)
     transformer   TransformerLayer(x)        self_attention (fused LayerNorm-QKV, proj) + layernorm_mlp
 
-Activations are [S, B, H] (sequence first); every parameter and activation is fp32.
+Activations are [S, B, H] (sequence first); every parameter and activation is fp32. The JAX stack
+declares dim 1 the batch (jaxside.modules.tokens), so on a data-parallel mesh its FP8 GEMMs cast each
+DP shard's tokens apart, as each torch rank casts its own.
 """
 
 from __future__ import annotations
@@ -177,6 +179,7 @@ def build_jax(spec: TwinSpec):
     from flax import nnx
 
     from jaxside.modules import ModuleConfig
+    from jaxside.modules.tokens import batch_dim
 
     config = ModuleConfig(amax_history_len=spec.amax_history_len)
     build_block = MODELS[spec.model][1]
@@ -188,9 +191,10 @@ def build_jax(spec: TwinSpec):
 
         def __call__(self, x):
             outputs = []
-            for layer in self.layers:
-                x = layer(x)
-                outputs.append(x)
+            with batch_dim(1):  # [S, B, H]
+                for layer in self.layers:
+                    x = layer(x)
+                    outputs.append(x)
             return x, outputs
 
     return Stack()

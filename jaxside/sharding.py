@@ -159,12 +159,24 @@ def constrain(x: jax.Array, spec: PartitionSpec) -> jax.Array:
     Inside jit an array's type carries its mesh, so a parameter `place`d on a make_mesh mesh keeps
     it. Off such a mesh (one device, or another mesh's axes) x is returned as it is.
     """
+    mesh = _mesh_of(x)
+    if mesh is None:
+        return x
+    return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, spec))
+
+
+def data_parallel_size(x: jax.Array) -> int:
+    """dp_replicate x dp_shard of the make_mesh mesh `constrain` would use for x; 1 off such a mesh."""
+    mesh = _mesh_of(x)
+    return 1 if mesh is None else mesh.shape[DP_REPLICATE] * mesh.shape[DP_SHARD]
+
+
+def _mesh_of(x: jax.Array):
+    """The mesh in context, else the one x is on; None unless it has make_mesh's axes."""
     mesh = jax.sharding.get_abstract_mesh()
     if mesh.empty:
         mesh = jax.typeof(x).sharding.mesh
-    if tuple(mesh.axis_names) != MESH_AXES:
-        return x
-    return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, spec))
+    return mesh if tuple(mesh.axis_names) == MESH_AXES else None
 
 
 def _checked_axes(logical_axes: Sequence[str]) -> tuple[str, ...]:

@@ -30,6 +30,7 @@ from jax import Array
 
 from jaxside.formats import FORMATS, seed_as_uint32
 from jaxside.modules import autocast, functions
+from jaxside.modules.tokens import current_batch_dim
 from jaxside.modules.config import ModuleConfig
 from jaxside.quantize import delayed_scaling_update
 from jaxside.recipe import RECIPES, DelayedScaling, NVFP4BlockScaling, Recipe
@@ -121,7 +122,14 @@ class FP8Module(nnx.Module):
             scales = jnp.concatenate([forward_slots, self.fp8_backward_scale[...][gemm : gemm + 1]])
             grad_amax_sink = self.fp8_grad_amax[...][:, gemm]
         y, amaxes = functions.fp8_linear(
-            x, kernel, bias, plan.recipe, scales=scales, grad_amax_sink=grad_amax_sink, seed=plan.seed
+            x,
+            kernel,
+            bias,
+            plan.recipe,
+            scales=scales,
+            grad_amax_sink=grad_amax_sink,
+            seed=plan.seed,
+            batch_dim=current_batch_dim(),
         )
         if amaxes is not None:  # row 0 collects the max of this step's amaxes, as torchside's quantizers do
             history = self.fp8_forward_amax_history[...]

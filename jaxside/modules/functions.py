@@ -19,6 +19,15 @@ is added in fp32 and the result rounded once: y and dx to the activation dtype, 
 kernel's; the bias grad is summed in fp32. The forward keeps only the columnwise copies the
 backward reads.
 
+Data parallelism: on a make_mesh mesh whose data axes hold G > 1 shards, and with the input's
+batch dim known (jaxside.modules.tokens), the tokens are grouped [G, T / G, ...] as the G ranks hold
+them (each group flattened in the rank's own order) and every activation operand (x, dy) is cast per
+group, with that group's amax and blocks, as each torch rank casts its tokens: the GEMMs run per group
+(jax.vmap), the groups' dkernels (each rounded to the kernel's dtype, as a rank's dw) are summed, as
+FSDP reduce-scatters them. The weight is cast once. A delayed-scaling amax is the max over the groups:
+the value torchside's region-end all-reduce records. The group axis lies on the data axes, so XLA
+never gathers the batch. Without such a mesh (G = 1) the math is the single-device one.
+
 DelayedScaling state crosses the custom_vjp as arrays: `scales` (input, weight, grad) are read, the
 forward returns the amaxes of x and w for the history, and the grad's amax leaves the backward as
 the cotangent of `grad_amax_sink` ([amax, 1]: the 1 counts the backward pass), since a cotangent is
@@ -35,6 +44,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import Array, lax
+from jax.sharding import PartitionSpec
 
 from jaxside.formats import FORMATS
 from jaxside.quantize import (
@@ -53,6 +63,7 @@ from jaxside.recipe import (
     NVFP4BlockScaling,
     Recipe,
 )
+from jaxside.sharding import DP_REPLICATE, DP_SHARD, constrain, data_parallel_size
 
 ACTIVATION_DTYPES = (np.dtype(jnp.float32), np.dtype(jnp.bfloat16))  # what the GEMMs and norms write
 
@@ -153,6 +164,37 @@ class _LinearStatic:
     recipe: Recipe
     kernel_dtype: np.dtype
     bias_dtype: np.dtype | None
+    groups: int  # data-parallel shards that cast their tokens apart (module docstring); 1: all tokens together
+    batch_dim: int | None  # the input's dim they split
+
+
+_ON_DATA_AXES = PartitionSpec((DP_REPLICATE, DP_SHARD), PartitionSpec.UNCONSTRAINED, PartitionSpec.UNCONSTRAINED)
+
+
+def _group_tokens(static: _LinearStatic, x) -> Array:
+    """x [..., K] as [G, T / G, K]: group g holds the tokens of data-parallel rank g, in that rank's flattened order."""
+    if static.groups == 1:
+        return x.reshape(1, -1, x.shape[-1])
+    lead, b, groups = x.shape[:-1], static.batch_dim, static.groups
+    split = x.reshape(*lead[:b], groups, lead[b] // groups, *lead[b + 1 :], x.shape[-1])
+    return constrain(jnp.moveaxis(split, b, 0).reshape(groups, -1, x.shape[-1]), _ON_DATA_AXES)
+
+
+def _ungroup_tokens(static: _LinearStatic, y_G, lead: tuple[int, ...]) -> Array:
+    """The inverse of `_group_tokens`: [G, T / G, N] back to [*lead, N]."""
+    if static.groups == 1:
+        return y_G.reshape(*lead, y_G.shape[-1])
+    b, groups = static.batch_dim, static.groups
+    split = y_G.reshape(groups, *lead[:b], lead[b] // groups, *lead[b + 1 :], y_G.shape[-1])
+    return jnp.moveaxis(split, 0, b).reshape(*lead, y_G.shape[-1])
+
+
+def _per_group(static: _LinearStatic, fn, in_axes: tuple[int | None, ...], *args):
+    """fn over the group axis (leading) of the args whose in_axes entry is 0 (jax.vmap); one group runs fn as it is."""
+    if static.groups > 1:
+        return jax.vmap(fn, in_axes=in_axes)(*args)
+    first = [a if axis is None else jax.tree.map(lambda leaf: leaf[0], a) for a, axis in zip(args, in_axes)]
+    return jax.tree.map(lambda leaf: leaf[None], fn(*first))
 
 
 def _slot(scales, index: int):
@@ -160,12 +202,13 @@ def _slot(scales, index: int):
 
 
 def _fp8_forward(static: _LinearStatic, x, kernel, bias, scales, columnwise: bool):
-    x_TI = x.reshape(-1, x.shape[-1])
-    qx = quantize_operand(x_TI, static.recipe, "input", scale=_slot(scales, 0), columnwise=columnwise)
-    qw = quantize_operand(kernel.T, static.recipe, "weight", scale=_slot(scales, 1), columnwise=columnwise)
-    y_TO = _scaled_mm(qx, qw, x.dtype, bias=bias)
-    amaxes = None if scales is None else jnp.concatenate([qx.amax, qw.amax])
-    return y_TO.reshape(*x.shape[:-1], y_TO.shape[-1]), amaxes, qx, qw
+    recipe = static.recipe
+    quantize_x = partial(quantize_operand, recipe=recipe, role="input", scale=_slot(scales, 0), columnwise=columnwise)
+    qx_G = _per_group(static, quantize_x, (0,), _group_tokens(static, x))
+    qw = quantize_operand(kernel.T, recipe, "weight", scale=_slot(scales, 1), columnwise=columnwise)
+    y_G = _per_group(static, partial(_scaled_mm, out_dtype=x.dtype, bias=bias), (0, None), qx_G, qw)
+    amaxes = None if scales is None else jnp.concatenate([qx_G.amax.max(axis=0), qw.amax])
+    return _ungroup_tokens(static, y_G, x.shape[:-1]), amaxes, qx_G, qw
 
 
 @partial(jax.custom_vjp, nondiff_argnums=(0,))
@@ -175,41 +218,64 @@ def _fp8_linear(static: _LinearStatic, x, kernel, bias, scales, grad_amax_sink, 
 
 
 def _fp8_linear_fwd(static: _LinearStatic, x, kernel, bias, scales, grad_amax_sink, seed):
-    y, amaxes, qx, qw = _fp8_forward(static, x, kernel, bias, scales, columnwise=True)
-    residuals = (_columnwise_only(qx), _columnwise_only(qw), scales, grad_amax_sink, seed)
+    y, amaxes, qx_G, qw = _fp8_forward(static, x, kernel, bias, scales, columnwise=True)
+    residuals = (_columnwise_only(qx_G), _columnwise_only(qw), scales, grad_amax_sink, seed)
     return (y, amaxes), residuals
 
 
 def _fp8_linear_bwd(static: _LinearStatic, residuals, cotangents):
-    x_columnwise, w_columnwise, scales, grad_amax_sink, seed = residuals
+    x_columnwise_G, w_columnwise, scales, grad_amax_sink, seed = residuals
     dy = cotangents[0]  # the amaxes' cotangent carries nothing
-    dy_TO = dy.reshape(-1, dy.shape[-1])
-    qdy = quantize_operand(dy_TO, static.recipe, "grad", scale=_slot(scales, 2), seed=seed, columnwise=True)
-    dx_TI = _scaled_mm(qdy, w_columnwise, dy.dtype, b_columnwise=True)
-    dkernel_IO = _scaled_mm(x_columnwise, qdy, static.kernel_dtype, a_columnwise=True, b_columnwise=True)
-    dbias = None if static.bias_dtype is None else dy_TO.astype(jnp.float32).sum(axis=0).astype(static.bias_dtype)
-    sink_cotangent = None if grad_amax_sink is None else jnp.concatenate([qdy.amax, jnp.ones(1, jnp.float32)])
-    dx = dx_TI.reshape(*dy.shape[:-1], dx_TI.shape[-1])
-    return dx, dkernel_IO, dbias, None, sink_cotangent, None
+    dy_G = _group_tokens(static, dy)
+    quantize_dy = partial(quantize_operand, recipe=static.recipe, role="grad", scale=_slot(scales, 2), seed=seed)
+    qdy_G = _per_group(static, quantize_dy, (0,), dy_G)
+    dgrad = partial(_scaled_mm, out_dtype=dy.dtype, b_columnwise=True)
+    dx_G = _per_group(static, dgrad, (0, None), qdy_G, w_columnwise)
+    wgrad = partial(_scaled_mm, out_dtype=static.kernel_dtype, a_columnwise=True, b_columnwise=True)
+    dkernel_IO = _per_group(static, wgrad, (0, 0), x_columnwise_G, qdy_G).sum(axis=0, dtype=static.kernel_dtype)
+    dbias = None
+    if static.bias_dtype is not None:
+        dbias = dy_G.astype(jnp.float32).sum(axis=(0, 1)).astype(static.bias_dtype)
+    sink_cotangent = None
+    if grad_amax_sink is not None:
+        sink_cotangent = jnp.concatenate([qdy_G.amax.max(axis=0), jnp.ones(1, jnp.float32)])
+    return _ungroup_tokens(static, dx_G, dy.shape[:-1]), dkernel_IO, dbias, None, sink_cotangent, None
 
 
 _fp8_linear.defvjp(_fp8_linear_fwd, _fp8_linear_bwd)
 
 
+def _data_parallel_groups(x, kernel, batch_dim: int | None) -> int:
+    """How many data-parallel shards cast x's tokens apart: the mesh's data shards when x's batch dim is known."""
+    if batch_dim is None or batch_dim >= x.ndim - 1:
+        return 1
+    groups = data_parallel_size(kernel)
+    if x.shape[batch_dim] % groups:
+        raise ValueError(
+            f"the FP8 linear's input {list(x.shape)} has batch dim {batch_dim} of size {x.shape[batch_dim]}, which "
+            f"the mesh's {groups} data-parallel shards do not divide: use a batch that is a multiple of {groups}"
+        )
+    return groups
+
+
 def fp8_linear(
-    x, kernel, bias, recipe: Recipe, *, scales=None, grad_amax_sink=None, seed=None
+    x, kernel, bias, recipe: Recipe, *, scales=None, grad_amax_sink=None, seed=None, batch_dim: int | None = None
 ) -> tuple[Array, Array | None]:
     """x @ kernel + bias with FP8 GEMMs under `recipe`; returns (y, the fp32 [2] amaxes of x and w, or None).
 
     DelayedScaling only: `scales`, fp32 [3], of the input, weight and grad, and `grad_amax_sink`,
     fp32 [2], whose gradient is [grad amax, 1]; the amaxes are returned for the history. `seed`: the
-    uint32 seed of the NVFP4 grads' stochastic rounding.
+    uint32 seed of the NVFP4 grads' stochastic rounding. `batch_dim`: the dim of x a make_mesh mesh's data
+    axes split; each of its shards then casts its own tokens (module docstring). None: all tokens together.
     """
     _check_activation(x, "an FP8 linear")
     delayed = isinstance(recipe, DelayedScaling)
     if delayed != (scales is not None) or delayed != (grad_amax_sink is not None):
         raise ValueError("pass scales and grad_amax_sink exactly when the recipe is DelayedScaling")
-    static = _LinearStatic(recipe, np.dtype(kernel.dtype), None if bias is None else np.dtype(bias.dtype))
+    groups = _data_parallel_groups(x, kernel, batch_dim)
+    static = _LinearStatic(
+        recipe, np.dtype(kernel.dtype), None if bias is None else np.dtype(bias.dtype), groups, batch_dim
+    )
     return _fp8_linear(static, x, kernel, bias, scales, grad_amax_sink, seed)
 
 

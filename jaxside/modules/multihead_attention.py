@@ -36,6 +36,7 @@ from jaxside.modules.config import check_size
 from jaxside.modules.linear import LayerNormLinear, Linear
 from jaxside.modules.normalization import LayerNorm, RMSNorm
 from jaxside.modules.rotary import apply_rotary_pos_emb
+from jaxside.modules.tokens import batch_dim
 from jaxside.modules.transformer_config import TransformerConfig
 
 RotaryFreqs = Array | tuple[Array, Array] | None
@@ -161,10 +162,11 @@ class MultiheadAttention(nnx.Module):
             got = list(x.shape) if hasattr(x, "shape") else type(x).__name__
             layout = "[S, B, D]" if self.config.qkv_format == "sbhd" else "[B, S, D]"
             raise ValueError(f"MultiheadAttention takes hidden_states {layout} with D={self.hidden_size}, got {got}")
-        q, k, v = self._qkv(hidden_states)
-        if rotary_pos_emb is not None:
-            q_freqs, k_freqs = rotary_pos_emb if isinstance(rotary_pos_emb, tuple) else (rotary_pos_emb,) * 2
-            q = apply_rotary_pos_emb(q, q_freqs, self.config.qkv_format)
-            k = apply_rotary_pos_emb(k, k_freqs, self.config.qkv_format)
-        context = self.core_attention(q, k, v, attention_mask=attention_mask, attn_mask_type=attn_mask_type)
-        return self.proj(context)
+        with batch_dim(1 if self.config.qkv_format == "sbhd" else 0):  # where data parallelism splits the tokens
+            q, k, v = self._qkv(hidden_states)
+            if rotary_pos_emb is not None:
+                q_freqs, k_freqs = rotary_pos_emb if isinstance(rotary_pos_emb, tuple) else (rotary_pos_emb,) * 2
+                q = apply_rotary_pos_emb(q, q_freqs, self.config.qkv_format)
+                k = apply_rotary_pos_emb(k, k_freqs, self.config.qkv_format)
+            context = self.core_attention(q, k, v, attention_mask=attention_mask, attn_mask_type=attn_mask_type)
+            return self.proj(context)

@@ -23,6 +23,7 @@ from jaxside.modules.base import Initializer
 from jaxside.modules.config import check_size
 from jaxside.modules.layernorm_mlp import LayerNormMLP
 from jaxside.modules.multihead_attention import MultiheadAttention, RotaryFreqs, check_transformer_config
+from jaxside.modules.tokens import batch_dim
 from jaxside.modules.transformer_config import TransformerConfig
 
 
@@ -87,4 +88,5 @@ class TransformerLayer(nnx.Module):
             rotary_pos_emb=rotary_pos_emb,
         )
         hidden = hidden_states + attention_out
-        return hidden + self.layernorm_mlp(hidden)
+        with batch_dim(1 if self.config.qkv_format == "sbhd" else 0):  # where data parallelism splits the tokens
+            return hidden + self.layernorm_mlp(hidden)

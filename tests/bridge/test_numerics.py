@@ -26,19 +26,25 @@ def test_nan_and_inf_never_pass():
 
 
 def test_tolerances_are_the_stated_ones():
-    expected = {  # (recipe, stage) -> relative limit, from the module docstring's arithmetic
-        ("off", "forward"): 1e-5,
-        ("off", "exp_avg"): 1e-5,
-        ("delayed", "forward"): 2.0**-5,  # u_E4M3 / 2
-        ("mxfp8", "weight_grad"): 2.0**-4,  # u_E5M2 / 2
-        ("current", "forward"): 2.0**-3,  # 2 u_E4M3
-        ("current", "input_grad"): 2.0**-2,  # 2 u_E5M2
-        ("nvfp4", "weight_grad"): 2.0**-1,  # 2 u_E2M1
-        ("current", "exp_avg"): 2.0**-2,
-        ("current", "exp_avg_sq"): 1.25**2 - 1,
+    expected = {  # (recipe, stage, steps taken) -> relative limit, from the module docstring's arithmetic
+        ("off", "forward", 0): 1e-5,
+        ("off", "forward", 3): 1e-5,
+        ("off", "exp_avg", 1): 1e-5,
+        ("delayed", "forward", 0): 2.0**-5,  # u_E4M3 / 2: both sides cast the same values
+        ("mxfp8", "weight_grad", 0): 2.0**-4,  # u_E5M2 / 2
+        ("block", "input_grad", 0): 2.0**-4,
+        ("delayed", "forward", 1): 2.0**-3,  # 2 u_E4M3: after an update the cast values differ
+        ("mxfp8", "weight_grad", 2): 2.0**-2,  # 2 u_E5M2
+        ("mxfp8", "exp_avg", 1): 2.0**-4,  # after the first update: step 0's gradient only
+        ("mxfp8", "exp_avg", 2): 2.0**-2,  # then step 1's gradient too
+        ("current", "forward", 0): 2.0**-3,  # 2 u_E4M3 from the start
+        ("current", "input_grad", 0): 2.0**-2,  # 2 u_E5M2
+        ("nvfp4", "weight_grad", 0): 2.0**-1,  # 2 u_E2M1
+        ("current", "exp_avg", 1): 2.0**-2,
+        ("current", "exp_avg_sq", 1): 1.25**2 - 1,
     }
-    for (recipe, stage), limit in expected.items():
-        assert numerics.tolerance(recipe, stage).relative == limit, (recipe, stage)
+    for (recipe, stage, steps_taken), limit in expected.items():
+        assert numerics.tolerance(recipe, stage, steps_taken=steps_taken).relative == limit, (recipe, stage, steps_taken)
     assert numerics.tolerance("current", "layout") == numerics.BITWISE
     # Two Adam runs drift apart by at most 2 lr (1 - 0.9) / sqrt(1 - 0.999) per step taken.
     # FP8 off too: a gradient that is zero up to rounding (an attention key bias) takes +-lr Adam steps.

@@ -3,9 +3,11 @@
 torch's FSDP2 x TP (DESIGN.md, "Parallelism"): an activation [S, B, D] keeps its batch split over the
 data axes; FSDP all-gathers each parameter before use (over dp_shard) and reduce-scatters its grad; TP
 all-reduces, over tp, the output of a row-parallel GEMM and the input grad of a column-parallel one,
-both [S, B / dp, D]. Attention runs on the heads each tp rank holds. So in the optimized HLO of one
-step every all-gather is of a parameter (1-D or 2-D), no collective reshuffles an activation
-(all-to-all, collective-permute), and every all-reduce of an activation has the local batch's size.
+both [S, B / dp, D]. Under FP8 each data-parallel rank casts its own tokens, so an FP8 GEMM needs no
+more of the batch than a high-precision one (current scaling checked; FP8 off as the control).
+Attention runs on the heads each tp rank holds. So in the optimized HLO of one step every all-gather
+is of a parameter (1-D or 2-D), no collective reshuffles an activation (all-to-all,
+collective-permute), and every all-reduce of an activation has the local batch's size.
 
 A layout XLA cannot follow shows up there as an all-gather of an activation (rank >= 3) or an
 all-to-all, and on stderr as "Involuntary full rematerialization". Compiling only: about 1 s per case.
@@ -23,13 +25,15 @@ from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
 from jaxside import sharding as S
-from jaxside.modules import GRAD_FILTER, place, shardings
+from jaxside.modules import GRAD_FILTER, fp8_autocast, place, shardings
+from jaxside.recipe import Float8CurrentScaling
 from tests.jaxside.test_transformer_layer import BUILDERS, HIDDEN, SEQ
 
 BATCH = 8  # a multiple of every mesh's dp
 # module -> where its input's batch dim is: "sbhd" [S, B, D] or "bshd" [B, S, D]
 MODULES = {"layer_fused_qkv_sbhd": 1, "mha_separate_qkv_rotary_bshd": 0}
 MESHES = [(2, 2), (4, 2)]  # (dp_shard, tp)
+RECIPES = {"fp8_off": None, "current": Float8CurrentScaling()}
 
 _COLLECTIVE = re.compile(
     r"=\s*(?P<result>\(.*?\)|\S+)\s+(?P<op>all-gather|all-reduce|reduce-scatter|all-to-all|collective-permute)"
@@ -64,7 +68,7 @@ def collectives(hlo_text: str) -> list[tuple[str, tuple[tuple[int, ...], ...]]]:
     return found
 
 
-def _compiled_step(module_name: str, dp: int, tp: int) -> str:
+def _compiled_step(module_name: str, dp: int, tp: int, recipe=None) -> str:
     mesh = S.make_mesh(dp_shard=dp, tp=tp)
     model = BUILDERS[module_name]()
     place(model, mesh)
@@ -77,7 +81,8 @@ def _compiled_step(module_name: str, dp: int, tp: int) -> str:
     x, dy = (jax.device_put(jnp.ones(shape, jnp.float32), activation) for _ in range(2))
 
     def loss(model, x, dy):
-        return jnp.sum(model(x) * dy)
+        with fp8_autocast(enabled=recipe is not None, recipe=recipe):
+            return jnp.sum(model(x) * dy)
 
     def step(graphdef, state, x, dy):
         model = nnx.merge(graphdef, state)
@@ -89,10 +94,14 @@ def _compiled_step(module_name: str, dp: int, tp: int) -> str:
     return jitted.lower(graphdef, state, x, dy).compile().as_text()
 
 
-@pytest.mark.parametrize("dp, tp", MESHES)
-@pytest.mark.parametrize("module_name", MODULES)
-def test_step_moves_only_parameters_and_tp_partial_sums(module_name, dp, tp):
-    found = collectives(_compiled_step(module_name, dp, tp))
+# FP8 off on every mesh; FP8 on the (2, 2) mesh only (the per-shard casting does not depend on dp's size)
+STEPS = [(m, mesh, "fp8_off") for m in MODULES for mesh in MESHES] + [(m, (2, 2), "current") for m in MODULES]
+
+
+@pytest.mark.parametrize("module_name, mesh_shape, recipe_name", STEPS)
+def test_step_moves_only_parameters_and_tp_partial_sums(module_name, mesh_shape, recipe_name):
+    dp, tp = mesh_shape
+    found = collectives(_compiled_step(module_name, dp, tp, RECIPES[recipe_name]))
     local_activation = SEQ * (BATCH // dp) * HIDDEN
     summary = sorted({(op, shapes) for op, shapes in found})
 

@@ -1,0 +1,40 @@
+"""Which dim of an activation is the batch, for the FP8 GEMMs called inside: `batch_dim(dim)`.
+
+On a make_mesh mesh data parallelism splits the batch, and each torch rank casts the tokens it
+holds, with its own amax and its own token blocks. An FP8 GEMM can only cast per data-parallel
+shard as torch does if it knows which dim that split is on; the modules that know the layout
+(TransformerLayer, MultiheadAttention: `qkv_format`) open this context around their calls.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from collections.abc import Iterator
+
+_THREAD_STATE = threading.local()  # .batch_dims: the stack of open contexts, made on first use
+
+
+def _stack() -> list[int]:
+    if not hasattr(_THREAD_STATE, "batch_dims"):
+        _THREAD_STATE.batch_dims = []
+    return _THREAD_STATE.batch_dims
+
+
+@contextlib.contextmanager
+def batch_dim(dim: int) -> Iterator[None]:
+    """FP8 GEMMs called inside read dim `dim` of their input as the batch (the innermost context decides)."""
+    if isinstance(dim, bool) or not isinstance(dim, int) or dim < 0:
+        raise ValueError(f"batch_dim({dim!r}): pass the batch's dim index, an integer >= 0")
+    stack = _stack()
+    stack.append(dim)
+    try:
+        yield
+    finally:
+        stack.pop()
+
+
+def current_batch_dim() -> int | None:
+    """The innermost `batch_dim` of this thread, or None outside any (the GEMM then casts all tokens together)."""
+    stack = _stack()
+    return stack[-1] if stack else None
