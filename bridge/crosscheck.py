@@ -138,7 +138,11 @@ def verify(runtime, cases: Sequence[VerifyCase], rules: Iterable[params.Rule] = 
             report = _verify_recipe(runtime, world, mesh, case, recipe, rules)
             reports.append(report.to_json())
             if runtime.rank == 0:  # progress on long grids (the tables come at the end)
-                verdict = "passed" if report.passed else f"DIVERGED at {report.first_divergence.name}"
+                first = report.first_divergence
+                verdict = "passed" if report.passed else (
+                    f"DIVERGED at {first.name} ({first.stage}, step {first.step}: relative {first.relative:.2e} "
+                    f"against {first.tolerance.relative}, max abs {first.max_abs:.2e} against {first.tolerance.max_abs})"
+                )  # fmt: skip
                 print(f"verify [{len(reports)}/{total}] {case.mesh} {recipe}: {verdict} "
                       f"({time.perf_counter() - started:.1f} s)", file=sys.stderr, flush=True)  # fmt: skip
     return reports
