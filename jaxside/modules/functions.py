@@ -63,6 +63,7 @@ from jaxside.recipe import (
     NVFP4BlockScaling,
     Recipe,
 )
+from jaxside.modules.tokens import forced_data_parallel_groups
 from jaxside.sharding import DP_REPLICATE, DP_SHARD, constrain, data_parallel_size
 
 ACTIVATION_DTYPES = (np.dtype(jnp.float32), np.dtype(jnp.bfloat16))  # what the GEMMs and norms write
@@ -246,14 +247,15 @@ _fp8_linear.defvjp(_fp8_linear_fwd, _fp8_linear_bwd)
 
 
 def _data_parallel_groups(x, kernel, batch_dim: int | None) -> int:
-    """How many data-parallel shards cast x's tokens apart: the mesh's data shards when x's batch dim is known."""
+    """How many data-parallel shards cast x's tokens apart when x's batch dim is known: a
+    `data_parallel_groups` context's count, else the mesh's data shards."""
     if batch_dim is None or batch_dim >= x.ndim - 1:
         return 1
-    groups = data_parallel_size(kernel)
+    groups = forced_data_parallel_groups() or data_parallel_size(kernel)
     if x.shape[batch_dim] % groups:
         raise ValueError(
             f"the FP8 linear's input {list(x.shape)} has batch dim {batch_dim} of size {x.shape[batch_dim]}, which "
-            f"the mesh's {groups} data-parallel shards do not divide: use a batch that is a multiple of {groups}"
+            f"{groups} data-parallel shards do not divide: use a batch that is a multiple of {groups}"
         )
     return groups
 

@@ -23,7 +23,7 @@ from flax import nnx
 
 from jaxside import sharding as S
 from jaxside.modules import GRAD_FILTER, Linear, fp8_autocast, fp8_linear, place
-from jaxside.modules.tokens import batch_dim
+from jaxside.modules.tokens import batch_dim, data_parallel_groups
 from jaxside.recipe import Float8BlockScaling, Float8CurrentScaling
 
 SEQ, BATCH, IN, OUT = 16, 8, 64, 32  # [S, B, I]: 32 tokens per shard on 4 DP shards
@@ -100,6 +100,32 @@ def test_each_dp_shard_casts_its_own_tokens(recipe_name):
     whole_batch = _on_mesh(recipe, *inputs, per_shard=False)  # the control: one cast over every shard's tokens
     control = {name: _relative(a, b) for name, a, b in zip(names, whole_batch, expected)}
     assert max(control[name] for name in ("y", "dkernel")) > 100 * ORDER_ONLY, f"{recipe_name}: {control}"
+
+
+@pytest.mark.parametrize("recipe_name", RECIPES)
+def test_one_device_told_the_dp_ranks_casts_as_they_do(recipe_name):
+    """data_parallel_groups(4) on one device: the same casts as the 4 shards' (a G-rank run's numerics, no mesh)."""
+    recipe, (x, dy, kernel, bias) = RECIPES[recipe_name], _inputs()
+
+    @jax.jit
+    def grouped_step(x, dy, kernel, bias):
+        def loss(x, kernel, bias):
+            with data_parallel_groups(4):
+                y, _ = fp8_linear(x, kernel, bias, recipe, batch_dim=1)
+            return jnp.sum(y * dy), y
+
+        (dx, dkernel, dbias), y = jax.grad(loss, argnums=(0, 1, 2), has_aux=True)(x, kernel, bias)
+        return y, dx, dkernel, dbias
+
+    got, expected = grouped_step(x, dy, kernel, bias), _per_shard_reference(recipe, x, dy, kernel, bias)
+    errors = {name: _relative(a, b) for name, a, b in zip(("y", "dx", "dkernel", "dbias"), got, expected)}
+    assert all(error <= ORDER_ONLY for error in errors.values()), f"{recipe_name}: {errors}"
+
+
+@pytest.mark.parametrize("groups", [0, 2.0, True])
+def test_data_parallel_groups_takes_a_rank_count(groups):
+    with pytest.raises(ValueError, match="pass the number of data-parallel ranks"), data_parallel_groups(groups):
+        pass
 
 
 def test_a_batch_the_dp_shards_do_not_divide_is_refused():

@@ -4,8 +4,10 @@ DotProductAttention, MultiheadAttention, TransformerLayer and GroupedLinear (tes
 LayerNormMLP, whose fc1, fc2 and norm hold every rules row). Each case is one jitted training step
 (forward, backward, finish_backward) run twice: with the module and its inputs on one device, and on
 the FSDP x TP mesh make_mesh(dp_shard=4, tp=2), parameters placed by jaxside.sharding's rules
-(`place`) and inputs by their logical axes. It is the same program, so a difference comes from how
-XLA partitions it. DelayedScaling runs two steps (the second casts with the scales of the first's
+(`place`) and inputs by their logical axes. On the mesh each data-parallel rank casts its own tokens
+(as torch ranks do: current scaling with its own amax); the single-device step casts the same token
+groups (jaxside.modules.tokens.data_parallel_groups). It is the same program, so a difference comes
+from how XLA partitions it. DelayedScaling runs two steps (the second casts with the scales of the first's
 amaxes) and its FP8 state is compared too.
 
 What must agree, and how closely. Nothing here came out bitwise on XLA's CPU backend, not even
@@ -27,6 +29,7 @@ and small shapes: test_transformer_layer.py's modules, 64 tokens, 64 features.
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -48,6 +51,7 @@ from jaxside.modules import (
     fp8_autocast,
     place,
 )
+from jaxside.modules.tokens import data_parallel_groups
 from jaxside.recipe import DelayedScaling
 from tests.jaxside.test_modules_numerics import ELEMENT_TOLERANCE, RECIPES, mismatches
 from tests.jaxside.test_transformer_layer import BUILDERS, GQA_GROUPS, HEAD_DIM, HEADS, SEQ
@@ -101,15 +105,20 @@ CASES = {
     ),
 }
 ATTENTION = "dot_product_attention_gqa"  # no FP8 GEMM: a recipe would change nothing in it
+DP_GROUPS = 4  # the mesh's data-parallel ranks: dp_shard=4, tp=2
 PAIRS = [(ATTENTION, "off")] + [(case, r) for case in CASES if case != ATTENTION for r in ("off", "current", "delayed")]
 
 
-def _step(module, inputs: list, dy, case_name: str, recipe_name: str) -> dict:
-    """One training step: y, the input grads, the parameter grads and the FP8 state after finish_backward."""
+def _step(module, inputs: list, dy, case_name: str, recipe_name: str, dp_groups: int | None) -> dict:
+    """One training step: y, the input grads, the parameter grads and the FP8 state after finish_backward.
+
+    dp_groups: cast the tokens as that many data-parallel ranks would (None: as the mesh's do).
+    """
     call, recipe = CASES[case_name].call, RECIPES[recipe_name]
 
     def loss(module, *inputs):
-        with fp8_autocast(enabled=recipe is not None, recipe=recipe):
+        groups = contextlib.nullcontext() if dp_groups is None else data_parallel_groups(dp_groups)
+        with groups, fp8_autocast(enabled=recipe is not None, recipe=recipe):
             y = call(module, *inputs)
         return jnp.sum(y * dy), y
 
@@ -122,19 +131,20 @@ def _step(module, inputs: list, dy, case_name: str, recipe_name: str) -> dict:
     return results
 
 
-_jitted_step = nnx.jit(_step, static_argnames=("case_name", "recipe_name"))
+_jitted_step = nnx.jit(_step, static_argnames=("case_name", "recipe_name", "dp_groups"))
 
 
 def _last_step(module, inputs: list, dy, case_name: str, recipe_name: str, mesh=None) -> dict:
     """The last of one step, or two for DelayedScaling (the second casts with the scales of the first's amaxes).
 
     With a mesh, the module's variables are `place`d on it before each step (so the second step
-    reuses the first's compilation, whatever shardings XLA gave the updated state).
+    reuses the first's compilation, whatever shardings XLA gave the updated state). Without one, the
+    tokens are cast in DP_GROUPS groups, as the mesh's data-parallel ranks cast theirs.
     """
     for _ in range(2 if isinstance(RECIPES[recipe_name], DelayedScaling) else 1):
         if mesh is not None:
             place(module, mesh)
-        results = _jitted_step(module, inputs, dy, case_name, recipe_name)
+        results = _jitted_step(module, inputs, dy, case_name, recipe_name, None if mesh else DP_GROUPS)
     return results
 
 
@@ -148,7 +158,7 @@ def _random_vectors(module: nnx.Module, rng: np.random.Generator) -> nnx.Module:
 
 @pytest.mark.parametrize("case_name, recipe_name", PAIRS)
 def test_fsdp_x_tp_step_equals_single_device_step(case_name, recipe_name):
-    case, mesh = CASES[case_name], S.make_mesh(dp_shard=4, tp=2)
+    case, mesh = CASES[case_name], S.make_mesh(dp_shard=DP_GROUPS, tp=2)
     rng = np.random.default_rng(5)
     arrays = [jnp.asarray(rng.standard_normal([size for size, _ in dims]), jnp.float32) for dims in case.inputs]
     *inputs, dy = arrays
