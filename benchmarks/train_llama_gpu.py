@@ -26,12 +26,12 @@ import argparse
 import datetime
 import json
 import os
-import statistics
 import subprocess
 import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from statistics import fmean
 
 import torch
 
@@ -108,11 +108,8 @@ def load_runs(recipes: list[str], root: Path) -> dict[str, list[Run]]:
 
 def report(runs: dict[str, list[Run]], recipes: list[str], root: Path) -> int:
     """Print the table, draw the curves; 1 if a recipe is missing, non-finite or misses the loss bar."""
-    def mean(values):
-        return statistics.fmean(values)
-
     finals = {recipe: [run.summary["final_loss"] for run in recipe_runs] for recipe, recipe_runs in runs.items()}
-    baseline = mean(finals["off"]) if "off" in finals else None
+    baseline = fmean(finals["off"]) if "off" in finals else None
     print(f"{'recipe':8} {'runs':>4} {'steps':>6} {'tokens/s':>10} {'wall s':>7} {'final loss':>10} "
           f"{'range':>15} {'vs bf16':>8} {'NaN/Inf':>8}")  # fmt: skip
     failed = False
@@ -121,15 +118,15 @@ def report(runs: dict[str, list[Run]], recipes: list[str], root: Path) -> int:
             print(f"{recipe:8} did not finish")
             failed = True
             continue
-        recipe_runs, final = runs[recipe], mean(finals[recipe])
+        recipe_runs, final = runs[recipe], fmean(finals[recipe])
         relative = (final - baseline) / baseline if baseline else float("nan")
         nonfinite = sum(run.summary["nonfinite_losses"] + run.summary["nonfinite_params"] for run in recipe_runs)
         failed |= nonfinite > 0 or (recipe != "off" and not relative <= LOSS_BAR)
         spread = f"{min(finals[recipe]):.4f}-{max(finals[recipe]):.4f}"
         print(
             f"{recipe:8} {len(recipe_runs):4d} {min(len(run.losses) for run in recipe_runs):6d} "
-            f"{mean([run.summary['tokens_per_s'] for run in recipe_runs]):10.0f} "
-            f"{mean([run.summary['wall_s'] for run in recipe_runs]):7.1f} {final:10.4f} {spread:>15} "
+            f"{fmean([run.summary['tokens_per_s'] for run in recipe_runs]):10.0f} "
+            f"{fmean([run.summary['wall_s'] for run in recipe_runs]):7.1f} {final:10.4f} {spread:>15} "
             f"{relative:+8.2%} {nonfinite:8d}"
         )
     if runs:
