@@ -441,6 +441,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         del report["losses"]
         print(json.dumps(report), flush=True)
     if dist.is_initialized():
+        # Every rank past its last collective (rank 0 was still plotting) before any tears gloo down: a rank
+        # destroying its groups while a peer still uses them aborted the process ("terminate called without an
+        # active exception", seen twice in CI on the 2-rank resume test).
+        dist.barrier()
         dist.destroy_process_group()
     return 0 if summary.nonfinite_losses == 0 and summary.nonfinite_params == 0 else 1
 
