@@ -2,8 +2,10 @@
 
 For each recipe (off = bf16 GEMMs, delayed, current, block) and seed, one `python -m torchside.train`
 process on the synthetic corpus: bf16 parameters with fp32 master weights in FusedAdam, the same data
-and schedule. Runs go one per GPU at a time (on 2 GPUs two at once; a GPU is never shared, so
-tokens/s is each run's own). Printed per recipe: runs, tokens/s (after the first 100 steps: Triton
+and schedule. Runs go one per GPU at a time (on 2 GPUs two at once), so tokens/s is each run's own;
+`--runs-per-gpu K` shares each GPU among K runs (a step of this size keeps an H200 mostly idle between
+launches, so K runs finish sooner than K runs in turn; tokens/s is then a shared GPU's, marked so).
+Printed per recipe: runs, tokens/s (after the first 100 steps: Triton
 compilation and autotuning), wall time, final loss (mean of the last 50 steps; with several seeds
 their mean and range), its distance to bf16's, NaN/Inf counts (losses and parameters); then
 `curves.png` with every loss curve. Exit code 1 if any run has a non-finite value or a recipe's mean
@@ -64,13 +66,13 @@ def _command(recipe: str, seed: int, args, out: Path) -> list[str]:
 
 
 def train_all(recipes: list[str], seeds: list[int], args, root: Path) -> None:
-    """Each (recipe, seed) in its own process, at most one per GPU at a time; writes its summary.json."""
+    """Each (recipe, seed) in its own process, at most `args.runs_per_gpu` per GPU at a time; writes its summary.json."""
     visible = os.environ.get("CUDA_VISIBLE_DEVICES")  # the children get one of the devices this process sees
     gpus = visible.split(",") if visible else [str(g) for g in range(torch.cuda.device_count())]
     waiting, running = [(recipe, seed) for seed in seeds for recipe in recipes], {}
     while waiting or running:
-        while waiting and len(running) < len(gpus):
-            (recipe, seed), gpu = waiting.pop(0), next(g for g in gpus if g not in running.values())
+        while waiting and len(running) < len(gpus) * args.runs_per_gpu:
+            (recipe, seed), gpu = waiting.pop(0), min(gpus, key=list(running.values()).count)  # the least shared
             out = _run_dir(root, recipe, seed)
             out.mkdir(parents=True, exist_ok=True)
             env = os.environ | {"CUDA_VISIBLE_DEVICES": gpu}
@@ -88,7 +90,7 @@ def train_all(recipes: list[str], seeds: list[int], args, root: Path) -> None:
             if summary_line is None:
                 print(f"{name}: exit {process.returncode} without a summary; last lines:", *lines[-15:], sep="\n")
                 continue
-            summary = json.loads(summary_line) | {"wall_s": time.perf_counter() - started}
+            summary = json.loads(summary_line) | {"wall_s": time.perf_counter() - started, "runs_per_gpu": args.runs_per_gpu}
             (out / SUMMARY_NAME).write_text(json.dumps(summary))
             print(f"finished {name}: {summary['tokens_per_s']:.0f} tokens/s, {summary['wall_s']:.0f} s", flush=True)
 
@@ -110,7 +112,7 @@ def report(runs: dict[str, list[Run]], recipes: list[str], root: Path) -> int:
     """Print the table, draw the curves; 1 if a recipe is missing, non-finite or misses the loss bar."""
     finals = {recipe: [run.summary["final_loss"] for run in recipe_runs] for recipe, recipe_runs in runs.items()}
     baseline = fmean(finals["off"]) if "off" in finals else None
-    print(f"{'recipe':8} {'runs':>4} {'steps':>6} {'tokens/s':>10} {'wall s':>7} {'final loss':>10} "
+    print(f"{'recipe':8} {'runs':>4} {'steps':>6} {'tokens/s':>10} {'per GPU':>7} {'wall s':>7} {'final loss':>10} "
           f"{'range':>15} {'vs bf16':>8} {'NaN/Inf':>8}")  # fmt: skip
     failed = False
     for recipe in recipes:
@@ -126,6 +128,7 @@ def report(runs: dict[str, list[Run]], recipes: list[str], root: Path) -> int:
         print(
             f"{recipe:8} {len(recipe_runs):4d} {min(len(run.losses) for run in recipe_runs):6d} "
             f"{fmean([run.summary['tokens_per_s'] for run in recipe_runs]):10.0f} "
+            f"{max(run.summary.get('runs_per_gpu', 1) for run in recipe_runs):7d} "
             f"{fmean([run.summary['wall_s'] for run in recipe_runs]):7.1f} {final:10.4f} {spread:>15} "
             f"{relative:+8.2%} {nonfinite:8d}"
         )
@@ -149,6 +152,7 @@ def main() -> int:
     parser.add_argument("--lr", type=float, default=1.5e-3)
     parser.add_argument("--recipes", default=",".join(RECIPES), help="comma-separated recipes to train now")
     parser.add_argument("--seeds", default="0", help="comma-separated seeds: each recipe trains once per seed")
+    parser.add_argument("--runs-per-gpu", type=int, default=1, help="runs sharing one GPU (tokens/s then shared)")
     parser.add_argument("--report-only", action="store_true", help="only report the runs already in --out")
     parser.add_argument("--out", default="runs/train_llama_gpu")
     args = parser.parse_args()
@@ -157,6 +161,8 @@ def main() -> int:
         seeds = [int(seed) for seed in args.seeds.split(",")]
     except ValueError:
         parser.error(f"--seeds {args.seeds!r}: pass comma-separated integers, e.g. 0,1,2")
+    if args.runs_per_gpu < 1:
+        parser.error(f"--runs-per-gpu {args.runs_per_gpu}: pass 1 or more")
     unknown = sorted(set(recipes) - set(RECIPES))
     if unknown:
         parser.error(f"--recipes: unknown {unknown}; pick from {', '.join(RECIPES)}")
