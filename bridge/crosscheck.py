@@ -35,6 +35,7 @@ MESH_ALIASES = {"rep": "dp_replicate", "dp_replicate": "dp_replicate", "dp": "dp
 HISTORY = 4  # DelayedScaling amax history rows
 SEQUENCE, BATCH = 16, 8  # tokens per rank: SEQUENCE * BATCH / DP (a multiple of 32 for MXFP8's token blocks)
 LR = 1e-3
+ADAM_MOMENTS = ("exp_avg", "exp_avg_sq")  # compared, and handed to the JAX twin after each step
 
 
 @dataclass(frozen=True)
@@ -195,11 +196,30 @@ def _verify_recipe(runtime, world, mesh, case: VerifyCase, recipe: str, rules) -
         common["steps_taken"] = step + 1
         jax_params = params.jax_parameters(models.jax_model)
         collect(report, step, "param", _param_entries(models, jax_params, torch_params), **common)
-        for moment in ("exp_avg", "exp_avg_sq"):
+        for moment in ADAM_MOMENTS:
             torch_moments = {name: torch_optimizer.state[p][moment] for name, p in torch_params.items()}
             jax_moments = _jax_moments(jax_optimizer, moment)
             collect(report, step, moment, _param_entries(models, jax_moments, torch_moments), **common)
+        _start_jax_from_torch(models, torch_optimizer, jax_optimizer, mesh)
     return report
+
+
+def _start_jax_from_torch(models: _Twins, torch_optimizer, jax_optimizer, mesh) -> None:
+    """The JAX twin takes torch's parameters and Adam moments: the next step is compared from one state.
+
+    Left to run free, the two would drift apart and later checks would measure the drift (bridge.numerics).
+    """
+    from flax import nnx
+
+    torch_params = dict(models.torch_model.named_parameters())
+    values = params.torch_values_to_jax(torch_params, models.pairs, mesh, models.shardings)
+    params.load_into_jax(models.jax_model, values)
+    moments = params.optimizer_states_to_jax(torch_optimizer, models.torch_model, models.pairs, mesh, models.shardings)
+    flat = dict(nnx.to_flat_state(nnx.state(jax_optimizer)))
+    for moment in ADAM_MOMENTS:
+        for path, value in moments[moment].items():
+            flat[("opt_state", moment, *path)].set_value(value)
+    nnx.update(jax_optimizer, nnx.from_flat_state(flat))
 
 
 def _build_twins(runtime, world, mesh, case: VerifyCase, rules, report: VerifyReport) -> _Twins:

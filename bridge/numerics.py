@@ -6,35 +6,38 @@ passes. Quantized bytes compare bitwise (`BITWISE`). Norms are summed shard by s
 compares its own shards (JAX's resharded to torch's layout, bridge.params / bridge.transfer) and
 one all-reduce per step adds them up; a shard held by r ranks counts 1/r on each.
 
+Every step starts both sides from one state: after a step's checks the JAX twin takes torch's
+parameters and Adam moments (`shardbridge verify`, bridge.crosscheck). Left to run free, the two
+drift apart (Adam turns rounding noise into +-lr steps, below), and every later check would measure
+that drift instead of the step: on an H200, FP8 off, the forward of step 1 differed by 2e-5 after
+one free update (parameters 7.7e-5 apart), 1e-6 from the same state.
+
 Tolerances, from the arithmetic (u: unit roundoff, 2^-24 fp32, 2^-4 E4M3, 2^-3 E5M2, 2^-2 E2M1):
 
 - FP8 off: both sides compute in fp32 in different orders (XLA also fuses multiply-adds), a few u
-  times sqrt(K) per GEMM: 1e-5 relative for activations, gradients and parameters.
-- Recipes whose scales both sides compute alike (DelayedScaling with the world as amax group,
-  1x128/128x128 blocks, MXFP8; on a data-parallel mesh the JAX twin casts each DP shard's tokens
-  with that shard's blocks, as each torch rank does: jaxside.modules.tokens): the FP8 operands are
-  the same but for codes flipped by fp32-order noise just before a cast; test_modules_cross bounds
-  those to 1/16 of a tensor, each moved by one code (2u), so 2u * sqrt(1/16) = u/2: 2^-5 forward
-  (E4M3), 2^-4 for gradients (E5M2). That premise holds while both sides cast the same values: at
-  the first step only. From the first update on the parameters differ (the Adam drift below), so
-  every activation and gradient differs a little and any element may round to the neighbouring
-  code; DelayedScaling's history then also holds amaxes of such tensors, so its scales differ too.
-  Later steps get the bound of the next item (2u). Measured (2-layer TransformerLayer, hidden 256,
-  FSDP x TP 2x2, 5 steps): <= 5.4e-3 forward and 3.5e-2 gradients at step 0 (within u/2), then up to
-  3.9e-2 forward and 7.5e-2 gradients (1.25e-1 delayed) from step 1 on (past u/2, within 2u).
+  times sqrt(K) per GEMM: 1e-5 relative for activations, gradients and moments.
+- Recipes whose scales both sides compute alike (1x128/128x128 blocks, MXFP8; DelayedScaling at the
+  first step, with the world as amax group; on a data-parallel mesh the JAX twin casts each DP
+  shard's tokens with that shard's blocks, as each torch rank does: jaxside.modules.tokens): the FP8
+  operands are the same but for codes flipped by fp32-order noise just before a cast;
+  test_modules_cross bounds those to 1/16 of a tensor, each moved by one code (2u), so
+  2u * sqrt(1/16) = u/2: 2^-5 forward (E4M3), 2^-4 for gradients (E5M2). DelayedScaling's later
+  steps take the next item's bound: its amax history holds each side's own amaxes (of tensors
+  computed in different orders), so its scales differ (measured free-running, 2-layer
+  TransformerLayer, FSDP x TP 2x2: up to 1.25e-1 on gradients, within 2u).
 - Recipes whose scales differ (Float8CurrentScaling: torch scales each DP rank's activations and
   gradients by that rank's amax; JAX does so on a data-parallel mesh, but a twin off the mesh (the
   demo's one-device forward) casts the whole batch with one amax; NVFP4: torch's global amaxes are
   of the shard each rank holds, TP's feature split included): every element of an operand may sit
   one quantization step apart, up to 2u relative: 2^-3 forward (E4M3), 2^-2 for gradients (E5M2);
   2^-1 for NVFP4's E2M1.
-- Parameters follow two Adam trajectories whose per-step moves are at most
-  lr * max(1, (1 - beta1) / sqrt(1 - beta2)) each, so they may drift apart by twice that per step
-  (max-abs), with FP8 off too: Adam divides a gradient by its own magnitude, so a gradient that is
-  zero up to rounding (an attention key bias: softmax ignores what it adds to every score) takes
-  full +-lr steps whose signs are the rounding noise of each framework. A wrong mapping moves
-  parameters by their initial values instead. Adam's exp_avg averages
-  gradients (the gradient's tolerance), exp_avg_sq their squares ((1 + g)^2 - 1).
+- Parameters after one Adam step from the same state are at most twice one step's move apart,
+  lr * max(1, (1 - beta1) / sqrt(1 - beta2)) (max-abs), with FP8 off too: Adam divides a gradient by
+  its own magnitude, so a gradient that is zero up to rounding (an attention key bias: softmax
+  ignores what it adds to every score) takes a full +-lr step whose sign is the rounding noise of
+  each framework. A wrong mapping moves parameters by their initial values instead. Adam's exp_avg
+  adds (1 - beta1) of this step's gradient to the common moment (the gradient's tolerance),
+  exp_avg_sq its square ((1 + g)^2 - 1).
 """
 
 from __future__ import annotations
@@ -74,16 +77,18 @@ def _fp8(u_forward: float, u_grad: float, factor: float) -> dict[str, Tolerance]
 SAME_SCALES, OWN_SCALES = 0.5, 2.0  # factors of u (module docstring)
 FP8_UNITS = {"delayed": (E4M3_U, E5M2_U), "block": (E4M3_U, E5M2_U), "mxfp8": (E4M3_U, E5M2_U),
              "current": (E4M3_U, E5M2_U), "nvfp4": (E2M1_U, E2M1_U)}  # fmt: skip
-SAME_VALUES_AT_FIRST_STEP = ("delayed", "block", "mxfp8")  # SAME_SCALES until the first update, then OWN_SCALES
+SAME_SCALES_ALWAYS = ("block", "mxfp8")  # scales from the step's own values only
+SAME_SCALES_AT_FIRST_STEP = ("delayed",)  # then from each side's own amax history
 
-# recipe -> stage -> tolerance from the first update on ("param" and the optimizer states: see `tolerance`).
+# recipe -> stage -> tolerance where the two sides' scales may differ ("param" and the optimizer states:
+# see `tolerance`).
 TOLERANCES: dict[str, dict[str, Tolerance]] = {
     "off": dict.fromkeys(("forward", "input_grad", "weight_grad"), Tolerance(FP32_ORDER)),
     **{recipe: _fp8(*units, OWN_SCALES) for recipe, units in FP8_UNITS.items()},
 }
-# recipe -> stage -> tolerance at the first step, where it is tighter (both sides cast the same values).
-FIRST_STEP_TOLERANCES: dict[str, dict[str, Tolerance]] = {
-    recipe: _fp8(*FP8_UNITS[recipe], SAME_SCALES) for recipe in SAME_VALUES_AT_FIRST_STEP
+# recipe -> stage -> tolerance where both sides cast the same values with the same scales (tighter).
+SAME_SCALE_TOLERANCES: dict[str, dict[str, Tolerance]] = {
+    recipe: _fp8(*FP8_UNITS[recipe], SAME_SCALES) for recipe in SAME_SCALES_ALWAYS + SAME_SCALES_AT_FIRST_STEP
 }
 
 ADAM_BETAS = (0.9, 0.999)
@@ -100,13 +105,13 @@ def tolerance(recipe: str, stage: str, *, lr: float = 0.0, steps_taken: int = 0)
     if stage == "layout":
         return BITWISE
     if stage in TOLERANCES[recipe]:
-        first_step = FIRST_STEP_TOLERANCES.get(recipe, {}) if steps_taken == 0 else {}
-        return first_step.get(stage, TOLERANCES[recipe][stage])
+        same_scales = recipe in SAME_SCALES_ALWAYS or (recipe in SAME_SCALES_AT_FIRST_STEP and steps_taken == 0)
+        return SAME_SCALE_TOLERANCES[recipe][stage] if same_scales else TOLERANCES[recipe][stage]
     if stage == "param":  # every recipe, FP8 off included (module docstring: Adam turns noise into steps)
-        return Tolerance(None, 2 * steps_taken * adam_step_bound(lr))
+        return Tolerance(None, 2 * adam_step_bound(lr))
     if recipe == "off":
         return Tolerance(FP32_ORDER)
-    # The moments after update k average the gradients of steps 0..k-1: the loosest of their tolerances.
+    # The moments after update k: the common moments of update k - 1 plus step k - 1's gradient.
     grad = tolerance(recipe, "weight_grad", steps_taken=max(steps_taken - 1, 0)).relative
     return Tolerance(grad if stage == "exp_avg" else (1 + grad) ** 2 - 1)
 
@@ -215,8 +220,8 @@ def collect(
 
 __all__ = [
     "BITWISE",
-    "FIRST_STEP_TOLERANCES",
     "RECIPES",
+    "SAME_SCALE_TOLERANCES",
     "STAGES",
     "TOLERANCES",
     "TensorCheck",
