@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import functools
 import os
 import sys
 import time
@@ -30,7 +31,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 import kernels._backend as backend_module
 from kernels._backend import Backend
 from torchside.autocast import fp8_autocast
-from torchside.modules import LayerNormMLP, Linear
+from torchside.modules import GroupedLinear, LayerNormMLP, Linear
 from torchside.recipe import DelayedScaling, Float8BlockScaling, Float8CurrentScaling
 
 RECIPES = {"delayed": DelayedScaling, "current": Float8CurrentScaling, "block": Float8BlockScaling}
@@ -118,6 +119,10 @@ def main() -> None:
         # DelayedScaling updates a region's modules together: what that costs per module shows with several
         "4 x LayerNormMLP": torch.nn.Sequential(
             *(LayerNormMLP(128, 256, params_dtype=torch.bfloat16) for _ in range(4))
+        ),
+        # 8 experts over the 16 rows, unevenly (one without tokens), as an MoE router leaves them
+        "GroupedLinear x8": functools.partial(
+            GroupedLinear(8, 128, 128, params_dtype=torch.bfloat16), m_splits=[1, 3, 0, 2, 4, 1, 2, 3]
         ),
     }
     print(f"host time per fwd+bwd, kernels stubbed (torch {torch.__version__}, best of 5 x {args.iters} iterations)")

@@ -96,3 +96,33 @@ def check_global_amax(global_amax: Tensor | None, rotated_columnwise: bool, devi
             "global_amax stands for x's amax, not for that of the Hadamard-rotated columnwise copy: "
             "pass hadamard=False, or columnwise=False, or leave global_amax None"
         )
+
+
+def check_splits(m_splits: object, rows: int) -> list[int]:
+    """Row counts of consecutive groups of x's rows: integers >= 0 that sum to x's rows."""
+    if isinstance(m_splits, Tensor) or not isinstance(m_splits, list | tuple):
+        raise TypeError(f"m_splits must be a list of row counts, one per group, got {type(m_splits).__name__}")
+    splits = list(m_splits)
+    if any(isinstance(m, bool) or not isinstance(m, int) or m < 0 for m in splits) or sum(splits) != rows:
+        raise ValueError(
+            f"m_splits={splits} must be integers >= 0 that sum to x's {rows} rows (the product of its leading dims)"
+        )
+    return splits
+
+
+def check_group_scales_or_amaxes(
+    scales: Tensor | None, amaxes: Tensor | None, groups: int, power_2_scale: bool, amax_epsilon: float,
+    device: torch.device,
+) -> None:  # fmt: skip
+    """check_scale_or_amax for row groups: a given fp32 scale or amax per group, shaped (groups,)."""
+    if scales is not None and amaxes is not None:
+        raise ValueError("pass scales (delayed scaling) or amaxes (current scaling from given amaxes), not both")
+    if scales is not None and (power_2_scale or amax_epsilon):
+        raise ValueError("power_2_scale and amax_epsilon shape a current scale; with given scales leave them unset")
+    for name, values in (("scales", scales), ("amaxes", amaxes)):
+        if values is None:
+            continue
+        if not isinstance(values, Tensor) or values.dtype != torch.float32 or values.shape != (groups,):
+            raise TypeError(f"{name} must be an fp32 tensor of shape ({groups},), one value per group, got {values!r}")
+        if values.device != device:
+            raise ValueError(f"{name} is on {values.device} but x is on {device}; move it to {device}")

@@ -60,15 +60,17 @@ _E2M1_LIMIT = tl.constexpr(7.0)  # the midpoint above e2m1's max 6
 
 
 @triton.jit
-def _load_tile(x_ptr, M, K, stride_m, stride_k, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, PACK4: tl.constexpr):
-    """This program's tile of x in its own dtype (0 outside x) with its row and column indices (int64).
+def _load_tile(
+    x_ptr, row_tile, M, K, stride_m, stride_k, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, PACK4: tl.constexpr
+):
+    """Tile (row_tile, program_id(1)) of x in its own dtype (0 outside x) with its row and column indices (int64).
 
     PACK4: tile row q * (BLOCK_M // 4) + t holds x row 4t + q (see _store_transposed).
     """
     i = tl.arange(0, BLOCK_M)
     if PACK4:
         i = 4 * (i % (BLOCK_M // 4)) + i // (BLOCK_M // 4)
-    rows = tl.program_id(0).to(tl.int64) * BLOCK_M + i
+    rows = row_tile.to(tl.int64) * BLOCK_M + i
     cols = tl.program_id(1).to(tl.int64) * BLOCK_K + tl.arange(0, BLOCK_K)
     inside = (rows[:, None] < M) & (cols[None, :] < K)
     return tl.load(x_ptr + rows[:, None] * stride_m + cols[None, :] * stride_k, mask=inside, other=0.0), rows, cols
@@ -82,14 +84,14 @@ def _store_tile(out_ptr, values, rows, cols, R, C):
 
 
 @triton.jit
-def _store_transposed(out_ptr, codes, rows, cols, M, K, BLOCK_M: tl.constexpr, PACK4: tl.constexpr):
-    """Store the transpose of a tile of byte codes (int32 0..255) into the row-major [K, M] uint8 buffer."""
+def _store_transposed(out_ptr, codes, rows, cols, M, K, row_tile, BLOCK_M: tl.constexpr, PACK4: tl.constexpr):
+    """Store the transpose of tile row_tile's byte codes (int32 0..255) into the row-major [K, M] uint8 buffer."""
     if PACK4:  # rows interleaved by _load_tile: one int32 holds rows 4t..4t+3
         Q: tl.constexpr = BLOCK_M // 4
         # A sum, not shifts and ors of split pieces: for those, Triton 3.6 recomputes the whole
         # cast in the transposed layout instead of transposing the words.
         words = tl.sum(tl.reshape(codes, [4, Q, codes.shape[1]]) << (8 * tl.arange(0, 4))[:, None, None], axis=0)
-        word_cols = tl.program_id(0).to(tl.int64) * Q + tl.arange(0, Q)
+        word_cols = row_tile.to(tl.int64) * Q + tl.arange(0, Q)
         _store_tile(out_ptr.to(tl.pointer_type(tl.int32)), tl.trans(words), cols, word_cols, K, M // 4)
     else:
         _store_tile(out_ptr, tl.trans(codes), cols, rows, K, M)
@@ -187,7 +189,7 @@ def _amax_kernel(
     HADAMARD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
     """Global amax by atomic max of the tiles' |x| bits (the first launch of current scaling and NVFP4)."""
-    x, rows, cols = _load_tile(x_ptr, M, K, stride_m, stride_k, BLOCK_M, BLOCK_K, False)
+    x, rows, cols = _load_tile(x_ptr, tl.program_id(0), M, K, stride_m, stride_k, BLOCK_M, BLOCK_K, False)
     tl.atomic_max(amax_bits_ptr, _tile_max(abs_bits(x)))
     if HADAMARD:  # the columnwise NVFP4 operand is RHT(x.T): its 16-tiles run down x's columns
         rotated = hadamard_runs(runs_f32(split_runs(tl.trans(x), 4)))
@@ -195,19 +197,61 @@ def _amax_kernel(
 
 
 @triton.jit
+def _group_rows(group_starts_ptr, group, ROW_UNIT: tl.constexpr):
+    """(first row, row count) of a group; starts are stored in units of ROW_UNIT rows, so that Triton sees the
+    count's divisibility (uniform masks, wide transposed stores) as it does for a whole tensor's M argument."""
+    first = tl.load(group_starts_ptr + group)
+    return first.to(tl.int64) * ROW_UNIT, (tl.load(group_starts_ptr + group + 1) - first) * ROW_UNIT
+
+
+@triton.jit
+def _group_tile(group_starts_ptr, num_groups, BLOCK_M: tl.constexpr, ROW_UNIT: tl.constexpr):
+    """(group, row tile within that group) of this program: the groups own consecutive runs of row tiles,
+    at least one each (an empty group's writes its scale_inv)."""
+    pid = tl.program_id(0)
+    group = pid * 0
+    first_tile = pid * 0
+    tiles_before = pid * 0
+    for g in range(num_groups):
+        _, rows = _group_rows(group_starts_ptr, g, ROW_UNIT)
+        tiles = tl.maximum(tl.cdiv(rows, BLOCK_M), 1)
+        here = (pid >= tiles_before) & (pid < tiles_before + tiles)
+        group = tl.where(here, g, group)
+        first_tile = tl.where(here, tiles_before, first_tile)
+        tiles_before += tiles
+    return group, pid - first_tile
+
+
+@triton.jit
 def _tensorwise_kernel(
-    x_ptr, data_ptr, columnwise_ptr,  # x [M, K]; uint8 [M, K] and [K, M]
-    given_ptr, amax_bits_ptr,  # fp32 (1,): the given scale or amax (GIVEN); int32 (1,): amax bits
-    scale_inv_ptr, columnwise_scale_inv_ptr,  # fp32 (1,) each: the same value, one buffer per copy
+    x_ptr, data_ptr, columnwise_ptr,  # x [M, K]; uint8 [M, K] and [K, M] (SPLIT: group g's [K, m_g] from K * start_g)
+    given_ptr, amax_bits_ptr,  # fp32 (G,): the given scales or amaxes (GIVEN); int32 (G,): amax bits
+    scale_inv_ptr, columnwise_scale_inv_ptr,  # fp32 (G,) each: the same values, one buffer per copy
+    group_starts_ptr, num_groups,  # SPLIT: int32 [G + 1], each group's first row, then M (/ ROW_UNIT); else unused
     M, K, stride_m, stride_k,
     EXPONENT_BITS: tl.constexpr, MANTISSA_BITS: tl.constexpr, MAX_BITS: tl.constexpr, NAN_CODE: tl.constexpr,
     FMAX: tl.constexpr, POWER_2: tl.constexpr, EPSILON: tl.constexpr,
     GIVEN: tl.constexpr,  # "scale" (delayed scaling), "amax" (to scale from: reduced over shards) or "" (none)
+    SPLIT: tl.constexpr, ROW_UNIT: tl.constexpr,  # row groups of x, each quantized as a tensor of its own
     ROWWISE: tl.constexpr, COLUMNWISE: tl.constexpr, PACK4: tl.constexpr, HARDWARE_CAST: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
-    """x * scale -> fp8 rowwise and transposed; a given scale or amax lets x's amax fuse into this pass."""
-    x, rows, cols = _load_tile(x_ptr, M, K, stride_m, stride_k, BLOCK_M, BLOCK_K, PACK4)
+    """x * scale -> fp8 rowwise and transposed; a given scale or amax lets x's amax fuse into this pass.
+
+    SPLIT (TransformerEngine's split quantize): one launch quantizes every group of rows with its own scale.
+    """
+    row_tile = tl.program_id(0)
+    if SPLIT:  # from here on x, M, the copies and the per-tensor values are this program's group's
+        group, row_tile = _group_tile(group_starts_ptr, num_groups, BLOCK_M, ROW_UNIT)
+        first_row, M = _group_rows(group_starts_ptr, group, ROW_UNIT)
+        x_ptr += first_row * stride_m
+        data_ptr += first_row * K
+        columnwise_ptr += first_row * K
+        given_ptr += group
+        amax_bits_ptr += group
+        scale_inv_ptr += group
+        columnwise_scale_inv_ptr += group
+    x, rows, cols = _load_tile(x_ptr, row_tile, M, K, stride_m, stride_k, BLOCK_M, BLOCK_K, PACK4)
     x = to_f32(x)
     if GIVEN == "":  # the global amax of the first launch: finite means every |x * scale| <= max (up to rounding)
         amax_bits = tl.load(amax_bits_ptr)
@@ -224,8 +268,8 @@ def _tensorwise_kernel(
     if ROWWISE:
         _store_tile(data_ptr, codes, rows, cols, M, K)
     if COLUMNWISE:
-        _store_transposed(columnwise_ptr, codes, rows, cols, M, K, BLOCK_M, PACK4)
-    if (tl.program_id(0) == 0) & (tl.program_id(1) == 0):
+        _store_transposed(columnwise_ptr, codes, rows, cols, M, K, row_tile, BLOCK_M, PACK4)
+    if (row_tile == 0) & (tl.program_id(1) == 0):
         scale_inv = _reciprocal_rn(scale)
         if ROWWISE:
             tl.store(scale_inv_ptr, scale_inv)
@@ -246,7 +290,7 @@ def _blockwise_kernel(
 
     A block's scale is fmax / its amax, so a finite block is in range.
     """
-    x, rows, cols = _load_tile(x_ptr, M, K, stride_m, stride_k, BLOCK, BLOCK, PACK4 and SQUARE)
+    x, rows, cols = _load_tile(x_ptr, tl.program_id(0), M, K, stride_m, stride_k, BLOCK, BLOCK, PACK4 and SQUARE)
     row_blocks = tl.cdiv(M, BLOCK)
     col_blocks = tl.cdiv(K, BLOCK)
     if SQUARE:  # one scale; the columnwise copy is the transpose of the rowwise one
@@ -260,7 +304,7 @@ def _blockwise_kernel(
             _store_tile(data_ptr, codes, rows, cols, M, K)
             tl.store(scale_inv_ptr + tl.program_id(0) * col_blocks + tl.program_id(1), _reciprocal_rn(scale))
         if COLUMNWISE:
-            _store_transposed(columnwise_ptr, codes, rows, cols, M, K, BLOCK, PACK4)
+            _store_transposed(columnwise_ptr, codes, rows, cols, M, K, tl.program_id(0), BLOCK, PACK4)
             tl.store(columnwise_scale_inv_ptr + tl.program_id(1) * row_blocks + tl.program_id(0), _reciprocal_rn(scale))
     else:
         if ROWWISE:  # a 1x128 block per row of the tile
@@ -324,7 +368,7 @@ def _mxfp8_kernel(
     BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
     """E8M0 scale per 32 elements along rows (rowwise) and along columns (columnwise) of one tile."""
-    x, rows, cols = _load_tile(x_ptr, M, K, stride_m, stride_k, BLOCK_M, BLOCK_K, False)
+    x, rows, cols = _load_tile(x_ptr, tl.program_id(0), M, K, stride_m, stride_k, BLOCK_M, BLOCK_K, False)
     if ROWWISE:
         _mxfp8_operand(
             x, rows, tl.program_id(1) * BLOCK_K, M, K, data_ptr, scale_ptr,
@@ -396,7 +440,7 @@ def _nvfp4_kernel(
     ROWWISE: tl.constexpr, COLUMNWISE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
     """E2M1 with e4m3 block scales under the global scale from _amax_kernel; RHT on the columnwise operand."""
-    x, rows, cols = _load_tile(x_ptr, M, K, stride_m, stride_k, BLOCK_M, BLOCK_K, False)
+    x, rows, cols = _load_tile(x_ptr, tl.program_id(0), M, K, stride_m, stride_k, BLOCK_M, BLOCK_K, False)
     if ROWWISE:
         _nvfp4_operand(
             x, tl.program_id(0).to(tl.int64) * BLOCK_M, tl.program_id(1) * BLOCK_K, M, K, data_ptr, scale_ptr,

@@ -3,7 +3,9 @@
 Formulas: docs/quantization.md; each launcher must match the reference function of its name.
 Launches: tensorwise current scaling and NVFP4 need the global amax before any cast, so they
 take two launches (`_amax_kernel` with an atomic max, then the cast kernel). Delayed-scaling
-tensorwise, block and MXFP8 take one. Every cast kernel reads x once and writes the rowwise
+tensorwise, block and MXFP8 take one. `quantize_tensorwise_split` quantizes consecutive row groups
+of x (MoE experts), each with its own scale, in one launch (TransformerEngine's split quantize: a
+Triton launch costs the host ~100 us). Every cast kernel reads x once and writes the rowwise
 and the transposed columnwise copies. An empty x (nothing to launch) or a device without a
 Triton backend (CPU without TRITON_INTERPRET=1) goes to the reference.
 """
@@ -11,6 +13,8 @@ Triton backend (CPU without TRITON_INTERPRET=1) goes to the reference.
 from __future__ import annotations
 
 import functools
+import itertools
+import math
 
 import torch
 import triton
@@ -23,8 +27,10 @@ from kernels._checks import (
     check_block,
     check_divisible,
     check_global_amax,
+    check_group_scales_or_amaxes,
     check_roles,
     check_scale_or_amax,
+    check_splits,
     element_format,
     matrix_view,
 )
@@ -45,7 +51,7 @@ _ROLES = ["M", "K", "ROWWISE", "COLUMNWISE"]  # autotune key of the cast kernels
 # wants four row repeats per thread, i.e. BLOCK_M = 16 * num_warps at BLOCK_K = 128 (32 * num_warps at 64).
 _KERNELS = {
     "amax": (_amax_kernel, _tiles((64, 256, 4), (64, 128, 4)), ["M", "K", "HADAMARD"]),
-    "tensorwise": (_tensorwise_kernel, _tiles((64, 128, 4), (128, 64, 4)), _ROLES),
+    "tensorwise": (_tensorwise_kernel, _tiles((64, 128, 4), (128, 64, 4)), [*_ROLES, "SPLIT"]),
     # The 128x128 tile of blockwise needs 100+ registers a thread, one program per SM: the register caps
     # allow two (a few spills), so that one program's loads overlap the other's casts.
     "blockwise": (
@@ -57,6 +63,9 @@ _KERNELS = {
     "nvfp4": (_nvfp4_kernel, _tiles((64, 64, 4), (128, 128, 16)), _ROLES),
 }
 
+
+# Split quantize: group row counts reach the kernel in units of up to 16 rows (what Triton specializes an int for).
+_ROW_UNIT_MAX = 16
 
 # Smaller tensors take the first candidate: tuning them would cost more than it saves.
 _AUTOTUNE_MIN_ELEMENTS = 1 << 22
@@ -73,15 +82,18 @@ def _kernel(name: str, tuned: bool) -> tuple[object, dict]:
     return kernel, candidates[0]
 
 
-def _launch(name: str, x2d: Tensor, *buffers: Tensor, **meta) -> None:
-    """Launch kernel `name` over the tiles of x2d [M, K]: (x, *buffers, M, K, strides, **meta)."""
+def _launch(name: str, x2d: Tensor, *buffers: Tensor, splits: list[int] | None = None, **meta) -> None:
+    """Launch kernel `name` over the tiles of x2d [M, K]: (x, *buffers, M, K, strides, **meta); with `splits`,
+    over each row group's tiles (at least one row of tiles per group)."""
     M, K = x2d.shape
     kernel, config = _kernel(name, tuned=M * K >= _AUTOTUNE_MIN_ELEMENTS)
 
     def grid(meta):
         block_m = meta.get("BLOCK_M", meta.get("BLOCK"))
         block_k = meta.get("BLOCK_K", meta.get("BLOCK"))
-        return triton.cdiv(M, block_m), triton.cdiv(K, block_k)
+        if splits is None:
+            return triton.cdiv(M, block_m), triton.cdiv(K, block_k)
+        return sum(max(triton.cdiv(m, block_m), 1) for m in splits), triton.cdiv(K, block_k)
 
     kernel[grid](x2d, *buffers, M, K, x2d.stride(0), x2d.stride(1), **meta, **config)
 
@@ -91,9 +103,9 @@ def _bytes(shape: tuple[int, ...], wanted: bool, device: torch.device, dtype: to
     return torch.empty(shape if wanted else (1,), dtype=dtype, device=device)
 
 
-def _pack4(M: int, columnwise: bool) -> bool:
-    """Transposed stores as int32 words of four rows' codes: needs whole words per [K, M] row."""
-    return columnwise and M % 4 == 0
+def _pack4(columnwise: bool, *row_counts: int) -> bool:
+    """Transposed stores as int32 words of four rows' codes: needs whole words per [K, M] row (of every group)."""
+    return columnwise and all(m % 4 == 0 for m in row_counts)
 
 
 def _hardware_cast(x: Tensor) -> bool:
@@ -121,6 +133,35 @@ def _reference_when_nothing_to_launch(launcher):
     return quantize
 
 
+def _cast_tensorwise(
+    x2d: Tensor, fmt: str, given: Tensor | None, given_kind: str, amax_bits: Tensor, power_2_scale: bool,
+    amax_epsilon: float, rowwise: bool, columnwise: bool, splits: list[int] | None = None,
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:  # fmt: skip
+    """The cast launch: (data [M, K], columnwise data, scale_inv, columnwise scale_inv), one scale per row
+    group of `splits` (columnwise data: group g's [K, m_g] block from element K * start_g) or one in all."""
+    M, K = x2d.shape
+    device = x2d.device
+    groups = 1 if splits is None else len(splits)
+    data = _bytes((M, K), rowwise, device)
+    columnwise_data = _bytes((K, M) if splits is None else (K * M,), columnwise, device)
+    scale_inv = torch.empty(groups, dtype=torch.float32, device=device)
+    columnwise_scale_inv = torch.empty(groups, dtype=torch.float32, device=device) if columnwise else scale_inv
+    group_starts, row_unit = amax_bits, 1  # unused without splits
+    if splits is not None:  # pinned and non-blocking on CUDA: a pageable copy would wait for the GPU
+        row_unit = math.gcd(_ROW_UNIT_MAX, *splits)  # rows per unit of the table: see _group_rows
+        starts = [start // row_unit for start in itertools.accumulate(splits, initial=0)]
+        group_starts = torch.tensor(starts, dtype=torch.int32, pin_memory=device.type == "cuda")
+        group_starts = group_starts.to(device, non_blocking=True)
+    _launch(
+        "tensorwise", x2d, data, columnwise_data, scale_inv if given is None else given, amax_bits,
+        scale_inv, columnwise_scale_inv, group_starts, groups, splits=splits,
+        **format_constants(fmt), FMAX=reference.FORMATS[fmt].max, POWER_2=power_2_scale, EPSILON=float(amax_epsilon),
+        GIVEN=given_kind, SPLIT=splits is not None, ROW_UNIT=row_unit, ROWWISE=rowwise, COLUMNWISE=columnwise,
+        PACK4=_pack4(columnwise, *([M] if splits is None else splits)), HARDWARE_CAST=_hardware_cast(x2d),
+    )  # fmt: skip
+    return data, columnwise_data, scale_inv, columnwise_scale_inv
+
+
 @_reference_when_nothing_to_launch
 def quantize_tensorwise(
     x: Tensor,
@@ -135,26 +176,17 @@ def quantize_tensorwise(
 ) -> Quantized:
     """One fp32 scale for the tensor: current scaling (scale=None, from x's amax or a given `amax`) or a given
     delayed-scaling scale. A given scale or amax takes one launch (x's amax is recorded in it), none two."""
-    f = element_format(fmt, FP8_FORMATS)
+    element_format(fmt, FP8_FORMATS)
     check_roles(rowwise, columnwise)
     x2d, shape = matrix_view(x)
     check_scale_or_amax(scale, amax, power_2_scale, amax_epsilon, x.device)
-    M, K = x2d.shape
     if scale is None and amax is None:
         amax_bits, given, given_kind = _global_amax(x2d, hadamard=False), None, ""
     else:  # the cast pass records x's amax
         amax_bits = torch.zeros(1, dtype=torch.int32, device=x.device)
         given, given_kind = (scale, "scale") if amax is None else (amax, "amax")
-    data = _bytes((M, K), rowwise, x.device)
-    columnwise_data = _bytes((K, M), columnwise, x.device)
-    scale_inv = torch.empty(1, dtype=torch.float32, device=x.device)
-    columnwise_scale_inv = torch.empty(1, dtype=torch.float32, device=x.device) if columnwise else scale_inv
-    _launch(
-        "tensorwise", x2d, data, columnwise_data, scale_inv if given is None else given, amax_bits,
-        scale_inv, columnwise_scale_inv,
-        **format_constants(fmt), FMAX=f.max, POWER_2=power_2_scale, EPSILON=float(amax_epsilon),
-        GIVEN=given_kind, ROWWISE=rowwise, COLUMNWISE=columnwise, PACK4=_pack4(M, columnwise),
-        HARDWARE_CAST=_hardware_cast(x),
+    data, columnwise_data, scale_inv, columnwise_scale_inv = _cast_tensorwise(
+        x2d, fmt, given, given_kind, amax_bits, power_2_scale, amax_epsilon, rowwise, columnwise
     )
     return Quantized(
         "tensorwise", fmt, shape,
@@ -164,6 +196,52 @@ def quantize_tensorwise(
         columnwise_scale_inv=columnwise_scale_inv if columnwise else None,
         amax=amax_bits.view(torch.float32),
     )
+
+
+@_reference_when_nothing_to_launch
+def quantize_tensorwise_split(
+    x: Tensor,
+    m_splits: list[int],
+    fmt: str = "e4m3",
+    scales: Tensor | None = None,
+    *,
+    amaxes: Tensor | None = None,
+    power_2_scale: bool = False,
+    amax_epsilon: float = 0.0,
+    rowwise: bool = True,
+    columnwise: bool = False,
+) -> list[Quantized]:
+    """quantize_tensorwise of each group of consecutive rows (m_splits[g] rows in group g) with scales[g] or from
+    amaxes[g] (by default the groups' own, one torch op for all), in ONE cast launch: the same bytes as
+    quantizing each group alone. The groups' rowwise copies are row slices of one [M, K] buffer, their
+    columnwise copies consecutive [K, m_g] blocks of one buffer (what kernels.grouped_gemm reads)."""
+    element_format(fmt, FP8_FORMATS)
+    check_roles(rowwise, columnwise)
+    x2d, _ = matrix_view(x)
+    splits = check_splits(m_splits, x2d.shape[0])
+    check_group_scales_or_amaxes(scales, amaxes, len(splits), power_2_scale, amax_epsilon, x.device)
+    if scales is None and amaxes is None:
+        amaxes = reference.group_amaxes(x2d, splits)
+    given, given_kind = (scales, "scale") if amaxes is None else (amaxes, "amax")
+    amax_bits = torch.zeros(len(splits), dtype=torch.int32, device=x.device)  # the cast pass records each amax
+    data, columnwise_data, scale_inv, columnwise_scale_inv = _cast_tensorwise(
+        x2d, fmt, given, given_kind, amax_bits, power_2_scale, amax_epsilon, rowwise, columnwise, splits
+    )
+    K = x2d.shape[1]
+    rows = data.split(splits) if rowwise else [None] * len(splits)
+    columns = columnwise_data.split([K * m for m in splits]) if columnwise else [None] * len(splits)
+    scale_invs, columnwise_scale_invs = scale_inv.split(1), columnwise_scale_inv.split(1)
+    return [
+        Quantized(
+            "tensorwise", fmt, (m, K),
+            data=rows[g],
+            scale_inv=scale_invs[g] if rowwise else None,
+            columnwise_data=columns[g].view(K, m) if columnwise else None,
+            columnwise_scale_inv=columnwise_scale_invs[g] if columnwise else None,
+            amax=amax,
+        )  # fmt: skip
+        for g, (m, amax) in enumerate(zip(splits, amax_bits.view(torch.float32).split(1), strict=True))
+    ]
 
 
 @_reference_when_nothing_to_launch
@@ -191,7 +269,7 @@ def quantize_blockwise(
     _launch(
         "blockwise", x2d, data, scale_inv, columnwise_data, columnwise_scale_inv,
         **format_constants(fmt), FMAX=reference.FORMATS[fmt].max, POWER_2=power_2_scale, SQUARE=square,
-        ROWWISE=rowwise, COLUMNWISE=columnwise, PACK4=_pack4(M, columnwise), HARDWARE_CAST=_hardware_cast(x),
+        ROWWISE=rowwise, COLUMNWISE=columnwise, PACK4=_pack4(columnwise, M), HARDWARE_CAST=_hardware_cast(x),
     )
     return Quantized(
         f"block{block[0]}x{block[1]}", fmt, shape,
@@ -287,4 +365,4 @@ def quantize_nvfp4(
     )
 
 
-__all__ = ["quantize_blockwise", "quantize_mxfp8", "quantize_nvfp4", "quantize_tensorwise"]
+__all__ = ["quantize_blockwise", "quantize_mxfp8", "quantize_nvfp4", "quantize_tensorwise", "quantize_tensorwise_split"]

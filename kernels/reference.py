@@ -12,6 +12,7 @@ Vocabulary: `x` is viewed as a matrix [M, K]. Every quantization works on an *op
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -21,8 +22,10 @@ from kernels._checks import (
     check_block,
     check_divisible,
     check_global_amax,
+    check_group_scales_or_amaxes,
     check_roles,
     check_scale_or_amax,
+    check_splits,
     element_format,
     matrix_view,
 )
@@ -72,6 +75,16 @@ def tensor_amax(x2d: Tensor) -> Tensor:
     if x2d.numel() == 0:
         return torch.zeros(1, device=x2d.device)
     return x2d.float().abs().amax().reshape(1)
+
+
+def group_amaxes(x2d: Tensor, m_splits: list[int]) -> Tensor:
+    """tensor_amax of each group of consecutive rows (m_splits[g] rows in group g) as fp32 (G,): one torch
+    reduction for all groups (cheaper on the host than a launch per group); 0 for an empty group."""
+    parts = x2d.split(m_splits)
+    filled = [part for part in parts if part.numel()]  # torch's inf-norm refuses empty tensors
+    norms = iter(torch._foreach_norm(filled, ord=math.inf, dtype=torch.float32) if filled else ())
+    zero = torch.zeros((), device=x2d.device)
+    return torch.stack([next(norms) if part.numel() else zero for part in parts])
 
 
 def block_amax(operand: Tensor, block: tuple[int, int]) -> Tensor:
@@ -131,6 +144,36 @@ def quantize_tensorwise(
         columnwise_scale_inv=scale_inv.clone() if columnwise else None,
         amax=x_amax,
     )
+
+
+def quantize_tensorwise_split(
+    x: Tensor,
+    m_splits: list[int],
+    fmt: str = "e4m3",
+    scales: Tensor | None = None,
+    *,
+    amaxes: Tensor | None = None,
+    power_2_scale: bool = False,
+    amax_epsilon: float = 0.0,
+    rowwise: bool = True,
+    columnwise: bool = False,
+) -> list[Quantized]:
+    """quantize_tensorwise of each group of consecutive rows of x ([M, K]; m_splits[g] rows in group g), with
+    scales[g] (delayed scaling) or the scale from amaxes[g] (current scaling; by default the group's own amax).
+    Group g's result is that of its rows alone, shaped [m_splits[g], K]."""
+    element_format(fmt, FP8_FORMATS)
+    check_roles(rowwise, columnwise)
+    x2d, _ = matrix_view(x)
+    splits = check_splits(m_splits, x2d.shape[0])
+    check_group_scales_or_amaxes(scales, amaxes, len(splits), power_2_scale, amax_epsilon, x.device)
+    current = {"power_2_scale": power_2_scale, "amax_epsilon": amax_epsilon}
+    return [
+        quantize_tensorwise(
+            part, fmt, None if scales is None else scales[g : g + 1], **current,
+            amax=None if amaxes is None else amaxes[g : g + 1], rowwise=rowwise, columnwise=columnwise,
+        )  # fmt: skip
+        for g, part in enumerate(x2d.split(splits))
+    ]
 
 
 def _blockwise_operand(operand: Tensor, fmt: str, block: tuple[int, int], power_2_scale: bool) -> tuple[Tensor, Tensor]:
@@ -315,6 +358,7 @@ __all__ = [
     "e8m0_from_amax",
     "encode_e2m1",
     "encode_fp8",
+    "group_amaxes",
     "hadamard_signs",
     "hash32",
     "nvfp4_global_encode",
@@ -323,6 +367,7 @@ __all__ = [
     "quantize_mxfp8",
     "quantize_nvfp4",
     "quantize_tensorwise",
+    "quantize_tensorwise_split",
     "random_hadamard_transform",
     "scale_from_amax",
     "stochastic_rounding_bits",

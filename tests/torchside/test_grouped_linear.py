@@ -9,15 +9,20 @@ an empty group, whose weight and bias gradients must be exactly zero.
 
 from __future__ import annotations
 
+import collections
+
 import pytest
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 
+from kernels import quantize as triton_quantize
 from kernels._backend import Backend, backend_for
+from tests.distributed import run_threads
 from torchside.autocast import fp8_autocast, quantized_model_init
 from torchside.modules import ModuleConfig
 from torchside.modules.grouped_linear import GroupedLinear
-from torchside.quantization import FALLBACK_CALLS, QuantizedTensor
+from torchside.quantization import FALLBACK_CALLS, QuantizedStorage, QuantizedTensor, Quantizer, quantize_split
 from torchside.recipe import DelayedScaling, Float8CurrentScaling, MXFP8BlockScaling, NVFP4BlockScaling
 from tests.torchside.test_modules_numerics import (
     CONFIG,
@@ -96,7 +101,9 @@ def test_bf16_matches_float64_quantized_math(reference_kernels, recipe_name):
     check_grouped_against_float64(recipe_name, torch.bfloat16)
 
 
-@pytest.mark.parametrize("recipe_name, dtype", [("current", torch.bfloat16), ("block", torch.float32)])
+@pytest.mark.parametrize(
+    "recipe_name, dtype", [("current", torch.bfloat16), ("delayed", torch.float32), ("block", torch.float32)]
+)
 def test_grouped_triton_kernel_in_the_interpreter_matches_float64(recipe_name, dtype):
     if backend_for("cpu") is not Backend.INTERPRETER:
         pytest.skip("runs with TRITON_INTERPRET=1 (tests/conftest.py sets it without CUDA)")
@@ -109,6 +116,97 @@ def test_cuda_matches_float64_quantized_math(recipe_name):
     fallbacks = sum(FALLBACK_CALLS.values())
     check_grouped_against_float64(recipe_name, torch.bfloat16, device="cuda")
     assert sum(FALLBACK_CALLS.values()) == fallbacks, "a QuantizedTensor op ran on dequantized values"
+
+
+def _split_quantizers(recipe, group=None) -> list[Quantizer]:
+    """One input quantizer per group; DelayedScaling state made different per group (scales, histories)."""
+    quantizers = [Quantizer(recipe, "input", amax_reduction_group=group) for _ in SPLITS]
+    for g, q in enumerate(quantizers):
+        if q.scale is not None:
+            q.scale.fill_(2.0 ** (2 * g - 3))
+            q.amax_history.copy_(torch.arange(q.amax_history.numel()) * (g + 1.0))
+    return quantizers
+
+
+def _assert_same_storage(got: QuantizedStorage, expected: QuantizedStorage, where: str) -> None:
+    assert got.metadata() == expected.metadata() and list(got.buffers()) == list(expected.buffers()), where
+    for name, buffer in expected.buffers().items():
+        got_buffer = getattr(got, name)
+        same_bytes = torch.equal(got_buffer.reshape(-1).view(torch.uint8), buffer.reshape(-1).view(torch.uint8))
+        assert got_buffer.shape == buffer.shape and same_bytes, f"{where}: {name}"
+
+
+def _check_split_matches_each_group(recipe, x: torch.Tensor, group=None, backend=None) -> None:
+    """quantize_split == each quantizer's quantize_storage of its group's rows: bytes and DelayedScaling state."""
+    quantizers, alone = _split_quantizers(recipe, group), _split_quantizers(recipe, group)
+    got = quantize_split(quantizers, x, SPLITS, backend=backend)
+    for g, part in enumerate(x.split(SPLITS)):
+        _assert_same_storage(got[g], alone[g].quantize_storage(part, backend=backend), f"group {g}")
+        if quantizers[g].amax_history is not None:
+            assert torch.equal(quantizers[g].amax_history, alone[g].amax_history), f"group {g}: amax_history"
+
+
+@pytest.mark.parametrize("recipe_name", ["delayed", "current", "block"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+def test_quantize_split_gives_each_groups_quantize_storage(recipe_name, dtype):
+    """The Triton split kernel (interpreted) against the per-group path; the block recipe loops over the groups."""
+    x = torch.randn(sum(SPLITS), IN, generator=torch.Generator().manual_seed(1)).to(dtype)
+    x[: SPLITS[0]] *= 1e3
+    x[SPLITS[0] + 3, 7] = float("inf")  # group 2's amax (and history) is inf, its scale 1
+    _check_split_matches_each_group(RECIPES[recipe_name], x)
+
+
+def _split_with_amax_group(rank: int, world_size: int) -> int:
+    x = torch.randn(sum(SPLITS), IN, generator=torch.Generator().manual_seed(rank)) * (rank + 1)
+    _check_split_matches_each_group(RECIPES["current"], x, dist.group.WORLD, Backend.REFERENCE)
+    return rank
+
+
+def test_quantize_split_all_reduces_every_groups_amax_in_one_collective(monkeypatch):
+    """Current scaling with an amax group: the same bytes as reducing group by group, in one all-reduce
+    (threads: the Triton interpreter is not thread-safe, so the reference kernels run)."""
+    all_reduces, real_all_reduce = [], dist.all_reduce
+
+    def counted_all_reduce(tensor, **kwargs):
+        all_reduces.append(tensor.numel())
+        return real_all_reduce(tensor, **kwargs)
+
+    monkeypatch.setattr(dist, "all_reduce", counted_all_reduce)
+    assert run_threads(_split_with_amax_group, 2) == [0, 1]
+    # per rank: quantize_storage's one all-reduce per group, then quantize_split's one for all groups
+    assert sorted(all_reduces) == [1] * (2 * len(SPLITS)) + [len(SPLITS)] * 2
+
+
+def test_quantize_split_refuses_mismatched_quantizers():
+    x = torch.randn(sum(SPLITS), IN)
+    current = [Quantizer(Float8CurrentScaling(), "input") for _ in SPLITS]
+    with pytest.raises(ValueError, match="one quantizer per group"):
+        quantize_split(current[:3], x, SPLITS)
+    with pytest.raises(ValueError, match="quantizer 2 differs"):
+        quantize_split(current[:2] + [Quantizer(Float8CurrentScaling(), "grad")] + current[3:], x, SPLITS)
+    with pytest.raises(ValueError, match="sum to x's"):
+        quantize_split(current, x, [5, 0, 19, 41])
+
+
+def test_fp8_step_casts_x_and_dy_in_one_launch_each(monkeypatch):
+    """Current scaling, interpreted: x and dy are one cast launch each for all groups; each live group's
+    weight is one more (its amax by torch); no separate amax launch."""
+    if backend_for("cpu") is not Backend.INTERPRETER:
+        pytest.skip("runs with TRITON_INTERPRET=1 (tests/conftest.py sets it without CUDA)")
+    launches, real_launch = collections.Counter(), triton_quantize._launch
+
+    def counted_launch(name, *args, **kwargs):
+        launches[name] += 1
+        return real_launch(name, *args, **kwargs)
+
+    monkeypatch.setattr(triton_quantize, "_launch", counted_launch)
+    module = _module(torch.bfloat16)
+    x = torch.randn(sum(SPLITS), IN, dtype=torch.bfloat16, requires_grad=True)
+    with fp8_autocast(recipe=Float8CurrentScaling()):
+        y = module(x, SPLITS)
+    y.float().sum().backward()
+    live = sum(1 for m in SPLITS if m)
+    assert dict(launches) == {"tensorwise": 1 + live + 1}
 
 
 def test_fp8_off_is_one_torch_linear_per_group():

@@ -5,8 +5,8 @@ Importing this package registers the QuantizedTensor pickle constructor as a
 """
 
 from torchside.quantization.ops import FALLBACK_CALLS
-from torchside.quantization.quantizer import Quantizer, reduce_amaxes
+from torchside.quantization.quantizer import Quantizer, quantize_split, reduce_amaxes
 from torchside.quantization.storage import QuantizedStorage
 from torchside.quantization.tensor import QuantizedTensor
 
-__all__ = ["FALLBACK_CALLS", "QuantizedStorage", "QuantizedTensor", "Quantizer", "reduce_amaxes"]
+__all__ = ["FALLBACK_CALLS", "QuantizedStorage", "QuantizedTensor", "Quantizer", "quantize_split", "reduce_amaxes"]

@@ -8,7 +8,8 @@ stochastic-rounding step. Pickling and deepcopy drop the process group.
 
 A quantizer with an amax group all-reduces its tensor's amax before casting. `reduce_amaxes` does
 that for several tensors at once, one all-reduce per group (a GEMM's input and weight), and
-`quantize(x, amax=...)` takes the result.
+`quantize(x, amax=...)` takes the result. `quantize_split` quantizes consecutive row groups of one
+tensor with one quantizer each (GroupedLinear's experts): one cast launch for the tensorwise recipes.
 """
 
 from __future__ import annotations
@@ -24,8 +25,9 @@ import torch.distributed as dist
 from torch import Tensor
 
 from kernels._backend import Backend, backend_for
+from kernels._checks import check_splits, matrix_view
 from kernels.formats import FORMATS
-from kernels.reference import delayed_scaling_update
+from kernels.reference import delayed_scaling_update, group_amaxes
 from torchside.quantization.storage import QuantizedStorage, from_quantized
 from torchside.quantization.tensor import QuantizedTensor
 from torchside.recipe import (
@@ -144,12 +146,7 @@ class Quantizer:
                 f"{type(self.recipe).__name__} {self.role} quantizer reduces none: leave it None"
             )
         if self.scale is not None:
-            if self.scale.device != x.device:
-                raise ValueError(
-                    f"the DelayedScaling state is on {self.scale.device} but the tensor on {x.device}: "
-                    f"build the Quantizer with device={str(x.device)!r}"
-                )
-            kwargs["scale"] = self.scale
+            kwargs["scale"] = self._scale_on(x.device)
         elif self.takes_reduced_amax:  # every shard casts with the amax of all of them
             if amax is None:
                 (amax,) = reduce_amaxes([(self, x)])
@@ -174,8 +171,7 @@ class Quantizer:
         self, x: Tensor, *, backend: Backend | None = None, amax: Tensor | None = None
     ) -> QuantizedStorage:
         """The buffers `quantize` wraps, for callers that only read them (the FP8 GEMMs)."""
-        if not isinstance(x, Tensor) or not x.is_floating_point() or isinstance(x, QuantizedTensor):
-            raise TypeError(f"quantize takes a float32, bfloat16 or float16 tensor, got {type(x).__name__}")
+        _check_high_precision(x)
         name, kwargs = self.kernel_call(x, amax)
         q = getattr(implementation(backend or backend_for(x.device)), name)(x, **kwargs)
         if self.amax_history is not None:  # row 0 collects the max of this step's amaxes
@@ -202,6 +198,15 @@ class Quantizer:
         self.amax_history.copy_(history)
         self.scale.copy_(scale)
 
+    def _scale_on(self, device: torch.device) -> Tensor:
+        """The DelayedScaling scale, which must live where the tensors it scales do."""
+        if self.scale.device != device:
+            raise ValueError(
+                f"the DelayedScaling state is on {self.scale.device} but the tensor on {device}: "
+                f"build the Quantizer with device={str(device)!r}"
+            )
+        return self.scale
+
     def _reduces_amax(self) -> bool:
         group = self.amax_reduction_group
         enabled = getattr(self.recipe, "reduce_amax", True)
@@ -210,6 +215,55 @@ class Quantizer:
     def __getstate__(self) -> dict:
         # Process groups cannot be pickled or copied: the copy must be given its own group.
         return {**self.__dict__, "amax_reduction_group": None}
+
+
+def _check_high_precision(x: object) -> None:
+    if not isinstance(x, Tensor) or not x.is_floating_point() or isinstance(x, QuantizedTensor):
+        raise TypeError(f"quantize takes a float32, bfloat16 or float16 tensor, got {type(x).__name__}")
+
+
+def quantize_split(
+    quantizers: Sequence[Quantizer], x: Tensor, m_splits: Sequence[int], *, backend: Backend | None = None
+) -> list[QuantizedStorage]:
+    """`quantizers[g].quantize_storage(rows of group g)` for consecutive row groups of x [..., K] (m_splits[g]
+    rows in group g): the same buffers and state updates, for far fewer launches.
+
+    The tensorwise recipes (DelayedScaling, Float8CurrentScaling) cast every group in ONE launch
+    (`quantize_tensorwise_split`: TransformerEngine's split quantize), all amaxes taken by one torch op and
+    all-reduced together; the other recipes quantize group by group. The quantizers must share a recipe,
+    role, usages and amax group (one per group of one module).
+    """
+    _check_high_precision(x)
+    x2d, _ = matrix_view(x)
+    splits = check_splits(m_splits, x2d.shape[0])
+    if len(quantizers) != len(splits):
+        raise ValueError(f"quantize_split takes one quantizer per group: {len(quantizers)} for m_splits={splits}")
+    if not quantizers:
+        return []
+    first = quantizers[0]
+    settings = (first.recipe, first.role, first.rowwise, first.columnwise, first.amax_reduction_group)
+    for g, q in enumerate(quantizers):
+        if (q.recipe, q.role, q.rowwise, q.columnwise, q.amax_reduction_group) != settings:
+            raise ValueError(
+                f"quantizer {g} differs from quantizer 0 in recipe, role, rowwise/columnwise usage or amax group: "
+                "quantize_split takes the quantizers of one role of one module (quantize_storage each otherwise)"
+            )
+    family = _FAMILIES[type(first.recipe)]
+    if family.kernel != "quantize_tensorwise":
+        parts = x2d.split(splits)
+        return [q.quantize_storage(part, backend=backend) for q, part in zip(quantizers, parts, strict=True)]
+    kwargs = family.arguments(first.recipe, first.role) | {"rowwise": first.rowwise, "columnwise": first.columnwise}
+    if first.scale is not None:
+        kwargs["scales"] = torch.cat([q._scale_on(x.device) for q in quantizers])
+    elif first.takes_reduced_amax:  # every shard casts with the amaxes of all of them: one all-reduce for all
+        amaxes = group_amaxes(x2d, splits)
+        dist.all_reduce(amaxes, op=dist.ReduceOp.MAX, group=first.amax_reduction_group)
+        kwargs["amaxes"] = amaxes
+    split_quantize = implementation(backend or backend_for(x.device)).quantize_tensorwise_split
+    results = split_quantize(x2d, splits, **kwargs)
+    if first.amax_history is not None:  # row 0 collects the max of this step's amaxes
+        torch._foreach_maximum_([q.amax_history[:1] for q in quantizers], [r.amax for r in results])
+    return [from_quantized(r) for r in results]
 
 
 def local_amax(x: Tensor) -> Tensor:
