@@ -239,13 +239,19 @@ def main() -> None:
     parser.add_argument("--ffn", type=int, default=14336)
     parser.add_argument("--seq", type=int, default=4096)
     parser.add_argument("--batch", type=int, default=2)
+    parser.add_argument("--parts", default="layer,grouped", help="which parts to run: layer, grouped or both")
     args = parser.parse_args()
+    parts = set(args.parts.split(","))
+    if not parts or parts - {"layer", "grouped"}:
+        parser.error(f"--parts {args.parts!r}: pass layer, grouped or layer,grouped")
     if not torch.cuda.is_available():
         raise SystemExit("bench_transformer_layer needs a CUDA device")
     print(f"# bench_transformer_layer {datetime.date.today()} on {torch.cuda.get_device_name()}, "
           f"torch {torch.__version__}, triton {triton.__version__}")  # fmt: skip
-    bench_layer(args)
-    bench_grouped(args)
+    if "layer" in parts:
+        bench_layer(args)
+    if "grouped" in parts:
+        bench_grouped(args)
 
 
 if __name__ == "__main__":
