@@ -226,13 +226,14 @@ def _group_tile(group_starts_ptr, num_groups, BLOCK_M: tl.constexpr, ROW_UNIT: t
 def _tensorwise_kernel(
     x_ptr, data_ptr, columnwise_ptr,  # x [M, K]; uint8 [M, K] and [K, M] (SPLIT: group g's [K, m_g] from K * start_g)
     given_ptr, amax_bits_ptr,  # fp32 (G,): the given scales or amaxes (GIVEN); int32 (G,): amax bits
-    scale_inv_ptr, columnwise_scale_inv_ptr,  # fp32 (G,) each: the same values, one buffer per copy
+    scale_inv_ptr, columnwise_scale_inv_ptr,  # fp32 (G,) each (SPLIT: SCALE_STRIDE apart): the same values, one buffer per copy
     group_starts_ptr, num_groups,  # SPLIT: int32 [G + 1], each group's first row, then M (/ ROW_UNIT); else unused
     M, K, stride_m, stride_k,
     EXPONENT_BITS: tl.constexpr, MANTISSA_BITS: tl.constexpr, MAX_BITS: tl.constexpr, NAN_CODE: tl.constexpr,
     FMAX: tl.constexpr, POWER_2: tl.constexpr, EPSILON: tl.constexpr,
     GIVEN: tl.constexpr,  # "scale" (delayed scaling), "amax" (to scale from: reduced over shards) or "" (none)
     SPLIT: tl.constexpr, ROW_UNIT: tl.constexpr,  # row groups of x, each quantized as a tensor of its own
+    SCALE_STRIDE: tl.constexpr,  # SPLIT: fp32 elements between two groups' scale_inv (16-byte aligned for cuBLASLt)
     ROWWISE: tl.constexpr, COLUMNWISE: tl.constexpr, PACK4: tl.constexpr, HARDWARE_CAST: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
@@ -249,8 +250,8 @@ def _tensorwise_kernel(
         columnwise_ptr += first_row * K
         given_ptr += group
         amax_bits_ptr += group
-        scale_inv_ptr += group
-        columnwise_scale_inv_ptr += group
+        scale_inv_ptr += group * SCALE_STRIDE
+        columnwise_scale_inv_ptr += group * SCALE_STRIDE
     x, rows, cols = _load_tile(x_ptr, row_tile, M, K, stride_m, stride_k, BLOCK_M, BLOCK_K, PACK4)
     x = to_f32(x)
     if GIVEN == "":  # the global amax of the first launch: finite means every |x * scale| <= max (up to rounding)

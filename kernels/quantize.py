@@ -66,6 +66,9 @@ _KERNELS = {
 
 # Split quantize: group row counts reach the kernel in units of up to 16 rows (what Triton specializes an int for).
 _ROW_UNIT_MAX = 16
+# fp32 elements from one scale_inv to the next: cuBLASLt refuses a scale pointer off a 16-byte boundary
+# (CUBLAS_STATUS_NOT_SUPPORTED on the H200 for group scales packed 4 bytes apart).
+_SCALE_STRIDE = 4
 
 # Smaller tensors take the first candidate: tuning them would cost more than it saves.
 _AUTOTUNE_MIN_ELEMENTS = 1 << 22
@@ -138,14 +141,15 @@ def _cast_tensorwise(
     amax_epsilon: float, rowwise: bool, columnwise: bool, splits: list[int] | None = None,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:  # fmt: skip
     """The cast launch: (data [M, K], columnwise data, scale_inv, columnwise scale_inv), one scale per row
-    group of `splits` (columnwise data: group g's [K, m_g] block from element K * start_g) or one in all."""
+    group of `splits` (columnwise data: group g's [K, m_g] block from element K * start_g; scale_inv
+    [G, _SCALE_STRIDE], group g's in row g) or one in all (scale_inv [1, 1])."""
     M, K = x2d.shape
     device = x2d.device
     groups = 1 if splits is None else len(splits)
     data = _bytes((M, K), rowwise, device)
     columnwise_data = _bytes((K, M) if splits is None else (K * M,), columnwise, device)
-    scale_inv = torch.empty(groups, dtype=torch.float32, device=device)
-    columnwise_scale_inv = torch.empty(groups, dtype=torch.float32, device=device) if columnwise else scale_inv
+    scale_inv = torch.empty(groups, 1 if splits is None else _SCALE_STRIDE, dtype=torch.float32, device=device)
+    columnwise_scale_inv = torch.empty_like(scale_inv) if columnwise else scale_inv
     group_starts, row_unit = amax_bits, 1  # unused without splits
     if splits is not None:  # pinned and non-blocking on CUDA: a pageable copy would wait for the GPU
         row_unit = math.gcd(_ROW_UNIT_MAX, *splits)  # rows per unit of the table: see _group_rows
@@ -156,7 +160,8 @@ def _cast_tensorwise(
         "tensorwise", x2d, data, columnwise_data, scale_inv if given is None else given, amax_bits,
         scale_inv, columnwise_scale_inv, group_starts, groups, splits=splits,
         **format_constants(fmt), FMAX=reference.FORMATS[fmt].max, POWER_2=power_2_scale, EPSILON=float(amax_epsilon),
-        GIVEN=given_kind, SPLIT=splits is not None, ROW_UNIT=row_unit, ROWWISE=rowwise, COLUMNWISE=columnwise,
+        GIVEN=given_kind, SPLIT=splits is not None, ROW_UNIT=row_unit, SCALE_STRIDE=_SCALE_STRIDE,
+        ROWWISE=rowwise, COLUMNWISE=columnwise,
         PACK4=_pack4(columnwise, *([M] if splits is None else splits)), HARDWARE_CAST=_hardware_cast(x2d),
     )  # fmt: skip
     return data, columnwise_data, scale_inv, columnwise_scale_inv
@@ -188,6 +193,7 @@ def quantize_tensorwise(
     data, columnwise_data, scale_inv, columnwise_scale_inv = _cast_tensorwise(
         x2d, fmt, given, given_kind, amax_bits, power_2_scale, amax_epsilon, rowwise, columnwise
     )
+    scale_inv, columnwise_scale_inv = scale_inv.view(1), columnwise_scale_inv.view(1)
     return Quantized(
         "tensorwise", fmt, shape,
         data=data if rowwise else None,
@@ -230,7 +236,7 @@ def quantize_tensorwise_split(
     K = x2d.shape[1]
     rows = data.split(splits) if rowwise else [None] * len(splits)
     columns = columnwise_data.split([K * m for m in splits]) if columnwise else [None] * len(splits)
-    scale_invs, columnwise_scale_invs = scale_inv.split(1), columnwise_scale_inv.split(1)
+    scale_invs, columnwise_scale_invs = scale_inv[:, :1].unbind(), columnwise_scale_inv[:, :1].unbind()
     return [
         Quantized(
             "tensorwise", fmt, (m, K),

@@ -126,7 +126,8 @@ def test_moe_sized_split_on_cuda(mode, multiple):
 @pytest.mark.parametrize("device", DEVICES)
 def test_each_role_alone_and_the_layout_grouped_gemm_reads(device):
     """One copy at a time; group g's rowwise copy is rows [start_g, start_g + m_g) of one [M, K] buffer and
-    its columnwise copy the [K, m_g] block at element K * start_g of another."""
+    its columnwise copy the [K, m_g] block at element K * start_g of another; every group's scale_inv starts
+    on a 16-byte boundary (cuBLASLt refuses others: CUBLAS_STATUS_NOT_SUPPORTED on the H200)."""
     splits, K = (3, 0, 6, 7), 40
     x = _random((sum(splits), K), torch.bfloat16, device, seed=9)
     _check_split(x, splits, "current_e4m3", rowwise=True, columnwise=False)
@@ -136,6 +137,7 @@ def test_each_role_alone_and_the_layout_grouped_gemm_reads(device):
     for g, (q, start) in enumerate(zip(got, starts, strict=False)):
         assert q.data.shape == (splits[g], K) and q.columnwise_data.shape == (K, splits[g])
         assert q.data.is_contiguous() and q.columnwise_data.is_contiguous()
+        assert q.scale_inv.data_ptr() % 16 == 0 and q.columnwise_scale_inv.data_ptr() % 16 == 0
         if splits[g]:
             assert q.data.data_ptr() == got[0].data.data_ptr() + K * start
             assert q.columnwise_data.data_ptr() == got[0].columnwise_data.data_ptr() + K * start
