@@ -18,7 +18,6 @@ Runs inside co-located processes (bridge.runtime). Per case (model, mesh, recipe
 
 from __future__ import annotations
 
-import functools
 import math
 import sys
 import time
@@ -122,6 +121,7 @@ def recipe_pair(name: str) -> tuple[Any, Any]:
 
 def verify(runtime, cases: Sequence[VerifyCase], rules: Iterable[params.Rule] = params.RULES) -> list[dict]:
     """Every case and recipe in these processes; the JSON reports (the same on every rank)."""
+    import jax
     from torch.distributed.device_mesh import init_device_mesh
 
     from bridge.runtime import jax_mesh
@@ -138,6 +138,9 @@ def verify(runtime, cases: Sequence[VerifyCase], rules: Iterable[params.Rule] = 
             started = time.perf_counter()
             report = _verify_recipe(runtime, world, mesh, case, recipe, rules)
             reports.append(report.to_json())
+            # Each recipe compiles its own programs: dropped here, the processes stop growing case by case
+            # (CPU, dp=2, 7 cases: rank 0 1.91 -> 1.95 GiB over the last five, 1.65 -> 2.13 with them kept).
+            jax.clear_caches()
             if runtime.rank == 0:  # progress on long grids (the tables come at the end)
                 first = report.first_divergence
                 verdict = "passed" if report.passed else (
@@ -346,7 +349,6 @@ def _jax_moments(optimizer, moment: str) -> dict:
     return _flat(getattr(optimizer.opt_state, moment))
 
 
-@functools.cache  # one step per recipe: models of the same structure and shardings share its programs
 def _jax_step(recipe):
     """One training step: forward, backward of sum(y * dy), the FP8 bookkeeping, the Adam update.
 
