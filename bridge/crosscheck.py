@@ -203,7 +203,8 @@ def _verify_recipe(runtime, world, mesh, case: VerifyCase, recipe: str, rules) -
             torch_moments = {name: torch_optimizer.state[p][moment] for name, p in torch_params.items()}
             jax_moments = _jax_moments(jax_optimizer, moment)
             collect(report, step, moment, _param_entries(models, jax_moments, torch_moments), **common)
-        _start_jax_from_torch(models, torch_optimizer, jax_optimizer, mesh)
+        if step + 1 < case.steps:
+            _start_jax_from_torch(models, torch_optimizer, jax_optimizer, mesh)
     return report
 
 
@@ -214,15 +215,20 @@ def _start_jax_from_torch(models: _Twins, torch_optimizer, jax_optimizer, mesh) 
     """
     from flax import nnx
 
-    torch_params = dict(models.torch_model.named_parameters())
-    values = params.torch_values_to_jax(torch_params, models.pairs, mesh, models.shardings)
-    params.load_into_jax(models.jax_model, values)
+    _load_torch_parameters(models, mesh)
     moments = params.optimizer_states_to_jax(torch_optimizer, models.torch_model, models.pairs, mesh, models.shardings)
     flat = dict(nnx.to_flat_state(nnx.state(jax_optimizer)))
     for moment in ADAM_MOMENTS:
         for path, value in moments[moment].items():
             flat[("opt_state", moment, *path)].set_value(value)
     nnx.update(jax_optimizer, nnx.from_flat_state(flat))
+
+
+def _load_torch_parameters(models: _Twins, mesh) -> None:
+    """The JAX model's parameters become torch's (zero-copy transfer, then each pair's layout)."""
+    torch_params = dict(models.torch_model.named_parameters())
+    values = params.torch_values_to_jax(torch_params, models.pairs, mesh, models.shardings)
+    params.load_into_jax(models.jax_model, values)
 
 
 def _build_twins(runtime, world, mesh, case: VerifyCase, rules, report: VerifyReport) -> _Twins:
@@ -246,8 +252,7 @@ def _build_twins(runtime, world, mesh, case: VerifyCase, rules, report: VerifyRe
     shardings = {tuple(path): v.get_value() for path, v in nnx.to_flat_state(JM.shardings(jax_model, mesh))}
     models = _Twins(torch_model, jax_model, pairs, shardings)
     _check_layouts(models, mesh, report)
-    torch_params = dict(torch_model.named_parameters())
-    params.load_into_jax(jax_model, params.torch_values_to_jax(torch_params, pairs, mesh, shardings))
+    _load_torch_parameters(models, mesh)
     return models
 
 

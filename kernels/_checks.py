@@ -64,16 +64,24 @@ def check_scale(scale: Tensor, device: torch.device) -> Tensor:
 
 
 def check_scale_or_amax(
-    scale: Tensor | None, amax: Tensor | None, power_2_scale: bool, amax_epsilon: float, device: torch.device
-) -> None:
-    """Tensorwise: a given delayed-scaling scale, or a given amax to scale from (current scaling), or neither."""
-    if scale is not None:
-        if amax is not None:
-            raise ValueError("pass scale (delayed scaling) or amax (current scaling from a given amax), not both")
-        if power_2_scale or amax_epsilon:
-            raise ValueError(
-                "power_2_scale and amax_epsilon shape a current scale; with a given scale leave them unset"
-            )
+    scale: Tensor | None, amax: Tensor | None, power_2_scale: bool, amax_epsilon: float, device: torch.device,
+    groups: int | None = None,
+) -> None:  # fmt: skip
+    """Tensorwise: a given delayed-scaling scale, or a given amax to scale from (current scaling), or neither;
+    with `groups` (a split quantize), one of them per row group, shaped (groups,)."""
+    if scale is not None and amax is not None:
+        raise ValueError("pass scale (delayed scaling) or amax (current scaling from a given amax), not both")
+    if scale is not None and (power_2_scale or amax_epsilon):
+        raise ValueError("power_2_scale and amax_epsilon shape a current scale; with a given scale leave them unset")
+    if groups is not None:
+        for name, values in (("scales", scale), ("amaxes", amax)):
+            if values is None:
+                continue
+            if not isinstance(values, Tensor) or values.dtype != torch.float32 or values.shape != (groups,):
+                raise TypeError(f"{name} must be an fp32 tensor of shape ({groups},), one per group, got {values!r}")
+            if values.device != device:
+                raise ValueError(f"{name} is on {values.device} but x is on {device}; move it to {device}")
+    elif scale is not None:
         check_scale(scale, device)
     elif amax is not None:
         _check_one_fp32(amax, "amax", "the amax to scale from, e.g. reduced over the shards of x", device)
@@ -108,21 +116,3 @@ def check_splits(m_splits: object, rows: int) -> list[int]:
             f"m_splits={splits} must be integers >= 0 that sum to x's {rows} rows (the product of its leading dims)"
         )
     return splits
-
-
-def check_group_scales_or_amaxes(
-    scales: Tensor | None, amaxes: Tensor | None, groups: int, power_2_scale: bool, amax_epsilon: float,
-    device: torch.device,
-) -> None:  # fmt: skip
-    """check_scale_or_amax for row groups: a given fp32 scale or amax per group, shaped (groups,)."""
-    if scales is not None and amaxes is not None:
-        raise ValueError("pass scales (delayed scaling) or amaxes (current scaling from given amaxes), not both")
-    if scales is not None and (power_2_scale or amax_epsilon):
-        raise ValueError("power_2_scale and amax_epsilon shape a current scale; with given scales leave them unset")
-    for name, values in (("scales", scales), ("amaxes", amaxes)):
-        if values is None:
-            continue
-        if not isinstance(values, Tensor) or values.dtype != torch.float32 or values.shape != (groups,):
-            raise TypeError(f"{name} must be an fp32 tensor of shape ({groups},), one value per group, got {values!r}")
-        if values.device != device:
-            raise ValueError(f"{name} is on {values.device} but x is on {device}; move it to {device}")

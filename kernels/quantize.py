@@ -27,7 +27,6 @@ from kernels._checks import (
     check_block,
     check_divisible,
     check_global_amax,
-    check_group_scales_or_amaxes,
     check_roles,
     check_scale_or_amax,
     check_splits,
@@ -225,7 +224,7 @@ def quantize_tensorwise_split(
     check_roles(rowwise, columnwise)
     x2d, _ = matrix_view(x)
     splits = check_splits(m_splits, x2d.shape[0])
-    check_group_scales_or_amaxes(scales, amaxes, len(splits), power_2_scale, amax_epsilon, x.device)
+    check_scale_or_amax(scales, amaxes, power_2_scale, amax_epsilon, x.device, groups=len(splits))
     if scales is None and amaxes is None:
         amaxes = reference.group_amaxes(x2d, splits)
     given, given_kind = (scales, "scale") if amaxes is None else (amaxes, "amax")

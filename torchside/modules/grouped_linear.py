@@ -38,6 +38,7 @@ import torch
 from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh
 
+from kernels._checks import check_splits
 from kernels.grouped_gemm import grouped_scaled_mm
 from torchside import autocast
 from torchside.modules.base import FP8Module, ParamSpec, default_init_method
@@ -133,15 +134,9 @@ class _GroupedFP8Linear(torch.autograd.Function):
 
 
 def _check_m_splits(m_splits: object, groups: int, tokens: int) -> list[int]:
-    if isinstance(m_splits, Tensor) or not isinstance(m_splits, Sequence) or len(m_splits) != groups:
+    if not isinstance(m_splits, list | tuple) or len(m_splits) != groups:
         raise ValueError(f"m_splits={m_splits!r}: pass a list of {groups} row counts (one per group) summing to T")
-    splits = list(m_splits)
-    if any(isinstance(m, bool) or not isinstance(m, int) or m < 0 for m in splits) or sum(splits) != tokens:
-        raise ValueError(
-            f"m_splits={splits} must be {groups} integers >= 0 that sum to the input's {tokens} rows "
-            "(the product of its leading dims)"
-        )
-    return splits
+    return check_splits(m_splits, tokens)
 
 
 class GroupedLinear(FP8Module):
