@@ -168,7 +168,7 @@ def _verify_recipe(runtime, world, mesh, case: VerifyCase, recipe: str, rules) -
     from torchside.autocast import fp8_autocast
     from torchside.optim import FusedAdam
 
-    report = VerifyReport(case.model, str(case.mesh), recipe, case.steps)
+    report = VerifyReport(case.model, str(case.mesh), recipe, case.steps, runtime.torch_device.type)
     torch_recipe, jax_recipe = recipe_pair(recipe)
     models = _build_twins(runtime, world, mesh, case, rules, report)
     torch_optimizer = FusedAdam(models.torch_model.parameters(), lr=LR)

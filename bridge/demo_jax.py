@@ -92,13 +92,14 @@ def cross_check(runtime, model, meshes, options, corpus, out: str, reference: di
         hidden, torch_outputs = _torch_forward(model, meshes, options, corpus)
     # The whole batch's activations on rank 0 (DP ranks' columns; every TP rank holds a copy).
     hidden, *torch_outputs = (_gather_batch(t, meshes) for t in (hidden, *torch_outputs))
+    limit = tolerance(options.recipe, "forward", device_type=runtime.torch_device.type)
     result = {
         "layouts": {"parameters": len(pairs), "mismatched": mismatched},
         "transfer": {"parameters": len(pairs), "differ": moved_differ},
-        "forward_tolerance": tolerance(options.recipe, "forward").relative,
+        "forward_tolerance": limit.relative,
     }
     if runtime.rank == 0:
-        result["forward"] = _forward_checks(options.recipe, model.config, pairs, reference, scaling, hidden,
+        result["forward"] = _forward_checks(options.recipe, limit, model.config, pairs, reference, scaling, hidden,
                                             torch_outputs)  # fmt: skip
     return result
 
@@ -153,7 +154,9 @@ def _load_scaling_state(twin, state: dict, device) -> None:
     nnx.update(twin, nnx.from_flat_state(flat))
 
 
-def _forward_checks(recipe_name: str, config, pairs, reference: dict, scaling: dict, hidden, torch_outputs) -> list:
+def _forward_checks(
+    recipe_name: str, limit, config, pairs, reference: dict, scaling: dict, hidden, torch_outputs
+) -> list:
     """The twin on this process's device with the trained weights, on the whole batch, against torch's outputs."""
     import math
 
@@ -171,7 +174,6 @@ def _forward_checks(recipe_name: str, config, pairs, reference: dict, scaling: d
         values[pair.jax_path] = jax.device_put(jnp.asarray(as_jax.numpy()), device)
     params.load_into_jax(twin, values)
     _load_scaling_state(twin, scaling, device)  # DelayedScaling: the scales torch's forward uses
-    limit = tolerance(recipe_name, "forward")
     checks = []
     jax_outputs = _jax_forward(recipe_name, twin, jax.device_put(jnp.asarray(hidden.numpy()), device))
     for i, (theirs, ours) in enumerate(zip(jax_outputs, torch_outputs)):

@@ -25,6 +25,14 @@ Tolerances, from the arithmetic (u: unit roundoff, 2^-24 fp32, 2^-4 E4M3, 2^-3 E
   steps take the next item's bound: its amax history holds each side's own amaxes (of tensors
   computed in different orders), so its scales differ (measured free-running, 2-layer
   TransformerLayer, FSDP x TP 2x2: up to 1.25e-1 on gradients, within 2u).
+  The premise is fp32 sums. On CUDA the per-tensor and block-scaled GEMMs run on FP8 tensor cores
+  (torch's cuBLASLt and Triton GEMMs; the twin's per-tensor dot_general through XLA), whose
+  accumulator keeps about 14 bits: on an H200 their outputs sit 2^-13..2^-16 of sum |a b| from
+  exact and flip 0.1-0.3% of the next cast's codes, against none for fp32 sums
+  (benchmarks/diagnose_fp8_gemm_noise.py); through two layers and back the flips grow to current
+  scaling's errors (DelayedScaling's first step: input grad 6.8e-2, weight grads 0.11; 1e-7 with
+  both sides' GEMMs made exact fp32). There these recipes take the next item's bound, 2u.
+  MXFP8 and NVFP4 GEMMs are emulated with bf16 dots (exact products, fp32 sums): u/2 everywhere.
 - Recipes whose scales differ (Float8CurrentScaling: torch scales each DP rank's activations and
   gradients by that rank's amax; JAX does so on a data-parallel mesh, but a twin off the mesh (the
   demo's one-device forward) casts the whole batch with one amax; NVFP4: torch's global amaxes are
@@ -79,6 +87,7 @@ FP8_UNITS = {"delayed": (E4M3_U, E5M2_U), "block": (E4M3_U, E5M2_U), "mxfp8": (E
              "current": (E4M3_U, E5M2_U), "nvfp4": (E2M1_U, E2M1_U)}  # fmt: skip
 SAME_SCALES_ALWAYS = ("block", "mxfp8")  # scales from the step's own values only
 SAME_SCALES_AT_FIRST_STEP = ("delayed",)  # then from each side's own amax history
+FP8_TENSOR_CORE_RECIPES = ("current", "delayed", "block")  # on CUDA: sums in Hopper's ~14-bit FP8 accumulator
 
 # recipe -> stage -> tolerance where the two sides' scales may differ ("param" and the optimizer states:
 # see `tolerance`).
@@ -100,19 +109,21 @@ def adam_step_bound(lr: float, betas: tuple[float, float] = ADAM_BETAS) -> float
     return lr * max(1.0, (1 - beta1) / math.sqrt(1 - beta2))
 
 
-def tolerance(recipe: str, stage: str, *, lr: float = 0.0, steps_taken: int = 0) -> Tolerance:
-    """The tolerance of a check after `steps_taken` updates: the tables', or the parameter and moment bounds above."""
+def tolerance(recipe: str, stage: str, *, lr: float = 0.0, steps_taken: int = 0, device_type: str = "cpu") -> Tolerance:
+    """The tolerance of a check after `steps_taken` updates on `device_type` ("cpu" | "cuda"): the tables', or the
+    parameter and moment bounds above."""
     if stage == "layout":
         return BITWISE
     if stage in TOLERANCES[recipe]:
         same_scales = recipe in SAME_SCALES_ALWAYS or (recipe in SAME_SCALES_AT_FIRST_STEP and steps_taken == 0)
-        return SAME_SCALE_TOLERANCES[recipe][stage] if same_scales else TOLERANCES[recipe][stage]
+        fp32_sums = not (device_type == "cuda" and recipe in FP8_TENSOR_CORE_RECIPES)
+        return SAME_SCALE_TOLERANCES[recipe][stage] if same_scales and fp32_sums else TOLERANCES[recipe][stage]
     if stage == "param":  # every recipe, FP8 off included (module docstring: Adam turns noise into steps)
         return Tolerance(None, 2 * adam_step_bound(lr))
     if recipe == "off":
         return Tolerance(FP32_ORDER)
     # The moments after update k: the common moments of update k - 1 plus step k - 1's gradient.
-    grad = tolerance(recipe, "weight_grad", steps_taken=max(steps_taken - 1, 0)).relative
+    grad = tolerance(recipe, "weight_grad", steps_taken=max(steps_taken - 1, 0), device_type=device_type).relative
     return Tolerance(grad if stage == "exp_avg" else (1 + grad) ** 2 - 1)
 
 
@@ -144,6 +155,7 @@ class VerifyReport:
     mesh: str
     recipe: str
     steps: int
+    device_type: str = "cpu"  # where both sides ran: the tolerances depend on it (`tolerance`)
     checks: list[TensorCheck] = field(default_factory=list)
 
     @property
@@ -162,6 +174,7 @@ class VerifyReport:
             "mesh": self.mesh,
             "recipe": self.recipe,
             "steps": self.steps,
+            "device_type": self.device_type,
             "passed": self.passed,
             "first_divergence": None if first is None else {**asdict(first), "layer": first.layer},
             "checks": [asdict(check) for check in self.checks],
@@ -211,7 +224,7 @@ def collect(
     if not entries:
         return
     rows = torch.stack([local_stats(got, expected, replicas) for _, got, expected, replicas in entries])
-    limit = tolerance(report.recipe, stage, lr=lr, steps_taken=steps_taken)
+    limit = tolerance(report.recipe, stage, lr=lr, steps_taken=steps_taken, device_type=report.device_type)
     for (name, *_), (relative, max_abs, nan) in zip(entries, reduce_stats(rows)):
         report.checks.append(
             TensorCheck(step, stage, name, relative, max_abs, nan, limit, limit.passes(relative, max_abs, nan))

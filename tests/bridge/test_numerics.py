@@ -55,6 +55,24 @@ def test_tolerances_are_the_stated_ones():
         assert drift.relative is None and drift.max_abs == pytest.approx(2 * 1e-3 * 0.1 / math.sqrt(0.001))
 
 
+def test_fp8_tensor_core_sums_take_the_own_scales_bound_on_cuda():
+    """On CUDA, recipes whose GEMMs sum in Hopper's FP8 accumulator lose the same-scale bound (module docstring)."""
+    own_scales = {  # (recipe, stage, steps taken) -> relative limit on CUDA
+        ("delayed", "forward", 0): 2.0**-3,  # 2 u_E4M3, not u/2: tensor-core sums flip codes before each cast
+        ("block", "input_grad", 0): 2.0**-2,  # 2 u_E5M2
+        ("block", "exp_avg", 1): 2.0**-2,
+        ("mxfp8", "weight_grad", 0): 2.0**-4,  # emulated with bf16 dots, fp32 sums: u/2 stays
+        ("nvfp4", "forward", 0): 2.0**-1,
+        ("off", "forward", 0): 1e-5,
+    }
+    for (recipe, stage, steps_taken), limit in own_scales.items():
+        got = numerics.tolerance(recipe, stage, steps_taken=steps_taken, device_type="cuda").relative
+        assert got == limit, (recipe, stage, steps_taken)
+    report = VerifyReport("mlp", "dp_shard=2", "block", 1, "cuda")
+    numerics.collect(report, 0, "forward", [("layers.0", torch.ones(4) * 1.1, torch.ones(4), 1)], lr=0.0, steps_taken=0)
+    assert report.checks[0].passed and report.to_json()["device_type"] == "cuda"  # 0.1 relative: within 2u, not u/2
+
+
 def _float64_errors(got: np.ndarray, expected: np.ndarray) -> tuple[float, float]:
     got, expected = got.astype(np.float64), expected.astype(np.float64)
     return float(np.linalg.norm(got - expected) / np.linalg.norm(expected)), float(np.abs(got - expected).max())
