@@ -13,6 +13,10 @@ costs ~25 s here):
   (each FP8 recipe compiles its own JAX step, 25-75 s here: the whole recipe grid is
   test_verify_cli's slow test), and a mapping that swaps two rows of a column-parallel weight is
   caught and named.
+
+With 2 CUDA devices (`pytest -m gpu`, NCCL and XLA's GPU client) a second launch checks the same
+verdicts: verify of the MLP stack passes on dp=2 (FP8 off and DelayedScaling), the swapped mapping
+is caught on tp=2.
 """
 
 from __future__ import annotations
@@ -195,11 +199,41 @@ def test_verify_passes_on_fsdp_tp_and_hsdp(results):
     assert all(rank_results["verify"] == reports for rank_results in results)  # one verdict everywhere
 
 
-def test_a_broken_mapping_is_caught_and_named(results):
-    (report,) = results[0]["broken"]
+def _assert_caught_and_named(report: dict) -> None:
     assert not report["passed"]
     first = report["first_divergence"]
     assert (first["step"], first["stage"], first["layer"]) == (0, "forward", "layers.0")
     assert first["relative"] > 1e-3  # far beyond the 1e-5 of FP8 off
     failed_grads = {c["name"] for c in report["checks"] if c["stage"] == "weight_grad" and not c["passed"]}
     assert SWAPPED_NAME in failed_grads
+
+
+def test_a_broken_mapping_is_caught_and_named(results):
+    (report,) = results[0]["broken"]
+    _assert_caught_and_named(report)
+
+
+def _gpu_scenario(rt) -> dict:
+    dp, tp = crosscheck.parse_mesh("dp=2"), crosscheck.parse_mesh("tp=2")
+    return {
+        "verify": crosscheck.verify(rt, [crosscheck.VerifyCase("mlp", 2, 64, dp, ("off", "delayed"), 2)]),
+        "broken": crosscheck.verify(rt, [crosscheck.VerifyCase("mlp", 2, 64, tp, ("off",), 1)], BROKEN_RULES),
+    }
+
+
+@pytest.fixture(scope="module")
+def gpu_results():
+    import torch
+
+    if torch.cuda.device_count() < 2:
+        pytest.skip("needs 2 CUDA devices (NCCL takes one process per GPU)")
+    return runtime.launch(_gpu_scenario, 2, device_type="cuda")
+
+
+@pytest.mark.gpu
+def test_verify_on_two_gpus_passes_and_catches_a_broken_mapping(gpu_results):
+    """The same verdicts on 2 GPUs (NCCL, XLA's GPU client, cuBLASLt): a correct mapping passes, a broken one is named."""
+    for report in gpu_results[0]["verify"]:
+        assert report["passed"] and report["device_type"] == "cuda", report["first_divergence"]
+    (broken,) = gpu_results[0]["broken"]
+    _assert_caught_and_named(broken)
