@@ -289,14 +289,13 @@ def _blockwise_kernel(
 ):
     """fp32-scaled blocks; the tile is one 128x128 block, or 128 row blocks and 128 column blocks of 1x128.
 
-    A block's scale is fmax / its amax, so a finite block is in range. Every cast runs in x's layout;
-    the columnwise copy stores the transpose of its codes.
+    A block's scale is fmax / its amax, so a finite block is in range.
     """
-    x, rows, cols = _load_tile(x_ptr, tl.program_id(0), M, K, stride_m, stride_k, BLOCK, BLOCK, PACK4)
+    x, rows, cols = _load_tile(x_ptr, tl.program_id(0), M, K, stride_m, stride_k, BLOCK, BLOCK, PACK4 and SQUARE)
     row_blocks = tl.cdiv(M, BLOCK)
     col_blocks = tl.cdiv(K, BLOCK)
-    values = to_f32(x)
     if SQUARE:  # one scale; the columnwise copy is the transpose of the rowwise one
+        values = to_f32(x)
         amax_bits = _tile_max(abs_bits(values))
         scale = scale_from_amax(amax_bits.to(tl.float32, bitcast=True), FMAX, POWER_2, 0.0)
         codes = _cast(
@@ -310,6 +309,7 @@ def _blockwise_kernel(
             tl.store(columnwise_scale_inv_ptr + tl.program_id(1) * row_blocks + tl.program_id(0), _reciprocal_rn(scale))
     else:
         if ROWWISE:  # a 1x128 block per row of the tile
+            values = to_f32(x)
             amax_bits = tl.max(abs_bits(values), axis=1)
             scale = scale_from_amax(amax_bits.to(tl.float32, bitcast=True), FMAX, POWER_2, 0.0)
             in_range = tl.max(amax_bits, axis=0) < _FP32_INF_BITS
@@ -318,15 +318,18 @@ def _blockwise_kernel(
             )
             _store_tile(data_ptr, codes, rows, cols, M, K)
             tl.store(scale_inv_ptr + rows * col_blocks + tl.program_id(1), _reciprocal_rn(scale), mask=rows < M)
-        if COLUMNWISE:  # a 1x128 block of x.T per column of the tile
-            amax_bits = tl.max(abs_bits(values), axis=0)
+        if COLUMNWISE:  # a 1x128 block of x.T per column of the tile: 8 runs of 16 down each column
+            runs = runs_f32(split_runs(tl.trans(x), 4))  # 16 tensors [BLOCK, BLOCK // 16]
+            partial = runs_amax_bits(runs)
+            amax_bits = tl.max(partial, axis=1)
             scale = scale_from_amax(amax_bits.to(tl.float32, bitcast=True), FMAX, POWER_2, 0.0)
             in_range = tl.max(amax_bits, axis=0) < _FP32_INF_BITS
-            codes = _cast(
-                values * scale[None, :], in_range, EXPONENT_BITS, MANTISSA_BITS, MAX_BITS, NAN_CODE, HARDWARE_CAST,
+            _fp8_operand(
+                runs, tl.broadcast_to(scale[:, None], partial.shape), in_range, columnwise_ptr, cols,
+                tl.program_id(0) * BLOCK, K, M, EXPONENT_BITS, MANTISSA_BITS, MAX_BITS, NAN_CODE, PACK4, HARDWARE_CAST,
             )
-            _store_transposed(columnwise_ptr, codes, rows, cols, M, K, tl.program_id(0), BLOCK, PACK4)
-            tl.store(columnwise_scale_inv_ptr + cols * row_blocks + tl.program_id(0), _reciprocal_rn(scale), mask=cols < K)
+            scale_inv_ptrs = columnwise_scale_inv_ptr + cols * row_blocks + tl.program_id(0)
+            tl.store(scale_inv_ptrs, _reciprocal_rn(scale), mask=cols < K)
 
 
 @triton.jit
