@@ -232,7 +232,7 @@ def gpu_results():
 
 @pytest.mark.gpu
 def test_verify_on_two_gpus_passes_and_catches_a_broken_mapping(gpu_results):
-    """The same verdicts on 2 GPUs (NCCL, XLA's GPU client, cuBLASLt): a correct mapping passes, a broken one is named."""
+    """verify on 2 GPUs (NCCL, XLA's GPU client, cuBLASLt): a correct mapping passes, a broken one is named."""
     for report in gpu_results[0]["verify"]:
         assert report["passed"] and report["device_type"] == "cuda", report["first_divergence"]
     (broken,) = gpu_results[0]["broken"]
