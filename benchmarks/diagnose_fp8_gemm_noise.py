@@ -1,10 +1,12 @@
 """How far each per-tensor FP8 GEMM provider's sums are from exact, and how many codes that flips downstream.
 
-`shardbridge verify` holds DelayedScaling's first step (scale 1 on both sides) to the "same scales"
-bound u/2 of bridge/numerics.py, whose premise is that the two frameworks' values before a cast
-differ by fp32 summation-order noise only. This script measures that premise on the device at
-verify's GEMM shapes (2-layer TransformerLayer, hidden 256, 64 tokens per rank): for the same FP8
-operands (scale 1, as delayed's first step casts them), each provider's output against float64:
+`shardbridge verify` holds recipes whose two sides cast with the same scales (DelayedScaling's first
+step, block scaling) to the "same scales" bound u/2 of bridge/numerics.py, whose premise is that the
+two frameworks' values before a cast differ by fp32 summation-order noise only. This script measures
+that premise on the device at verify's GEMM shapes (2-layer TransformerLayer, hidden 256, 64 tokens
+per rank); on the H200 it fails for FP8 tensor-core GEMMs, which is why bridge/numerics.py gives
+those recipes 2u on CUDA. For the same FP8 operands (scale 1, as delayed's first step casts them),
+each provider's output against float64:
 
 - rel: ||out - exact|| / ||exact||;
 - log2 err/sum|ab|: the largest |out - exact| over sum_k |a_k b_k|, as a power of 2 (an fp32
