@@ -36,7 +36,7 @@ def _tiles(*shapes: tuple[int, int, int]) -> list[dict]:
 # kernel name -> the configurations swept. Tensorwise keeps PACK4's four row repeats per thread
 # (BLOCK_M = 16 * num_warps at BLOCK_K 128, 32 * num_warps at 64).
 GRIDS = {
-    "amax": _tiles((64, 256, 4), (128, 256, 8), (64, 512, 8), (32, 256, 2), (128, 128, 4)),
+    "amax": _tiles((64, 256, 4), (128, 256, 8), (64, 512, 8), (32, 256, 2), (128, 128, 4), (32, 512, 4), (256, 256, 16), (64, 1024, 8)),
     "tensorwise": _tiles((64, 128, 4), (128, 128, 8), (128, 64, 4), (32, 128, 2), (256, 128, 16)),
     "blockwise": [
         {"BLOCK": 128, "num_warps": w, **cap}

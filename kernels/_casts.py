@@ -132,13 +132,21 @@ def code_to_f32(code, EXPONENT_BITS: tl.constexpr, MANTISSA_BITS: tl.constexpr, 
 
 
 @triton.jit
-def f32_to_e4m3_code(x):
-    """e4m3 (max 448 = 0x43E00000, NaN 0x7F): the NVFP4 block scales."""
+def f32_to_e4m3_code(x, HARDWARE: tl.constexpr = False):
+    """e4m3 (max 448 = 0x43E00000, NaN 0x7F): the NVFP4 block scales.
+
+    HARDWARE (compiled kernels): the GPU's cvt.rn.satfinite, which saturates past max and inf as
+    f32_to_code does; only NaN is set apart, for the canonical code (its sign).
+    """
+    if HARDWARE:
+        return tl.where(x != x, 0x7F, _hardware_fp8_code(x, 4, False))
     return f32_to_code(x, 4, 3, 0x43E00000, 0x7F)
 
 
 @triton.jit
-def e4m3_code_to_f32(code):
+def e4m3_code_to_f32(code, HARDWARE: tl.constexpr = False):
+    if HARDWARE:  # the GPU's exact e4m3 -> fp32 cvt (compiled kernels)
+        return code.to(tl.uint8).to(tl.float8e4nv, bitcast=True).to(tl.float32)
     return code_to_f32(code, 4, 3, 0x7F)
 
 
@@ -299,12 +307,28 @@ def runs_f32(runs):
 
 
 @triton.jit
+def _max_propagating_nan(a, b):
+    return tl.maximum(a, b, propagate_nan=tl.PropagateNan.ALL)
+
+
+@triton.jit
 def runs_amax_bits(values):
-    """Block amax bits (NaN wins) over a tuple of fp32 runs: one register max per element."""
-    amax = values[0].to(tl.int32, bitcast=True) & 0x7FFFFFFF
+    """Block amax bits (NaN wins: some NaN's bits) over a tuple of fp32 runs: one register max per
+    element, a float max whose |.| costs no instruction (an integer max of |bits| takes two)."""
+    amax = tl.abs(values[0])
     for j in tl.static_range(1, len(values)):
-        amax = tl.maximum(amax, values[j].to(tl.int32, bitcast=True) & 0x7FFFFFFF)
-    return amax
+        amax = _max_propagating_nan(amax, tl.abs(values[j]))
+    return amax.to(tl.int32, bitcast=True)
+
+
+@triton.jit
+def row_amax_bits(values, FLOAT: tl.constexpr):
+    """amax bits of each row of fp32 values [R, C] (NaN wins). FLOAT (compiled kernels): a float max
+    reduction, as runs_amax_bits; the interpreter runs such a reduction one element at a time in
+    Python, so there it is the integer max of |bits| (the same bits, but for which NaN)."""
+    if FLOAT:
+        return tl.reduce(tl.abs(values), 1, _max_propagating_nan).to(tl.int32, bitcast=True)
+    return tl.max(values.to(tl.int32, bitcast=True) & 0x7FFFFFFF, axis=1)
 
 
 @triton.jit

@@ -43,6 +43,7 @@ from kernels._casts import (
     hash32,
     join_runs,
     rounding_limit,
+    row_amax_bits,
     runs_amax_bits,
     runs_f32,
     scale_from_amax,
@@ -61,26 +62,33 @@ _E2M1_LIMIT = tl.constexpr(7.0)  # the midpoint above e2m1's max 6
 
 @triton.jit
 def _load_tile(
-    x_ptr, row_tile, M, K, stride_m, stride_k, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, PACK4: tl.constexpr
+    x_ptr, row_tile, M, K, stride_m, stride_k, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, PACK4: tl.constexpr,
+    EVEN: tl.constexpr = False,
 ):
     """Tile (row_tile, program_id(1)) of x in its own dtype (0 outside x) with its row and column indices (int64).
 
     PACK4: tile row q * (BLOCK_M // 4) + t holds x row 4t + q (see _store_transposed).
+    EVEN: the tiles cover x exactly (no masks: fewer instructions and registers, see _nvfp4_kernel).
     """
     i = tl.arange(0, BLOCK_M)
     if PACK4:
         i = 4 * (i % (BLOCK_M // 4)) + i // (BLOCK_M // 4)
     rows = row_tile.to(tl.int64) * BLOCK_M + i
     cols = tl.program_id(1).to(tl.int64) * BLOCK_K + tl.arange(0, BLOCK_K)
-    inside = (rows[:, None] < M) & (cols[None, :] < K)
-    return tl.load(x_ptr + rows[:, None] * stride_m + cols[None, :] * stride_k, mask=inside, other=0.0), rows, cols
+    pointers = x_ptr + rows[:, None] * stride_m + cols[None, :] * stride_k
+    if EVEN:
+        return tl.load(pointers), rows, cols
+    return tl.load(pointers, mask=(rows[:, None] < M) & (cols[None, :] < K), other=0.0), rows, cols
 
 
 @triton.jit
-def _store_tile(out_ptr, values, rows, cols, R, C):
-    """Store a tile into a row-major [R, C] buffer of out_ptr's type, masked to its bounds."""
-    inside = (rows[:, None] < R) & (cols[None, :] < C)
-    tl.store(out_ptr + rows[:, None] * C + cols[None, :], values.to(out_ptr.dtype.element_ty), mask=inside)
+def _store_tile(out_ptr, values, rows, cols, R, C, EVEN: tl.constexpr = False):
+    """Store a tile into a row-major [R, C] buffer of out_ptr's type, masked to its bounds unless EVEN (inside)."""
+    pointers = out_ptr + rows[:, None] * C + cols[None, :]
+    if EVEN:
+        tl.store(pointers, values.to(out_ptr.dtype.element_ty))
+    else:
+        tl.store(pointers, values.to(out_ptr.dtype.element_ty), mask=(rows[:, None] < R) & (cols[None, :] < C))
 
 
 @triton.jit
@@ -98,26 +106,34 @@ def _store_transposed(out_ptr, codes, rows, cols, M, K, row_tile, BLOCK_M: tl.co
 
 
 @triton.jit
-def _store_runs(out_ptr, codes, rows, first_col, R, C, BITS: tl.constexpr, WORDS: tl.constexpr):
-    """Store code runs (a tuple of int32 tensors [ROWS, COLS / n], each code in the top BITS bits with
-    zeros below) into a row-major [R, C * BITS / 8] byte buffer, from operand column first_col.
+def _packed_runs(codes, BITS: tl.constexpr, WORDS: tl.constexpr):
+    """Code runs (a tuple of int32 tensors [ROWS, COLS / n], each code in the top BITS bits with zeros
+    below) packed in operand order: little-endian int32 words [ROWS, COLS * BITS / 32] (WORDS), else bytes.
 
-    WORDS: packed into little-endian int32 words in registers (C * BITS % 32 == 0): one shift and
-    one or per code. Otherwise shifted down to bytes and joined back into a tile (masked store).
+    Horner's rule from the first code, unit = (unit >> BITS) + code, is one instruction per code
+    (LEA.HI) and leaves the first code lowest; a byte takes its codes' top bits down at the end.
     """
     N: tl.constexpr = len(codes)
-    PER: tl.constexpr = 32 // BITS if WORDS else 8 // BITS  # codes per stored unit
+    PER: tl.constexpr = 32 // BITS if WORDS else 8 // BITS  # codes per unit
     packed = ()
     for w in tl.static_range(N // PER):
-        unit = (codes[w * PER].to(tl.uint32, bitcast=True) >> (32 - BITS)).to(tl.int32)
+        unit = codes[w * PER].to(tl.uint32, bitcast=True)
         for i in tl.static_range(1, PER):
-            unit = unit | (codes[w * PER + i].to(tl.uint32, bitcast=True) >> (32 - BITS * (i + 1))).to(tl.int32)
-        packed = packed + (unit,)
+            unit = (unit >> BITS) + codes[w * PER + i].to(tl.uint32, bitcast=True)
+        packed = packed + ((unit >> (32 - BITS * PER)).to(tl.int32),)
+    return join_runs(packed)
+
+
+@triton.jit
+def _store_runs(out_ptr, codes, rows, first_col, R, C, BITS: tl.constexpr, WORDS: tl.constexpr, EVEN: tl.constexpr = False):
+    """Store code runs (see _packed_runs) into a row-major [R, C * BITS / 8] byte buffer from operand
+    column first_col: as int32 words (WORDS: C * BITS % 32 == 0), else as bytes (masked store)."""
+    PER: tl.constexpr = 32 // BITS if WORDS else 8 // BITS
     if WORDS:
         out_ptr = out_ptr.to(tl.pointer_type(tl.int32))
-    tile = join_runs(packed)
+    tile = _packed_runs(codes, BITS, WORDS)
     cols = first_col // PER + tl.arange(0, tile.shape[1])
-    _store_tile(out_ptr, tile, rows, cols, R, C // PER)
+    _store_tile(out_ptr, tile, rows, cols, R, C // PER, EVEN)
 
 
 @triton.jit
@@ -308,16 +324,7 @@ def _blockwise_kernel(
             _store_transposed(columnwise_ptr, codes, rows, cols, M, K, tl.program_id(0), BLOCK, PACK4)
             tl.store(columnwise_scale_inv_ptr + tl.program_id(1) * row_blocks + tl.program_id(0), _reciprocal_rn(scale))
     else:
-        if ROWWISE:  # a 1x128 block per row of the tile
-            values = to_f32(x)
-            amax_bits = tl.max(abs_bits(values), axis=1)
-            scale = scale_from_amax(amax_bits.to(tl.float32, bitcast=True), FMAX, POWER_2, 0.0)
-            in_range = tl.max(amax_bits, axis=0) < _FP32_INF_BITS
-            codes = _cast(
-                values * scale[:, None], in_range, EXPONENT_BITS, MANTISSA_BITS, MAX_BITS, NAN_CODE, HARDWARE_CAST,
-            )
-            _store_tile(data_ptr, codes, rows, cols, M, K)
-            tl.store(scale_inv_ptr + rows * col_blocks + tl.program_id(1), _reciprocal_rn(scale), mask=rows < M)
+        # The columnwise copy first: done in this order, the H200 build needs 135 registers, not 186.
         if COLUMNWISE:  # a 1x128 block of x.T per column of the tile: 8 runs of 16 down each column
             runs = runs_f32(split_runs(tl.trans(x), 4))  # 16 tensors [BLOCK, BLOCK // 16]
             partial = runs_amax_bits(runs)
@@ -330,6 +337,16 @@ def _blockwise_kernel(
             )
             scale_inv_ptrs = columnwise_scale_inv_ptr + cols * row_blocks + tl.program_id(0)
             tl.store(scale_inv_ptrs, _reciprocal_rn(scale), mask=cols < K)
+        if ROWWISE:  # a 1x128 block per row of the tile
+            values = to_f32(x)
+            amax_bits = row_amax_bits(values, HARDWARE_CAST)
+            scale = scale_from_amax(amax_bits.to(tl.float32, bitcast=True), FMAX, POWER_2, 0.0)
+            in_range = tl.max(amax_bits, axis=0) < _FP32_INF_BITS
+            codes = _cast(
+                values * scale[:, None], in_range, EXPONENT_BITS, MANTISSA_BITS, MAX_BITS, NAN_CODE, HARDWARE_CAST,
+            )
+            _store_tile(data_ptr, codes, rows, cols, M, K)
+            tl.store(scale_inv_ptr + rows * col_blocks + tl.program_id(1), _reciprocal_rn(scale), mask=rows < M)
 
 
 @triton.jit
@@ -396,59 +413,121 @@ def _e2m1_runs(values, encode, index, key, STOCHASTIC: tl.constexpr, IN_RANGE: t
 
 
 @triton.jit
-def _nvfp4_operand(
-    tile, first_row, first_col, R, C, data_ptr, scale_ptr, amax_bits_ptr, key,  # tile: [ROWS, COLS] of [R, C]
-    SQUARE: tl.constexpr, HADAMARD: tl.constexpr, STOCHASTIC: tl.constexpr,
+def _nvfp4_global_encode(amax_bits_ptr):
+    return scale_from_amax(tl.load(amax_bits_ptr).to(tl.float32, bitcast=True), _NVFP4_GLOBAL_MAX, False, 0.0)
+
+
+@triton.jit
+def _nvfp4_codes(
+    tile, first_row, first_col, C, global_encode, key,  # tile: [ROWS, COLS] of an operand [R, C]
+    SQUARE: tl.constexpr, HADAMARD: tl.constexpr, STOCHASTIC: tl.constexpr, HARDWARE_CAST: tl.constexpr,
 ):
-    """E2M1 codes and e4m3 block scales of an operand tile under its global amax, stored (C % 16 == 0)."""
+    """E2M1 codes (runs, top nibble) and e4m3 block scales ([ROWS or ROWS / 16, COLS / 16]) of an operand tile.
+
+    HARDWARE_CAST: the block scales are encoded and decoded by the GPU's e4m3 cvt.
+    """
     ROWS: tl.constexpr = tile.shape[0]
     BLOCKS: tl.constexpr = tile.shape[1] // 16
-    rows = first_row + tl.arange(0, ROWS)
     values = runs_f32(split_runs(tile, 4))  # 16 tensors [ROWS, BLOCKS]
     if HADAMARD:
         values = hadamard_runs(values)
-    global_encode = scale_from_amax(tl.load(amax_bits_ptr).to(tl.float32, bitcast=True), _NVFP4_GLOBAL_MAX, False, 0.0)
     amax = runs_amax_bits(values)
     if SQUARE:  # 16x16 blocks: the max over 16 operand rows too
         amax = tl.max(tl.reshape(amax, [ROWS // 16, 16, BLOCKS]), axis=1)
     amax = amax.to(tl.float32, bitcast=True)
-    block_scale = f32_to_e4m3_code(tl.math.div_rn(amax, tl.full(amax.shape, 6.0, tl.float32)) * global_encode)
-    block_scale_f32 = e4m3_code_to_f32(block_scale)
+    block_scale = f32_to_e4m3_code(tl.math.div_rn(amax, tl.full(amax.shape, 6.0, tl.float32)) * global_encode, HARDWARE_CAST)
+    block_scale_f32 = e4m3_code_to_f32(block_scale, HARDWARE_CAST)
     encode = tl.math.div_rn(tl.full(amax.shape, 1.0, tl.float32) * global_encode, block_scale_f32)
     encode = tl.where(block_scale_f32 == 0, 0.0, encode)
     in_range = _all_below(amax * encode, _E2M1_LIMIT)
-    scale_cols = first_col // 16 + tl.arange(0, BLOCKS)
-    if SQUARE:  # one row of scales per 16 operand rows
-        _store_tile(scale_ptr, block_scale, first_row // 16 + tl.arange(0, ROWS // 16), scale_cols, tl.cdiv(R, 16), C // 16)
+    if SQUARE:  # each block's encode on its 16 operand rows
         encode = tl.reshape(tl.broadcast_to(encode[:, None, :], [ROWS // 16, 16, BLOCKS]), [ROWS, BLOCKS])
-    else:
-        _store_tile(scale_ptr, block_scale, rows, scale_cols, R, C // 16)
     if STOCHASTIC:  # element index in the operand, mod 2^32, hashed with the seed's key
+        rows = first_row + tl.arange(0, ROWS)
         index = (rows[:, None] * C + first_col + 16 * tl.arange(0, BLOCKS)[None, :]).to(tl.uint32)
         codes = _e2m1_runs(values, encode, index, key.to(tl.uint32, bitcast=True), True, False)
     elif in_range:
         codes = _e2m1_runs(values, encode, encode, key, False, True)
     else:
         codes = _e2m1_runs(values, encode, encode, key, False, False)
-    _store_runs(data_ptr, codes, rows, first_col, R, C, 4, True)
+    return codes, block_scale
 
 
+@triton.jit
+def _store_block_scales(block_scale, first_row, first_col, R, C, scale_ptr, SQUARE: tl.constexpr, EVEN: tl.constexpr):
+    """Store an operand tile's e4m3 block scales: one row per operand row, or per 16 of them (SQUARE)."""
+    scale_rows = first_row // (16 if SQUARE else 1) + tl.arange(0, block_scale.shape[0])
+    scale_cols = first_col // 16 + tl.arange(0, block_scale.shape[1])
+    _store_tile(scale_ptr, block_scale, scale_rows, scale_cols, tl.cdiv(R, 16) if SQUARE else R, C // 16, EVEN)
+
+
+@triton.jit
+def _swap_units(words, D: tl.constexpr, BITS: tl.constexpr, LOW: tl.constexpr):
+    """A round of the 8x8 nibble transpose: words r and r + D (r & D == 0) trade units of BITS bits
+    (LOW: the even units' mask). r keeps its even units and takes r + D's into its odd slots; r + D
+    gets r's odd units into its even slots. Right shifts are masked, so int32's sign fill never shows."""
+    out = ()
+    for r in tl.static_range(8):
+        if r & D:
+            out = out + (((words[r - D] >> BITS) & LOW) | (words[r] & ~LOW),)
+        else:
+            out = out + ((words[r] & LOW) | ((words[r + D] << BITS) & ~LOW),)
+    return out
+
+
+@triton.jit
+def _transposed_nibble_words(words):
+    """int32 words [R, C / 8] of a nibble matrix (8 nibbles of a row each, first lowest) -> the words
+    [C, R / 8] of its transpose. The words cross shared memory whole (8 nibbles a move); each thread
+    then holds 8 rows' words of 8 columns and transposes that 8x8 block of nibbles in registers, by
+    swapping halves, then bytes, then nibbles: fewer instructions (sm_90 SASS) than moving each
+    nibble through shared memory as a byte."""
+    R: tl.constexpr = words.shape[0]
+    W: tl.constexpr = words.shape[1]
+    rows8 = split_runs(tl.trans(words), 3)  # 8 tensors [W, R / 8]: j = the words of rows 8h + j
+    columns8 = _swap_units(_swap_units(_swap_units(rows8, 4, 16, 0x0000FFFF), 2, 8, 0x00FF00FF), 1, 4, 0x0F0F0F0F)
+    joined = tl.reshape(join_runs(columns8), [W, R // 8, 8])  # [g, h, c]: column 8g + c, rows 8h..8h + 7
+    return tl.reshape(tl.permute(joined, [0, 2, 1]), [W * 8, R // 8])
+
+
+@triton.heuristics({"EVEN": lambda args: args["M"] % args["BLOCK_M"] == 0 and args["K"] % args["BLOCK_K"] == 0})
 @triton.jit(do_not_specialize=["key"])
 def _nvfp4_kernel(
     x_ptr, data_ptr, scale_ptr, columnwise_ptr, columnwise_scale_ptr, amax_bits_ptr,
     M, K, stride_m, stride_k, key,  # key: hash32(seed) as a signed int32, for stochastic rounding
     SQUARE: tl.constexpr, HADAMARD: tl.constexpr, STOCHASTIC: tl.constexpr,
-    ROWWISE: tl.constexpr, COLUMNWISE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
+    ROWWISE: tl.constexpr, COLUMNWISE: tl.constexpr, HARDWARE_CAST: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, EVEN: tl.constexpr,
 ):
-    """E2M1 with e4m3 block scales under the global scale from _amax_kernel; RHT on the columnwise operand."""
-    x, rows, cols = _load_tile(x_ptr, tl.program_id(0), M, K, stride_m, stride_k, BLOCK_M, BLOCK_K, False)
+    """E2M1 with e4m3 block scales under the global scale from _amax_kernel; RHT on the columnwise operand.
+
+    16x16 blocks without RHT and stochastic rounding give x.T the transposed codes and scales of x,
+    so both copies come from one cast.
+    """
+    x, rows, cols = _load_tile(x_ptr, tl.program_id(0), M, K, stride_m, stride_k, BLOCK_M, BLOCK_K, False, EVEN)
+    first_row = tl.program_id(0).to(tl.int64) * BLOCK_M
+    first_col = tl.program_id(1) * BLOCK_K
+    SHARED: tl.constexpr = SQUARE and not HADAMARD and not STOCHASTIC and ROWWISE and COLUMNWISE
+    global_encode = _nvfp4_global_encode(amax_bits_ptr)
     if ROWWISE:
-        _nvfp4_operand(
-            x, tl.program_id(0).to(tl.int64) * BLOCK_M, tl.program_id(1) * BLOCK_K, M, K, data_ptr, scale_ptr,
-            amax_bits_ptr, key, SQUARE, False, STOCHASTIC,
+        codes, block_scale = _nvfp4_codes(
+            x, first_row, first_col, K, global_encode, key, SQUARE, False, STOCHASTIC, HARDWARE_CAST,
         )
-    if COLUMNWISE:  # x.T, whose global amax is the second one when it is rotated
-        _nvfp4_operand(
-            tl.trans(x), tl.program_id(1).to(tl.int64) * BLOCK_K, tl.program_id(0) * BLOCK_M, K, M, columnwise_ptr,
-            columnwise_scale_ptr, amax_bits_ptr + HADAMARD, key, SQUARE, HADAMARD, STOCHASTIC,
+        _store_block_scales(block_scale, first_row, first_col, M, K, scale_ptr, SQUARE, EVEN)
+        words = _packed_runs(codes, 4, True)  # [BLOCK_M, BLOCK_K / 8]
+        word_cols = first_col // 8 + tl.arange(0, BLOCK_K // 8)
+        _store_tile(data_ptr.to(tl.pointer_type(tl.int32)), words, rows, word_cols, M, K // 8, EVEN)
+        if SHARED:
+            _store_block_scales(tl.trans(block_scale), first_col, first_row, K, M, columnwise_scale_ptr, SQUARE, EVEN)
+            word_cols = tl.program_id(0) * (BLOCK_M // 8) + tl.arange(0, BLOCK_M // 8)
+            words = _transposed_nibble_words(words)
+            _store_tile(columnwise_ptr.to(tl.pointer_type(tl.int32)), words, cols, word_cols, K, M // 8, EVEN)
+    if COLUMNWISE and not SHARED:  # x.T, whose global amax is the second one when it is rotated
+        if HADAMARD:  # RHT(x.T) has an amax of its own
+            global_encode = _nvfp4_global_encode(amax_bits_ptr + 1)
+        codes, block_scale = _nvfp4_codes(
+            tl.trans(x), first_col.to(tl.int64), first_row, M, global_encode, key, SQUARE, HADAMARD, STOCHASTIC,
+            HARDWARE_CAST,
         )
+        _store_block_scales(block_scale, first_col, first_row, K, M, columnwise_scale_ptr, SQUARE, EVEN)
+        _store_runs(columnwise_ptr, codes, cols, first_row, K, M, 4, True, EVEN)

@@ -45,21 +45,22 @@ def _tiles(*shapes: tuple[int, int, int]) -> list[dict]:
     return [{"BLOCK_M": m, "BLOCK_K": k, "num_warps": w} for m, k, w in ((128, 128, 8),) + shapes]
 
 
-_ROLES = ["M", "K", "ROWWISE", "COLUMNWISE"]  # autotune key of the cast kernels
+_ROLES = ["M", "K", "ROWWISE", "COLUMNWISE"]  # autotune key of the cast kernels, with what changes their work
 # kernel name -> (kernel, autotune candidates on GPU, autotune key). PACK4 (tensorwise, 128x128 blocks)
 # wants four row repeats per thread, i.e. BLOCK_M = 16 * num_warps at BLOCK_K = 128 (32 * num_warps at 64).
 _KERNELS = {
-    "amax": (_amax_kernel, _tiles((64, 256, 4), (64, 128, 4)), ["M", "K", "HADAMARD"]),
+    "amax": (_amax_kernel, _tiles((64, 256, 4), (64, 512, 8)), ["M", "K", "HADAMARD"]),
     "tensorwise": (_tensorwise_kernel, _tiles((64, 128, 4), (128, 64, 4)), [*_ROLES, "SPLIT"]),
     # The 128x128 tile of blockwise needs 100+ registers a thread, one program per SM: the register caps
     # allow two (a few spills), so that one program's loads overlap the other's casts.
     "blockwise": (
         _blockwise_kernel,
         [{"BLOCK": 128, "num_warps": w, **cap} for w, cap in ((8, {}), (16, {}), (16, {"maxnreg": 64}), (8, {"maxnreg": 128}))],
-        _ROLES,
+        [*_ROLES, "SQUARE"],
     ),
     "mxfp8": (_mxfp8_kernel, _tiles((64, 128, 4), (64, 64, 4)), _ROLES),  # the H200 sweep's best two
-    "nvfp4": (_nvfp4_kernel, _tiles((64, 64, 4), (128, 128, 16)), _ROLES),
+    # the H200 sweep's best two: 1x16 and RHT at 64x64, 16x16 (one cast for both copies) at 128x64
+    "nvfp4": (_nvfp4_kernel, _tiles((64, 64, 4), (128, 64, 4)), [*_ROLES, "SQUARE", "HADAMARD", "STOCHASTIC"]),
 }
 
 
@@ -357,7 +358,7 @@ def quantize_nvfp4(
         "nvfp4", x2d, data, scale, columnwise_data, columnwise_scale, amax_bits,
         key=0 if stochastic_seed is None else _hash_key(stochastic_seed),
         SQUARE=square, HADAMARD=rotate, STOCHASTIC=stochastic_seed is not None,
-        ROWWISE=rowwise, COLUMNWISE=columnwise,
+        ROWWISE=rowwise, COLUMNWISE=columnwise, HARDWARE_CAST=_hardware_cast(x),
     )
     amax = amax_bits.view(torch.float32)
     return Quantized(
