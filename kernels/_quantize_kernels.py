@@ -125,7 +125,9 @@ def _packed_runs(codes, BITS: tl.constexpr, WORDS: tl.constexpr):
 
 
 @triton.jit
-def _store_runs(out_ptr, codes, rows, first_col, R, C, BITS: tl.constexpr, WORDS: tl.constexpr, EVEN: tl.constexpr = False):
+def _store_runs(
+    out_ptr, codes, rows, first_col, R, C, BITS: tl.constexpr, WORDS: tl.constexpr, EVEN: tl.constexpr = False
+):
     """Store code runs (see _packed_runs) into a row-major [R, C * BITS / 8] byte buffer from operand
     column first_col: as int32 words (WORDS: C * BITS % 32 == 0), else as bytes (masked store)."""
     PER: tl.constexpr = 32 // BITS if WORDS else 8 // BITS
@@ -435,7 +437,8 @@ def _nvfp4_codes(
     if SQUARE:  # 16x16 blocks: the max over 16 operand rows too
         amax = tl.max(tl.reshape(amax, [ROWS // 16, 16, BLOCKS]), axis=1)
     amax = amax.to(tl.float32, bitcast=True)
-    block_scale = f32_to_e4m3_code(tl.math.div_rn(amax, tl.full(amax.shape, 6.0, tl.float32)) * global_encode, HARDWARE_CAST)
+    scale = tl.math.div_rn(amax, tl.full(amax.shape, 6.0, tl.float32)) * global_encode
+    block_scale = f32_to_e4m3_code(scale, HARDWARE_CAST)
     block_scale_f32 = e4m3_code_to_f32(block_scale, HARDWARE_CAST)
     encode = tl.math.div_rn(tl.full(amax.shape, 1.0, tl.float32) * global_encode, block_scale_f32)
     encode = tl.where(block_scale_f32 == 0, 0.0, encode)
