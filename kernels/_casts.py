@@ -328,7 +328,7 @@ def row_amax_bits(values, FLOAT: tl.constexpr):
     Python, so there it is the integer max of |bits| (the same bits, but for which NaN)."""
     if FLOAT:
         return tl.reduce(tl.abs(values), 1, _max_propagating_nan).to(tl.int32, bitcast=True)
-    return tl.max(values.to(tl.int32, bitcast=True) & 0x7FFFFFFF, axis=1)
+    return tl.max(abs_bits(values), axis=1)
 
 
 @triton.jit
