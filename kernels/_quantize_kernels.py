@@ -2,8 +2,9 @@
 
 Every kernel loads a [BLOCK_M, BLOCK_K] tile of x once and writes both the rowwise codes
 ([M, K]) and the columnwise ones (the rowwise quantization of x.T, stored [K, M]) from it.
-Casts, scales and the Hadamard transform come from kernels._casts; amaxes are taken on the
-int32 bits of |x|, where integer max is float max and NaN wins (as torch.amax propagates it).
+Casts, scales and the Hadamard transform come from kernels._casts; amaxes are int32 bits of |x|,
+NaN winning as torch.amax propagates it: block amaxes by a NaN-propagating float max (|.| is free
+on it), tile and global ones by an integer max of the bits (integer max is float max there).
 
 Why they are shaped this way (each choice read off the sm_90 SASS of Triton 3.6, the GPU's):
 - The casts are bound by the integer pipe, so each tile first checks from its amaxes and
