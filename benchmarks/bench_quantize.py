@@ -1,12 +1,13 @@
 """Benchmark: Triton quantizers (kernels.quantize) on a 16384x8192 bf16 tensor, against the copy floor.
 
-For each scheme: measured ms, the floor (bytes that one pass must move / 4.24 TB/s, the H200
+For each scheme: the device time (benchmarks.timing.device_ms: CUDA graph replays, so Python
+never holds the GPU back), the host time a call costs, the floor (bytes that one pass must move / 4.24 TB/s, the H200
 copy bandwidth in DESIGN.md), the fraction of the floor reached, the floor for the bytes the
 kernels really move (current scaling and NVFP4 read x twice: the global amax must be known
 before the first cast), and the peer measured in the same run: torch eager doing the same
 math (a plain amax + scale + cast + transpose for tensorwise, kernels.reference otherwise).
 Every Triton result is also checked byte-for-byte against the reference. Two-pass cases also
-show the global-amax launch alone ("amax ms"); the autotuned tile of each kernel closes the table.
+show the global-amax launch alone ("amax ms"); the tile each kernel's autotuner kept closes the table.
 
 Run on a CUDA machine:  PYTHONPATH=. python3 benchmarks/bench_quantize.py [--rows 16384 --cols 8192]
 """
@@ -24,6 +25,7 @@ import triton
 from triton.testing import do_bench
 
 from benchmarks.floors import COPY_BYTES_PER_S
+from benchmarks.timing import device_ms, host_us
 from kernels import quantize as triton_quantize
 from kernels import reference
 
@@ -78,7 +80,7 @@ def _peer_reference(case: Case, x: torch.Tensor) -> reference.Quantized:
 def _amax_ms(case: Case, x: torch.Tensor) -> float:
     """The first launch of a two-pass case alone: the global amax (of RHT(x.T) too for the wgrad case)."""
     hadamard = bool(case.kwargs.get("hadamard"))
-    return do_bench(lambda: triton_quantize._global_amax(x, hadamard=hadamard), return_mode="median")
+    return device_ms(lambda: triton_quantize._global_amax(x, hadamard=hadamard))
 
 
 def _output_bytes(q: reference.Quantized) -> int:
@@ -115,11 +117,11 @@ def main() -> None:
     print(f"# bench_quantize {datetime.date.today()} on {torch.cuda.get_device_name()}, "
           f"torch {torch.__version__}, triton {triton.__version__}, x {args.rows}x{args.cols} bf16, "
           f"rowwise + columnwise outputs")
-    copy_ms = do_bench(lambda: x.clone(), return_mode="median")
+    copy_ms = device_ms(lambda: x.clone())
     copy_bytes_per_s = 2 * input_bytes / copy_ms * 1e3
     print(f"# torch copy (x.clone): {copy_ms:.3f} ms = {2 * input_bytes / copy_ms / 1e9:.2f} TB/s "
           f"(floor {2 * input_bytes / COPY_BYTES_PER_S * 1e3:.3f} ms)")
-    header = (f"{'case':<28}{'ms':>8}{'floor ms':>10}{'of floor':>10}{'target':>8}"
+    header = (f"{'case':<28}{'ms':>8}{'host us':>9}{'floor ms':>10}{'of floor':>10}{'target':>8}"
               f"{'floor as run':>14}{'of that':>9}{'of copy':>9}{'amax ms':>9}{'peer ms':>9}{'speedup':>9}  exact")
     print(header)
     print("-" * len(header))
@@ -127,19 +129,21 @@ def main() -> None:
         run = functools.partial(getattr(triton_quantize, case.function), x, **case.kwargs)
         q = run()  # compiles and autotunes before timing
         exact = identical(q, _peer_reference(case, x))
-        ms = do_bench(run, return_mode="median")
+        ms, host = device_ms(run), host_us(run)
         peer_ms = do_bench(_peer(case, x), return_mode="median")
         floor_ms, as_run_ms = floors_ms(case, x, q)
         as_run_at_copy_ms = floors_ms(case, x, q, copy_bytes_per_s)[1]
         amax = "" if case.passes_over_x == 1 else f"{_amax_ms(case, x):.3f}"
-        print(f"{case.name:<28}{ms:>8.3f}{floor_ms:>10.3f}{floor_ms / ms:>10.0%}{case.target:>8.0%}"
+        print(f"{case.name:<28}{ms:>8.3f}{host:>9.0f}{floor_ms:>10.3f}{floor_ms / ms:>10.0%}{case.target:>8.0%}"
               f"{as_run_ms:>14.3f}{as_run_ms / ms:>9.0%}{as_run_at_copy_ms / ms:>9.0%}{amax:>9}"
               f"{peer_ms:>9.3f}{peer_ms / ms:>8.1f}x  "
               f"{'yes' if exact else 'NO'}")
         torch.cuda.empty_cache()
-    for name in triton_quantize._KERNELS:  # the config each kernel's autotuner kept for this shape
-        print(f"# {name}: {getattr(triton_quantize._kernel(name, tuned=True)[0], 'best_config', None)}")
-    print("\nfloor: one read of x plus the outputs at 4.24 TB/s; 'floor as run' counts the second read of x "
+    for name in triton_quantize._KERNELS:  # the config each kernel's autotuner kept, per autotune key
+        for key, config in triton_quantize._kernel(name, tuned=True)[0].kept.items():
+            print(f"# {name} {[k for k in key if not str(k).startswith('torch.')]}: {config}")
+    print("\nms: device time; host us: the host's time per call, calls back to back. "
+          "floor: one read of x plus the outputs at 4.24 TB/s; 'floor as run' counts the second read of x "
           "that current scaling and NVFP4 make for their global amax; 'of copy': that floor "
           "at the copy bandwidth measured above. Peers: tensorwise = eager amax, scale, "
           "cast, transpose; others = kernels.reference (torch eager). Hopper has no MXFP8/NVFP4 tensor cores: "

@@ -21,9 +21,9 @@ from unittest import mock
 
 import torch
 import triton
-from triton.testing import do_bench
 
 from benchmarks.bench_quantize import Case, cases, floors_ms, identical
+from benchmarks.timing import device_ms
 from kernels import quantize as triton_quantize
 from kernels import reference
 from kernels._backend import autotune_configs
@@ -78,7 +78,7 @@ def _configured(name: str, config: dict, hardware_cast: bool | None = None):
 
 
 def _bench(fn) -> float:
-    return do_bench(fn, warmup=10, rep=40, return_mode="median")
+    return device_ms(fn, rep=40)
 
 
 def _describe(config: dict) -> str:

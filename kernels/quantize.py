@@ -5,7 +5,7 @@ Launches: tensorwise current scaling and NVFP4 need the global amax before any c
 take two launches (`_amax_kernel` with an atomic max, then the cast kernel). Delayed-scaling
 tensorwise, block and MXFP8 take one. `quantize_tensorwise_split` quantizes consecutive row groups
 of x (MoE experts), each with its own scale, in one launch (TransformerEngine's split quantize: a
-Triton launch costs the host ~100 us). Every cast kernel reads x once and writes the rowwise
+Triton launch costs the host tens of microseconds). Every cast kernel reads x once and writes the rowwise
 and the transposed columnwise copies. An empty x (nothing to launch) or a device without a
 Triton backend (CPU without TRITON_INTERPRET=1) goes to the reference.
 """
@@ -74,6 +74,40 @@ _SCALE_STRIDE = 4
 _AUTOTUNE_MIN_ELEMENTS = 1 << 22
 
 
+class _TunedOnce:
+    """A kernel autotuned once per key, then launched directly with the config the autotuner kept.
+
+    Triton's Autotuner rebuilds its key from every argument and re-merges the config on each launch;
+    skipping that saved the host 10-40 us of a 70-390 us quantize call on the H200 machine (A/B in one
+    process, benchmarks/RESULTS.md, 2026-12-01): current scaling's call costs the host more than its
+    kernels take the GPU. The key is the autotuner's: the values of `key`'s arguments and the dtypes
+    of the tensor arguments.
+    """
+
+    def __init__(self, kernel, candidates: list[dict], key: list[str]):
+        self.kernel = kernel
+        self.autotuner = triton.autotune(configs=autotune_configs(candidates), key=key)(kernel)
+        self.key = key
+        self.kept: dict[tuple, dict] = {}
+
+    @property
+    def best_config(self):
+        return self.autotuner.best_config
+
+    def __getitem__(self, grid):
+        return functools.partial(self._run, grid)
+
+    def _run(self, grid, *args, **kwargs) -> None:
+        named = dict(zip(self.kernel.arg_names, args), **kwargs)
+        key = tuple(named[name] for name in self.key) + tuple(str(a.dtype) for a in args if isinstance(a, Tensor))
+        config = self.kept.get(key)
+        if config is None:  # tunes (first time) and launches the best
+            self.autotuner[grid](*args, **kwargs)
+            self.kept[key] = self.autotuner.best_config.all_kwargs()
+        else:
+            self.kernel[grid](*args, **kwargs, **config)
+
+
 @functools.cache
 def _kernel(name: str, tuned: bool) -> tuple[object, dict]:
     """(kernel, launch meta-parameters): autotuned over its candidates (built on first use: the config list
@@ -81,7 +115,7 @@ def _kernel(name: str, tuned: bool) -> tuple[object, dict]:
     per-launch work would buy nothing)."""
     kernel, candidates, key = _KERNELS[name]
     if tuned:
-        return triton.autotune(configs=autotune_configs(candidates), key=key)(kernel), {}
+        return _TunedOnce(kernel, candidates, key), {}
     return kernel, candidates[0]
 
 

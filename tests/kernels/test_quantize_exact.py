@@ -240,6 +240,28 @@ def test_every_tile_config_gives_identical_bytes(device, kernel, index, monkeypa
 
 
 @pytest.mark.parametrize("device", DEVICES)
+def test_tuned_kernels_keep_a_config_per_key_and_give_identical_bytes(device, monkeypatch):
+    """Tensors past _AUTOTUNE_MIN_ELEMENTS tune once per autotune key, then launch with the kept config."""
+    monkeypatch.setattr(triton_quantize, "_AUTOTUNE_MIN_ELEMENTS", 0)
+    triton_quantize._kernel.cache_clear()
+    try:
+        x = _random((160, 288), torch.bfloat16, device, seed=3)
+        for _ in range(2):  # the first round tunes, the second launches the kept configs
+            for name in ("tensorwise_e4m3", "nvfp4_16x16"):
+                got, expected = _quantize_both(name, x, rowwise=True, columnwise=True)
+                assert_same_bytes(got, expected, x)
+        got, expected = _quantize_both("nvfp4_16x16", x, rowwise=False, columnwise=True)  # a key of its own
+        assert_same_bytes(got, expected, x)
+        nvfp4 = triton_quantize._kernel("nvfp4", tuned=True)[0]
+        assert len(nvfp4.kept) == 2
+        candidates = triton_quantize._KERNELS["nvfp4"][1]
+        for config in nvfp4.kept.values():
+            assert any(all(config[name] == value for name, value in c.items()) for c in candidates), config
+    finally:
+        triton_quantize._kernel.cache_clear()
+
+
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("block", [(1, 16), (16, 16)], ids=["1x16", "16x16"])
 def test_nvfp4_shards_given_the_global_amax_cast_as_the_whole_tensor(device, block):
     """A row shard quantized with the whole tensor's amax holds exactly the whole tensor's bytes for its rows:
