@@ -1,13 +1,14 @@
 """Benchmark: Triton quantizers (kernels.quantize) on a 16384x8192 bf16 tensor, against the copy floor.
 
 For each scheme: the device time (benchmarks.timing.device_ms: CUDA graph replays, so Python
-never holds the GPU back), the host time a call costs, the floor (bytes that one pass must move / 4.24 TB/s, the H200
-copy bandwidth in DESIGN.md), the fraction of the floor reached, the floor for the bytes the
-kernels really move (current scaling and NVFP4 read x twice: the global amax must be known
-before the first cast), and the peer measured in the same run: torch eager doing the same
-math (a plain amax + scale + cast + transpose for tensorwise, kernels.reference otherwise).
-Every Triton result is also checked byte-for-byte against the reference. Two-pass cases also
-show the global-amax launch alone ("amax ms"); the tile each kernel's autotuner kept closes the table.
+never holds the GPU back), the host time a call costs, the floor (bytes that one pass must move
+/ 4.24 TB/s, the H200 copy bandwidth in DESIGN.md), the fraction of the floor reached, the floor
+for the bytes the kernels really move (current scaling and NVFP4 read x twice: the global amax
+must be known before the first cast), and the peer measured in the same run: torch eager doing
+the same math (a plain amax + scale + cast + transpose for tensorwise, kernels.reference
+otherwise). Every Triton result is also checked byte-for-byte against the reference. Two-pass
+cases also show the global-amax launch alone ("amax ms"); the tile each kernel's autotuner kept
+closes the table.
 
 Run on a CUDA machine:  PYTHONPATH=. python3 benchmarks/bench_quantize.py [--rows 16384 --cols 8192]
 """

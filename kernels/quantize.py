@@ -5,8 +5,8 @@ Launches: tensorwise current scaling and NVFP4 need the global amax before any c
 take two launches (`_amax_kernel` with an atomic max, then the cast kernel). Delayed-scaling
 tensorwise, block and MXFP8 take one. `quantize_tensorwise_split` quantizes consecutive row groups
 of x (MoE experts), each with its own scale, in one launch (TransformerEngine's split quantize: a
-Triton launch costs the host tens of microseconds). Every cast kernel reads x once and writes the rowwise
-and the transposed columnwise copies. An empty x (nothing to launch) or a device without a
+Triton launch costs the host tens of microseconds). Every cast kernel reads x once and writes the
+rowwise and the transposed columnwise copies. An empty x (nothing to launch) or a device without a
 Triton backend (CPU without TRITON_INTERPRET=1) goes to the reference.
 """
 
@@ -89,10 +89,6 @@ class _TunedOnce:
         self.autotuner = triton.autotune(configs=autotune_configs(candidates), key=key)(kernel)
         self.key = key
         self.kept: dict[tuple, dict] = {}
-
-    @property
-    def best_config(self):
-        return self.autotuner.best_config
 
     def __getitem__(self, grid):
         return functools.partial(self._run, grid)
