@@ -130,13 +130,15 @@ def _store_runs(
     out_ptr, codes, rows, first_col, R, C, BITS: tl.constexpr, WORDS: tl.constexpr, EVEN: tl.constexpr = False
 ):
     """Store code runs (see _packed_runs) into a row-major [R, C * BITS / 8] byte buffer from operand
-    column first_col: as int32 words (WORDS: C * BITS % 32 == 0), else as bytes (masked store)."""
+    column first_col: as int32 words (WORDS: C * BITS % 32 == 0), else as bytes (masked store).
+    Returns the packed tile (NVFP4 16x16 transposes it for the columnwise copy)."""
     PER: tl.constexpr = 32 // BITS if WORDS else 8 // BITS
     if WORDS:
         out_ptr = out_ptr.to(tl.pointer_type(tl.int32))
     tile = _packed_runs(codes, BITS, WORDS)
     cols = first_col // PER + tl.arange(0, tile.shape[1])
     _store_tile(out_ptr, tile, rows, cols, R, C // PER, EVEN)
+    return tile
 
 
 @triton.jit
@@ -518,9 +520,7 @@ def _nvfp4_kernel(
             x, first_row, first_col, K, global_encode, key, SQUARE, False, STOCHASTIC, HARDWARE_CAST,
         )
         _store_block_scales(block_scale, first_row, first_col, M, K, scale_ptr, SQUARE, EVEN)
-        words = _packed_runs(codes, 4, True)  # [BLOCK_M, BLOCK_K / 8]
-        word_cols = first_col // 8 + tl.arange(0, BLOCK_K // 8)
-        _store_tile(data_ptr.to(tl.pointer_type(tl.int32)), words, rows, word_cols, M, K // 8, EVEN)
+        words = _store_runs(data_ptr, codes, rows, first_col, M, K, 4, True, EVEN)  # [BLOCK_M, BLOCK_K / 8]
         if SHARED:
             _store_block_scales(tl.trans(block_scale), first_col, first_row, K, M, columnwise_scale_ptr, SQUARE, EVEN)
             word_cols = tl.program_id(0) * (BLOCK_M // 8) + tl.arange(0, BLOCK_M // 8)
