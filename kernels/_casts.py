@@ -151,9 +151,28 @@ def e4m3_code_to_f32(code, HARDWARE: tl.constexpr = False):
 
 
 @triton.jit
-def f32_to_e2m1_code(x, IN_RANGE: tl.constexpr = False, TOP: tl.constexpr = False):
+def f32_to_e2m1_code(x, TOP: tl.constexpr = False):
     """e2m1 (max 6 = 0x40C00000, NaN -> 0): the NVFP4 elements, nearest-even."""
-    return f32_to_code(x, 2, 1, 0x40C00000, 0, IN_RANGE, TOP)
+    return f32_to_code(x, 2, 1, 0x40C00000, 0, False, TOP)
+
+
+@triton.jit
+def e2m1_top_code_doubled(doubled):
+    """e2m1 code of doubled / 2, which the caller has checked (per tile) is below 7 in magnitude, nearest
+    even, in the top nibble, with junk in bits 6..8 (_packed_runs drops it): five instructions, against
+    nine on the general f32_to_code path.
+
+    magic = 2^max(exponent(|doubled|), 1) is 2^(e2m1 exponent + 1), and its fp32 ulp is 2^-22 times the
+    grid step at doubled / 2, so one fma, t = magic + |doubled| * 2^-22, rounds to the grid (ties to
+    even): t's low bits hold the grid index n, its exponent field 128 + the e2m1 exponent E. The code
+    is n + 2E; one 32-bit integer multiply-add, t * (2^28 + 2^6) + sign, puts n at bit 28 and E's low
+    bits at bit 29 (the rest of the exponent overflows away), and n * 2^6 at bits 6..8.
+    """
+    value = tl.abs(doubled)
+    magic = (tl.maximum(value, 2.0).to(tl.int32, bitcast=True) & 0x7F800000).to(tl.float32, bitcast=True)
+    t = tl.fma(value, 2.0**-22, magic).to(tl.uint32, bitcast=True)
+    sign = (doubled * 0.0).to(tl.uint32, bitcast=True)
+    return (t * ((1 << 28) + (1 << 6)) + sign).to(tl.int32, bitcast=True)
 
 
 @triton.jit

@@ -33,6 +33,7 @@ import triton.language as tl
 
 from kernels._casts import (
     abs_bits,
+    e2m1_top_code_doubled,
     e4m3_code_to_f32,
     e8m0_encode_multiplier,
     e8m0_from_amax_bits,
@@ -107,27 +108,44 @@ def _store_transposed(out_ptr, codes, rows, cols, M, K, row_tile, BLOCK_M: tl.co
 
 
 @triton.jit
-def _packed_runs(codes, BITS: tl.constexpr, WORDS: tl.constexpr):
-    """Code runs (a tuple of int32 tensors [ROWS, COLS / n], each code in the top BITS bits with zeros
-    below) packed in operand order: little-endian int32 words [ROWS, COLS * BITS / 32] (WORDS), else bytes.
+def _horner(codes, first: tl.constexpr, count: tl.constexpr, BITS: tl.constexpr):
+    """unit = (unit >> BITS) + code over codes[first:first + count]: one instruction a code (LEA.HI),
+    the first code ends lowest."""
+    unit = codes[first].to(tl.uint32, bitcast=True)
+    for i in tl.static_range(1, count):
+        unit = (unit >> BITS) + codes[first + i].to(tl.uint32, bitcast=True)
+    return unit
 
-    Horner's rule from the first code, unit = (unit >> BITS) + code, is one instruction per code
-    (LEA.HI) and leaves the first code lowest; a byte takes its codes' top bits down at the end.
+
+@triton.jit
+def _packed_runs(codes, BITS: tl.constexpr, WORDS: tl.constexpr, JUNK: tl.constexpr = 0):
+    """Code runs (a tuple of int32 tensors [ROWS, COLS / n], each code in the top BITS bits) packed in
+    operand order: little-endian int32 words [ROWS, COLS * BITS / 32] (WORDS), else bytes.
+
+    Horner's rule (_horner) from the first code; a byte takes its codes' top bits down at the end.
+    JUNK: the codes may carry junk below that bit (e2m1_top_code_doubled). Horner's shifts drop the
+    junk of every code but the last TAIL, which are packed apart and masked once a unit; the junk
+    left in each part stays below its codes, so it never carries into them.
     """
     N: tl.constexpr = len(codes)
     PER: tl.constexpr = 32 // BITS if WORDS else 8 // BITS  # codes per unit
+    DOWN: tl.constexpr = 32 - BITS * PER  # the final shift of a unit
+    TAIL: tl.constexpr = max(0, -((DOWN - JUNK) // BITS))  # codes shifted by less than JUNK in all
+    TAIL_MASK: tl.constexpr = (0xFFFFFFFF << (32 - BITS * TAIL)) & 0xFFFFFFFF
     packed = ()
     for w in tl.static_range(N // PER):
-        unit = codes[w * PER].to(tl.uint32, bitcast=True)
-        for i in tl.static_range(1, PER):
-            unit = (unit >> BITS) + codes[w * PER + i].to(tl.uint32, bitcast=True)
-        packed = packed + ((unit >> (32 - BITS * PER)).to(tl.int32),)
+        unit = _horner(codes, w * PER, PER - TAIL, BITS)
+        if TAIL > 0:
+            tail = _horner(codes, w * PER + PER - TAIL, TAIL, BITS) & TAIL_MASK
+            unit = (unit >> (BITS * TAIL)) + tail
+        packed = packed + ((unit >> DOWN).to(tl.int32),)
     return join_runs(packed)
 
 
 @triton.jit
 def _store_runs(
-    out_ptr, codes, rows, first_col, R, C, BITS: tl.constexpr, WORDS: tl.constexpr, EVEN: tl.constexpr = False
+    out_ptr, codes, rows, first_col, R, C, BITS: tl.constexpr, WORDS: tl.constexpr, EVEN: tl.constexpr = False,
+    JUNK: tl.constexpr = 0,
 ):
     """Store code runs (see _packed_runs) into a row-major [R, C * BITS / 8] byte buffer from operand
     column first_col: as int32 words (WORDS: C * BITS % 32 == 0), else as bytes (masked store).
@@ -135,7 +153,7 @@ def _store_runs(
     PER: tl.constexpr = 32 // BITS if WORDS else 8 // BITS
     if WORDS:
         out_ptr = out_ptr.to(tl.pointer_type(tl.int32))
-    tile = _packed_runs(codes, BITS, WORDS)
+    tile = _packed_runs(codes, BITS, WORDS, JUNK)
     cols = first_col // PER + tl.arange(0, tile.shape[1])
     _store_tile(out_ptr, tile, rows, cols, R, C // PER, EVEN)
     return tile
@@ -406,13 +424,17 @@ def _mxfp8_kernel(
 
 @triton.jit
 def _e2m1_runs(values, encode, index, key, STOCHASTIC: tl.constexpr, IN_RANGE: tl.constexpr):
-    """e2m1 codes (top nibble) of runs * encode; stochastic rounding hashes (index + j) ^ key for run j."""
+    """e2m1 codes (top nibble) of runs * encode; stochastic rounding hashes (index + j) ^ key for run j.
+    IN_RANGE: encode is twice the block encode and every |value * encode| is below 14; the codes carry
+    junk below bit 9 (e2m1_top_code_doubled)."""
     codes = ()
     for j in tl.static_range(len(values)):
         if STOCHASTIC:
             code = f32_to_e2m1_code_stochastic(values[j] * encode, hash32((index + j) ^ key)) << 28
+        elif IN_RANGE:
+            code = e2m1_top_code_doubled(values[j] * encode)
         else:
-            code = f32_to_e2m1_code(values[j] * encode, IN_RANGE, True)
+            code = f32_to_e2m1_code(values[j] * encode, True)
         codes = codes + (code,)
     return codes
 
@@ -445,7 +467,9 @@ def _nvfp4_codes(
     block_scale_f32 = e4m3_code_to_f32(block_scale, HARDWARE_CAST)
     encode = tl.math.div_rn(tl.full(amax.shape, 1.0, tl.float32) * global_encode, block_scale_f32)
     encode = tl.where(block_scale_f32 == 0, 0.0, encode)
-    in_range = _all_below(amax * encode, _E2M1_LIMIT)
+    # The short path scales by 2 * encode (e2m1_top_code_doubled); an encode that doubles to inf
+    # fails the test (inf, or NaN against an amax of 0) and takes the general path.
+    in_range = _all_below(amax * (encode * 2.0), 2 * _E2M1_LIMIT)
     if SQUARE:  # each block's encode on its 16 operand rows
         encode = tl.reshape(tl.broadcast_to(encode[:, None, :], [ROWS // 16, 16, BLOCKS]), [ROWS, BLOCKS])
     if STOCHASTIC:  # element index in the operand, mod 2^32, hashed with the seed's key
@@ -453,7 +477,7 @@ def _nvfp4_codes(
         index = (rows[:, None] * C + first_col + 16 * tl.arange(0, BLOCKS)[None, :]).to(tl.uint32)
         codes = _e2m1_runs(values, encode, index, key.to(tl.uint32, bitcast=True), True, False)
     elif in_range:
-        codes = _e2m1_runs(values, encode, encode, key, False, True)
+        codes = _e2m1_runs(values, encode * 2.0, encode, key, False, True)
     else:
         codes = _e2m1_runs(values, encode, encode, key, False, False)
     return codes, block_scale
@@ -520,7 +544,7 @@ def _nvfp4_kernel(
             x, first_row, first_col, K, global_encode, key, SQUARE, False, STOCHASTIC, HARDWARE_CAST,
         )
         _store_block_scales(block_scale, first_row, first_col, M, K, scale_ptr, SQUARE, EVEN)
-        words = _store_runs(data_ptr, codes, rows, first_col, M, K, 4, True, EVEN)  # [BLOCK_M, BLOCK_K / 8]
+        words = _store_runs(data_ptr, codes, rows, first_col, M, K, 4, True, EVEN, 9)  # [BLOCK_M, BLOCK_K / 8]
         if SHARED:
             _store_block_scales(tl.trans(block_scale), first_col, first_row, K, M, columnwise_scale_ptr, SQUARE, EVEN)
             word_cols = tl.program_id(0) * (BLOCK_M // 8) + tl.arange(0, BLOCK_M // 8)
@@ -534,4 +558,4 @@ def _nvfp4_kernel(
             HARDWARE_CAST,
         )
         _store_block_scales(block_scale, first_col, first_row, K, M, columnwise_scale_ptr, SQUARE, EVEN)
-        _store_runs(columnwise_ptr, codes, cols, first_row, K, M, 4, True, EVEN)
+        _store_runs(columnwise_ptr, codes, cols, first_row, K, M, 4, True, EVEN, 9)
