@@ -27,24 +27,25 @@ from benchmarks.timing import device_ms
 from kernels import quantize as triton_quantize
 from kernels import reference
 from kernels._backend import autotune_configs
-
-
-def _tiles(*shapes: tuple[int, int, int]) -> list[dict]:
-    return [{"BLOCK_M": m, "BLOCK_K": k, "num_warps": w} for m, k, w in shapes]
+from kernels.quantize import configs
 
 
 # kernel name -> the configurations swept. Tensorwise keeps PACK4's four row repeats per thread
 # (BLOCK_M = 16 * num_warps at BLOCK_K 128, 32 * num_warps at 64).
 GRIDS = {
-    "amax": _tiles((64, 256, 4), (128, 256, 8), (64, 512, 8), (32, 256, 2), (128, 128, 4), (32, 512, 4), (256, 256, 16), (64, 1024, 8)),
-    "tensorwise": _tiles((64, 128, 4), (128, 128, 8), (128, 64, 4), (32, 128, 2), (256, 128, 16)),
+    "amax": configs((64, 256, 4), (128, 256, 8), (64, 512, 8), (32, 256, 2), (128, 128, 4), (32, 512, 4), (256, 256, 16), (64, 1024, 8)),
+    "tensorwise": configs((64, 128, 4), (128, 128, 8), (128, 64, 4), (32, 128, 2), (256, 128, 16)),
     "blockwise": [
         {"BLOCK": 128, "num_warps": w, **cap}
         for w, cap in ((8, {}), (16, {}), (8, {"maxnreg": 128}), (16, {"maxnreg": 64}), (4, {}),
                        (8, {"maxnreg": 96}), (8, {"maxnreg": 80}), (4, {"maxnreg": 168}), (4, {"maxnreg": 128}))
     ],
-    "mxfp8": _tiles((64, 64, 4), (128, 128, 16), (128, 128, 8), (64, 128, 4), (128, 64, 4), (32, 64, 2)),
-    "nvfp4": _tiles((64, 64, 4), (128, 128, 16), (128, 128, 8), (64, 128, 4), (128, 64, 4), (32, 64, 2)),
+    "mxfp8": configs((64, 64, 4), (128, 128, 16), (128, 128, 8), (64, 128, 4), (128, 64, 4), (32, 64, 2)),
+    "nvfp4": configs(
+        (64, 64, 4), (128, 128, 16), (128, 128, 8), (64, 128, 4), (128, 64, 4), (32, 64, 2), (64, 64, 8), (128, 64, 8),
+        (64, 128, 8), (64, 64, 4, 72), (64, 64, 4, 64), (128, 64, 4, 96), (128, 64, 4, 80), (64, 128, 4, 96),
+        (64, 128, 4, 80),
+    ),
 }
 _KERNEL_OF = {
     "quantize_tensorwise": "tensorwise", "quantize_blockwise": "blockwise", "quantize_mxfp8": "mxfp8",

@@ -38,11 +38,17 @@ from kernels.formats import FP8_FORMATS, hash32
 from kernels.reference import Quantized
 
 
-def _tiles(*shapes: tuple[int, int, int]) -> list[dict]:
-    """Autotune candidates (BLOCK_M, BLOCK_K, num_warps); 128x128 first: the interpreter runs only the
-    first and pays per program. Chosen from offline sm_90 builds (Triton 3.6): 64 elements per thread
-    take the fewest instructions per element, 32 per thread the fewest registers (more warps per SM)."""
-    return [{"BLOCK_M": m, "BLOCK_K": k, "num_warps": w} for m, k, w in ((128, 128, 8),) + shapes]
+def configs(*shapes: tuple[int, ...]) -> list[dict]:
+    """Launch configurations from (BLOCK_M, BLOCK_K, num_warps[, register cap]) tuples."""
+    return [{"BLOCK_M": m, "BLOCK_K": k, "num_warps": w, **({"maxnreg": cap[0]} if cap else {})} for m, k, w, *cap in shapes]
+
+
+def _tiles(*shapes: tuple[int, ...]) -> list[dict]:
+    """Autotune candidates; 128x128 first: the interpreter runs only the first and pays per program.
+    Chosen from offline sm_90 builds (Triton 3.6): 64 elements per thread take the fewest instructions
+    per element, 32 per thread the fewest registers (more warps per SM); a register cap trades a few
+    spills for one more program an SM."""
+    return configs((128, 128, 8), *shapes)
 
 
 _ROLES = ["M", "K", "ROWWISE", "COLUMNWISE"]  # autotune key of the cast kernels, with what changes their work
@@ -59,8 +65,13 @@ _KERNELS = {
         [*_ROLES, "SQUARE"],
     ),
     "mxfp8": (_mxfp8_kernel, _tiles((64, 128, 4), (64, 64, 4)), _ROLES),  # the H200 sweep's best two
-    # the H200 sweep's best two: 1x16 and RHT at 64x64, 16x16 (one cast for both copies) at 128x64
-    "nvfp4": (_nvfp4_kernel, _tiles((64, 64, 4), (128, 64, 4)), [*_ROLES, "SQUARE", "HADAMARD", "STOCHASTIC"]),
+    # the H200 sweep's best: 1x16 at 64x64 capped at 72 registers (7 programs an SM, not 6), RHT at
+    # 64x64 with 8 warps, 16x16 (one cast for both copies) at 64x128 capped at 80 or 128x64
+    "nvfp4": (
+        _nvfp4_kernel,
+        _tiles((64, 64, 4, 72), (64, 64, 8), (64, 128, 4, 80), (128, 64, 4)),
+        [*_ROLES, "SQUARE", "HADAMARD", "STOCHASTIC"],
+    ),
 }
 
 

@@ -32,6 +32,8 @@ def _elementwise_kernel(
         out = _casts.f32_to_code(x, EXPONENT_BITS, MANTISSA_BITS, MAX_BITS, NAN_CODE)
     elif OP == "encode_in_range":  # the fast path the kernels take once a tile is known to be in range
         out = _casts.f32_to_code(x, EXPONENT_BITS, MANTISSA_BITS, MAX_BITS, NAN_CODE, True)
+    elif OP == "e2m1_doubled":  # the NVFP4 kernels' in-range e2m1 cast, fed twice the value
+        out = _casts.e2m1_top_code_doubled(x * 2.0)
     elif OP == "encode_hardware":  # the GPU's cvt, which compiled kernels use on in-range fp8 tiles
         out = _casts.f32_to_code(x, EXPONENT_BITS, MANTISSA_BITS, MAX_BITS, NAN_CODE, True, False, True)
     elif OP == "e2m1_stochastic":
@@ -94,6 +96,19 @@ def test_in_range_cast_equals_reference_below_the_rounding_limit(device, fmt):
     expected = formats.encode_e2m1(x) if fmt == "e2m1" else formats.encode_fp8(x, fmt)
     got = _run("encode_in_range", x.to(device), fmt).cpu()
     assert torch.equal(got, expected.int()), _first_difference(x, got, expected.int())
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_doubled_e2m1_cast_equals_reference_below_the_rounding_limit(device):
+    """e2m1_top_code_doubled: the full cast's code in the top nibble and nothing but junk in bits 6..8
+    (which _packed_runs drops), on the edge set and on every bf16 value below the rounding limit."""
+    every_bf16 = torch.arange(-(2**15), 2**15, dtype=torch.int32).to(torch.int16).view(torch.bfloat16).float()
+    x = torch.cat([_below_rounding_limit("e2m1", 6), every_bf16[every_bf16.abs() < 7]])
+    expected = formats.encode_e2m1(x).int()
+    got = _run("e2m1_doubled", x.to(device), "e2m1").cpu()
+    assert torch.equal((got >> 28) & 0xF, expected), _first_difference(x, (got >> 28) & 0xF, expected)
+    stray = got & 0x0FFFFE3F
+    assert not stray.any(), _first_difference(x, stray, torch.zeros_like(stray))
 
 
 @pytest.mark.parametrize("device", [d for d in DEVICES if d.values[0] == "cuda"])
