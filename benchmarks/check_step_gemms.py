@@ -20,7 +20,8 @@ import torchside.modules.functions as functions
 from kernels import gemm, gemm_reference
 from torchside.corpus import SyntheticCorpus
 from torchside.models.llama import LLAMA_CONFIGS
-from torchside.train import RECIPES, TrainOptions, build_model, local_batch, loss_of
+from torchside.recipe import recipe_from_name
+from torchside.train import TrainOptions, build_model, local_batch, loss_of
 
 
 def _nonfinite(t: torch.Tensor | None) -> int:
@@ -63,7 +64,7 @@ def main() -> None:
     functions.scaled_mm = checked
     corpus = SyntheticCorpus(LLAMA_CONFIGS[options.config].vocab_size, seed=0)
     inputs, targets = local_batch(corpus, options, None, 0)
-    loss = loss_of(model, inputs, targets, RECIPES[args.recipe](), None, options.batch_size * options.seq_len)
+    loss = loss_of(model, inputs, targets, recipe_from_name(args.recipe), None, options.batch_size * options.seq_len)
     functions.scaled_mm = original
     bad_grads = [n for n, p in model.named_parameters() if p.grad is not None and _nonfinite(p.grad)]
     print(f"recipe {args.recipe}, config {args.config}: loss {loss.item():.4f}; parameters with non-finite grads: "

@@ -32,9 +32,7 @@ import kernels._backend as backend_module
 from kernels._backend import Backend
 from torchside.autocast import fp8_autocast
 from torchside.modules import GroupedLinear, LayerNormMLP, Linear
-from torchside.recipe import DelayedScaling, Float8BlockScaling, Float8CurrentScaling
-
-RECIPES = {"delayed": DelayedScaling, "current": Float8CurrentScaling, "block": Float8BlockScaling}
+from torchside.recipe import recipe_from_name
 
 
 class OpCounter(TorchDispatchMode):
@@ -128,7 +126,7 @@ def main() -> None:
     print(f"host time per fwd+bwd, kernels stubbed (torch {torch.__version__}, best of 5 x {args.iters} iterations)")
     for recipe_name in args.recipes.split(","):
         for module_name, module in modules.items():
-            measure(f"{module_name} {recipe_name}", module, x, RECIPES[recipe_name](), args.iters, launches)
+            measure(f"{module_name} {recipe_name}", module, x, recipe_from_name(recipe_name), args.iters, launches)
 
 
 if __name__ == "__main__":

@@ -21,7 +21,8 @@ import torch
 
 from torchside.corpus import SyntheticCorpus
 from torchside.models.llama import LLAMA_CONFIGS
-from torchside.train import RECIPES, TrainOptions, build_model, build_optimizer, local_batch, loss_of
+from torchside.recipe import recipe_from_name
+from torchside.train import TrainOptions, build_model, build_optimizer, local_batch, loss_of
 
 
 def main() -> None:
@@ -35,7 +36,7 @@ def main() -> None:
         model, _ = build_model(options)
         optimizer = build_optimizer(model, options)
         corpus = SyntheticCorpus(LLAMA_CONFIGS[options.config].vocab_size, seed=0)
-        recipe, tokens = RECIPES[name](), options.batch_size * options.seq_len
+        recipe, tokens = recipe_from_name(name), options.batch_size * options.seq_len
 
         def step(i: int) -> None:
             inputs, targets = local_batch(corpus, options, None, i)

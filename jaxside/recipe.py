@@ -200,4 +200,32 @@ class NVFP4BlockScaling:
 
 
 Recipe = Union[DelayedScaling, Float8CurrentScaling, Float8BlockScaling, MXFP8BlockScaling, NVFP4BlockScaling]
-RECIPES = (DelayedScaling, Float8CurrentScaling, Float8BlockScaling, MXFP8BlockScaling, NVFP4BlockScaling)
+RECIPE_CLASSES = (DelayedScaling, Float8CurrentScaling, Float8BlockScaling, MXFP8BlockScaling, NVFP4BlockScaling)
+
+
+# ---- the recipe names of the command lines and options (the one name -> recipe table of this framework)
+
+FP8_OFF = "off"  # the name for no recipe: FP8 off, the GEMMs run in the parameters' dtype
+_RECIPE_BY_NAME = {
+    "current": Float8CurrentScaling,
+    "delayed": DelayedScaling,
+    "block": Float8BlockScaling,
+    "mxfp8": MXFP8BlockScaling,
+    "nvfp4": NVFP4BlockScaling,
+}
+
+
+def recipe_names(*, fp8_off: bool = True) -> tuple[str, ...]:
+    """Every recipe name, "off" (FP8 off) first unless `fp8_off=False`."""
+    return ((FP8_OFF,) if fp8_off else ()) + tuple(_RECIPE_BY_NAME)
+
+
+def recipe_from_name(name: str, **options: object) -> Recipe | None:
+    """The recipe `name` stands for, its fields from `options` (defaults otherwise); None for "off"."""
+    if name == FP8_OFF:
+        if options:
+            raise ValueError(f"recipe 'off' (FP8 off) takes no options: drop {', '.join(sorted(options))}")
+        return None
+    if name not in _RECIPE_BY_NAME:
+        raise ValueError(f"recipe {name!r}: use one of {', '.join(recipe_names())}")
+    return _RECIPE_BY_NAME[name](**options)

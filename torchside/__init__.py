@@ -7,7 +7,7 @@ from torch import Tensor
 
 from torchside.quantization import QuantizedTensor, Quantizer
 from torchside.recipe import (
-    RECIPES,
+    RECIPE_CLASSES,
     DelayedScaling,
     Float8BlockScaling,
     Float8CurrentScaling,
@@ -24,8 +24,8 @@ def quantize(tensor: Tensor, recipe: Recipe, role: str = "input") -> QuantizedTe
 
     A one-off DelayedScaling quantizer has no history yet: it casts with scale 1.
     """
-    if not isinstance(recipe, RECIPES):
-        names = ", ".join(cls.__name__ for cls in RECIPES)
+    if not isinstance(recipe, RECIPE_CLASSES):
+        names = ", ".join(cls.__name__ for cls in RECIPE_CLASSES)
         raise TypeError(f"recipe={recipe!r} is not a recipe: pass one of {names}, e.g. Float8CurrentScaling()")
     check_role(role)
     return Quantizer(recipe, role, device=tensor.device).quantize(tensor)

@@ -29,7 +29,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from kernels.reference import delayed_scaling_update
-from torchside.recipe import RECIPES, DelayedScaling, Recipe
+from torchside.recipe import RECIPE_CLASSES, DelayedScaling, Recipe
 
 _THREAD_STATE = threading.local()  # .autocast and .model_init: stacks of frames, made on first use
 
@@ -110,8 +110,8 @@ class FP8Frame:
 
 
 def _check_recipe(owner: str, recipe: object) -> None:
-    if recipe is not None and not isinstance(recipe, RECIPES):
-        names = ", ".join(cls.__name__ for cls in RECIPES)
+    if recipe is not None and not isinstance(recipe, RECIPE_CLASSES):
+        names = ", ".join(cls.__name__ for cls in RECIPE_CLASSES)
         raise TypeError(f"{owner}(recipe={recipe!r}): pass None or one of {names} (torchside.recipe)")
 
 

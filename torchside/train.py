@@ -4,8 +4,9 @@ One process per device; several through torchrun, e.g. FSDP 2 x TP 2 on 4 GPUs:
 
     torchrun --nproc-per-node 4 -m torchside.train --config 125m --dp 2 --tp 2 --recipe current --out runs/a
 
-The mesh is (replicate, dp, tp) and must hold the launcher's world size. Every rank builds batch
-`step` of the corpus (a pure function of the seed and the step) and keeps its data-parallel rows;
+The mesh is (replicate, dp, tp) (axes named torchside.parallel.MESH_AXES, as JAX's) and must hold the
+launcher's world size. Every rank builds batch `step` of the corpus (a pure function of the seed and
+the step) and keeps its data-parallel rows;
 the model starts from one seeded single-device initialization, whatever the mesh. Output in
 `--out`: `losses.jsonl` (one JSON object per step: step, loss, lr, grad_norm) and `losses.png`;
 a summary (final loss, tokens/s, non-finite losses) as one JSON line on stdout. With
@@ -25,6 +26,7 @@ import math
 import os
 import sys
 import time
+import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -49,23 +51,7 @@ from torchside.models.llama_parallel import (
 )
 from torchside.modules import ModuleConfig
 from torchside.optim import FusedAdam
-from torchside.recipe import (
-    DelayedScaling,
-    Float8BlockScaling,
-    Float8CurrentScaling,
-    MXFP8BlockScaling,
-    NVFP4BlockScaling,
-    Recipe,
-)
-
-RECIPES = {  # --recipe name -> recipe (None: FP8 off, the GEMMs run in the parameters' dtype)
-    "off": lambda: None,
-    "delayed": DelayedScaling,
-    "current": Float8CurrentScaling,
-    "block": Float8BlockScaling,
-    "mxfp8": MXFP8BlockScaling,
-    "nvfp4": NVFP4BlockScaling,
-}
+from torchside.recipe import Recipe, recipe_from_name, recipe_names
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 LOG_NAME, PLOT_NAME = "losses.jsonl", "losses.png"
 
@@ -99,7 +85,7 @@ class TrainOptions:
     progress: bool = True
 
     def __post_init__(self) -> None:
-        choices = {"config": LLAMA_CONFIGS, "recipe": RECIPES, "dtype": DTYPES}
+        choices = {"config": LLAMA_CONFIGS, "recipe": recipe_names(), "dtype": DTYPES}
         for name, table in choices.items():
             if getattr(self, name) not in table:
                 raise ValueError(f"TrainOptions({name}={getattr(self, name)!r}): use one of {', '.join(table)}")
@@ -175,7 +161,9 @@ def build_model(options: TrainOptions) -> tuple[Llama, LlamaMeshes | None]:
     meshes = build_meshes(device.type, dp=options.dp, tp=options.tp, replicate=options.replicate)
     module_config = ModuleConfig(tp_size=options.tp, sequence_parallel=options.sequence_parallel)
     model = Llama(config, params_dtype=dtype, device="meta", module_config=module_config)
-    parallelize_llama(model, meshes, device=device)
+    with warnings.catch_warnings():  # materializing on a CPU mesh warns that DTensor RNG support is partial
+        warnings.filterwarnings("ignore", message="DTensor random operators")
+        parallelize_llama(model, meshes, device=device)
     load_full_state(model, None if full_model is None else full_model.state_dict(), from_rank0=True)
     return model, meshes
 
@@ -218,6 +206,34 @@ def loss_of(
         loss = token_losses / global_tokens
         loss.backward()
     return loss.to_local() if vocab_split else loss
+
+
+def train_step(
+    model: Llama,
+    optimizer: FusedAdam,
+    corpus: SyntheticCorpus,
+    options: TrainOptions,
+    meshes: LlamaMeshes | None,
+    recipe: Recipe | None,
+    step: int,
+) -> tuple[float, torch.Tensor, torch.Tensor]:
+    """Step `step` on its batch: (lr, this rank's part of the loss, global gradient norm), on the device.
+
+    The amax group is the world: every rank casts with the single-device run's scales.
+    """
+    lr = learning_rate(options, step)
+    for group in optimizer.param_groups:
+        group["lr"] = lr
+    inputs, targets = local_batch(corpus, options, meshes, step)
+    amax_group = dist.group.WORLD if dist.is_initialized() else None
+    loss = loss_of(model, inputs, targets, recipe, amax_group, options.batch_size * options.seq_len)
+    sum_data_parallel_gradients(model, meshes)
+    grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), options.clip or math.inf)
+    if isinstance(grad_norm, DTensor):
+        grad_norm = grad_norm.full_tensor()
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    return lr, loss, grad_norm
 
 
 # ---- checkpoints
@@ -282,7 +298,7 @@ def plot_loss_curves(curves: dict[str, Sequence[float]], path: Path, *, floor: f
     plt.close(figure)
 
 
-class _LossLog:
+class LossLog:
     """Per-step records, held on the device and flushed (one host copy, one all-reduce) every log_every steps."""
 
     def __init__(self, options: TrainOptions, first_step: int, device: torch.device, writes: bool) -> None:
@@ -356,10 +372,8 @@ def train(options: TrainOptions) -> TrainSummary:
     optimizer = build_optimizer(model, options)
     checkpoints = _Checkpoints(options, model, optimizer)
     first_step = checkpoints.resume() if options.resume else 0
-    recipe = RECIPES[options.recipe]()
-    amax_group = dist.group.WORLD if dist.is_initialized() else None  # the single-device scales everywhere
-    log = _LossLog(options, first_step, device, writes=is_rank0)
-    tokens_per_step = options.batch_size * options.seq_len
+    recipe = recipe_from_name(options.recipe)
+    log = LossLog(options, first_step, device, writes=is_rank0)
     timed_from = min(first_step + options.log_every, options.steps)
     with _progress(options.progress and is_rank0) as progress:
         task = progress.add_task(options.recipe, total=options.steps, completed=first_step, status="") if progress else None
@@ -367,18 +381,7 @@ def train(options: TrainOptions) -> TrainSummary:
             if step == timed_from:
                 _sync(device)
                 started = time.perf_counter()
-            lr = learning_rate(options, step)
-            for group in optimizer.param_groups:
-                group["lr"] = lr
-            inputs, targets = local_batch(corpus, options, meshes, step)
-            loss = loss_of(model, inputs, targets, recipe, amax_group, tokens_per_step)
-            sum_data_parallel_gradients(model, meshes)
-            grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), options.clip or math.inf)
-            if isinstance(grad_norm, DTensor):
-                grad_norm = grad_norm.full_tensor()
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
-            log.add(step, lr, loss, grad_norm)
+            log.add(step, *train_step(model, optimizer, corpus, options, meshes, recipe, step))
             done = step + 1
             if done % options.log_every == 0 or done == options.steps:
                 log.flush(options.tp)
@@ -389,7 +392,8 @@ def train(options: TrainOptions) -> TrainSummary:
                 checkpoints.save(done)
     _sync(device)
     measured_steps = options.steps - timed_from
-    tokens_per_s = measured_steps * tokens_per_step / (time.perf_counter() - started) if measured_steps else math.nan
+    tokens = measured_steps * options.batch_size * options.seq_len
+    tokens_per_s = tokens / (time.perf_counter() - started) if measured_steps else math.nan
     checkpoints.close()
     summary = _summarize(options, corpus, model, log, first_step, tokens_per_s)
     if options.out and is_rank0:

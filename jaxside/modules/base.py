@@ -33,7 +33,7 @@ from jaxside.modules import autocast, functions
 from jaxside.modules.tokens import current_batch_dim
 from jaxside.modules.config import ModuleConfig
 from jaxside.quantize import delayed_scaling_update
-from jaxside.recipe import RECIPES, DelayedScaling, NVFP4BlockScaling, Recipe
+from jaxside.recipe import RECIPE_CLASSES, DelayedScaling, NVFP4BlockScaling, Recipe
 from jaxside.sharding import spec_for
 
 Initializer = Callable[[Array, tuple[int, ...], jnp.dtype], Array]
@@ -173,7 +173,7 @@ def finish_backward(model: nnx.Module, grads: nnx.State, recipe: Recipe | None) 
     `grads` is what nnx.grad(loss, argnums=nnx.DiffState(0, GRAD_FILTER))(model, ...) returned;
     `recipe` is the step's fp8_autocast recipe (None when FP8 was off: nothing to update).
     """
-    if recipe is not None and not isinstance(recipe, RECIPES):
+    if recipe is not None and not isinstance(recipe, RECIPE_CLASSES):
         raise TypeError(f"finish_backward(recipe={recipe!r}): pass the step's jaxside.recipe recipe, or None")
     grad_amaxes, param_grads = nnx.split_state(grads, FP8GradAmax, ...)
     if isinstance(recipe, DelayedScaling):

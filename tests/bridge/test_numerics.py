@@ -55,6 +55,16 @@ def test_tolerances_are_the_stated_ones():
         assert drift.relative is None and drift.max_abs == pytest.approx(2 * 1e-3 * 0.1 / math.sqrt(0.001))
 
 
+def test_every_recipe_name_has_a_tolerance_row():
+    from torchside.recipe import recipe_names  # the registry verify's and the demo's names come from
+
+    assert numerics.RECIPES == recipe_names()
+    assert set(numerics.TOLERANCES) == set(recipe_names())
+    for recipe in recipe_names():
+        for stage in numerics.STAGES:
+            assert numerics.tolerance(recipe, stage, lr=1e-3, steps_taken=1).passes(0.0, 0.0, nan=False)
+
+
 def test_fp8_tensor_core_sums_take_the_own_scales_bound_on_cuda():
     """On CUDA, recipes whose GEMMs sum in Hopper's FP8 accumulator lose the same-scale bound (module docstring)."""
     own_scales = {  # (recipe, stage, steps taken) -> relative limit on CUDA

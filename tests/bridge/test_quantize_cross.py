@@ -353,10 +353,10 @@ def _public_classes(module):
 def test_recipes_have_the_same_names_fields_and_defaults():
     torch_classes, jax_classes = _public_classes(torch_recipe), _public_classes(jax_recipe)
     assert sorted(torch_classes) == sorted(jax_classes)
-    assert [r.__name__ for r in torch_recipe.RECIPES] == [r.__name__ for r in jax_recipe.RECIPES]
+    assert [r.__name__ for r in torch_recipe.RECIPE_CLASSES] == [r.__name__ for r in jax_recipe.RECIPE_CLASSES]
     assert torch_recipe.ROLES == jax_recipe.ROLES
     assert [(f.name, f.value) for f in torch_recipe.Format] == [(f.name, f.value) for f in jax_recipe.Format]
-    for torch_class in torch_recipe.RECIPES:
+    for torch_class in torch_recipe.RECIPE_CLASSES:
         jax_class = jax_classes[torch_class.__name__]
         as_jax = {
             f.name: (f.default.name if isinstance(f.default, torch_recipe.Format) else f.default)
@@ -372,6 +372,38 @@ def test_recipes_have_the_same_names_fields_and_defaults():
         for role in torch_recipe.ROLES:
             for method in methods:
                 assert getattr(jax_class(), method)(role) == getattr(torch_class(), method)(role), (torch_class, method)
+
+
+def _as_fields(recipe) -> tuple | None:
+    """(class name, field values) of a recipe from either framework, Formats by name; None for FP8 off."""
+    if recipe is None:
+        return None
+    values = {f.name: getattr(recipe, f.name) for f in dataclasses.fields(recipe)}
+    return type(recipe).__name__, {k: getattr(v, "name", v) for k, v in values.items()}
+
+
+def test_recipe_names_build_the_same_recipe_in_both_frameworks():
+    names = torch_recipe.recipe_names()
+    assert names == jax_recipe.recipe_names() and names[0] == "off"
+    assert torch_recipe.recipe_names(fp8_off=False) == jax_recipe.recipe_names(fp8_off=False) == names[1:]
+    assert {type(torch_recipe.recipe_from_name(n)) for n in names[1:]} == set(torch_recipe.RECIPE_CLASSES)
+    for name in names:
+        assert _as_fields(torch_recipe.recipe_from_name(name)) == _as_fields(jax_recipe.recipe_from_name(name)), name
+    options = {"amax_history_len": 4, "margin": 1}
+    as_torch = _as_fields(torch_recipe.recipe_from_name("delayed", **options))
+    assert as_torch == _as_fields(jax_recipe.recipe_from_name("delayed", **options))
+    assert as_torch[1]["amax_history_len"] == 4
+
+
+@pytest.mark.parametrize("name, options", [("fp16", {}), ("off", {"margin": 1}), ("current", {"margin": 1})])
+def test_recipe_from_name_refuses_the_same_way_in_both_frameworks(name, options):
+    errors = []
+    for module in (torch_recipe, jax_recipe):
+        with pytest.raises((ValueError, TypeError)) as error:
+            module.recipe_from_name(name, **options)
+        errors.append((error.type, str(error.value)))
+    assert errors[0] == errors[1]
+    assert name in errors[0][1] or "margin" in errors[0][1]
 
 
 @pytest.mark.parametrize(
