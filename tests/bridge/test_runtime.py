@@ -100,9 +100,9 @@ def _round_trip(rt) -> dict:
     import jaxside.modules as JM
     from bridge import twins
     from torchside.optim import FusedAdam
-    from torchside.parallel import parallelize
+    from torchside.parallel import MESH_AXES, parallelize
 
-    world = init_device_mesh("cpu", (1, 2, 2), mesh_dim_names=crosscheck.MESH_AXES)  # jaxside's axes
+    world = init_device_mesh("cpu", (1, 2, 2), mesh_dim_names=MESH_AXES)  # jaxside's axes
     mesh = runtime.jax_mesh(world)
     spec = twins.TwinSpec("mlp", 1, 32, tp_size=2, amax_history_len=1)
     source, target = twins.build_torch(spec), twins.build_torch(spec)

@@ -15,9 +15,10 @@ import pytest
 from torch.distributed.tensor import Replicate, Shard
 
 from bridge import layout
-from bridge._torch_compat import make_strided_shard
 from bridge.layout import MeshSpec
 from jaxside import sharding as S
+from torchside.parallel import mesh_axes
+from torchside.parallel._torch_compat import make_strided_shard
 
 # DESIGN.md: (parameter role, parallel mode) -> the TP placement of the torch parameter.
 TORCH_TP_TABLE = {
@@ -40,6 +41,12 @@ LAYOUTS = {  # (dp_replicate, dp_shard, tp)
     "FSDPxTP": (1, 4, 2),
     "HSDPxTP": (2, 2, 2),
 }
+
+
+def test_torch_and_jax_name_the_mesh_axes_alike():
+    """The bridge maps a torch mesh onto the JAX mesh of the same devices by axis name (bridge.transfer)."""
+    assert mesh_axes.MESH_AXES == S.MESH_AXES == ("dp_replicate", "dp_shard", "tp")
+    assert (mesh_axes.DP_REPLICATE, mesh_axes.DP_SHARD, mesh_axes.TP) == (S.DP_REPLICATE, S.DP_SHARD, S.TP)
 
 
 def torch_placements(role: str, mode: str | None, tp_size: int) -> tuple:

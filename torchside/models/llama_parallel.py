@@ -42,44 +42,45 @@ from torch.distributed.tensor.parallel import PrepareModuleInput, RowwiseParalle
 
 from torchside.models.llama import Llama
 from torchside.parallel import parallelize
+from torchside.parallel.mesh_axes import DP_REPLICATE, DP_SHARD, MESH_AXES, TP
 
 
 @dataclass(frozen=True)
 class LlamaMeshes:
-    """The meshes a run needs, cut from one world mesh with dims ("replicate", "shard", "tp")."""
+    """The meshes a run needs, cut from one world mesh with dims MESH_AXES ("dp_replicate", "dp_shard", "tp")."""
 
     world: DeviceMesh | None  # None: one device
-    data: DeviceMesh | None  # FSDP: 1-D ("shard"), HSDP: 2-D ("replicate", "shard"); None: no data parallelism
+    data: DeviceMesh | None  # FSDP: 1-D (dp_shard), HSDP: 2-D (dp_replicate, dp_shard); None: no data parallelism
     tp: DeviceMesh | None  # None: no tensor parallelism
-    weight: DeviceMesh | None  # every rank holding a different piece of a weight: (shard, tp) flattened
+    weight: DeviceMesh | None  # every rank holding a different piece of a weight: (dp_shard, tp) flattened
 
     @property
     def data_parallel_size(self) -> int:
         return self.world.size(0) * self.world.size(1)
 
     def data_parallel_rank(self) -> int:
-        """This rank's index among the data-parallel ranks (row-major over replicate, shard)."""
+        """This rank's index among the data-parallel ranks (row-major over dp_replicate, dp_shard)."""
         coordinate = self.world.get_coordinate()
         return coordinate[0] * self.world.size(1) + coordinate[1]
 
 
 def build_meshes(device_type: str, *, dp: int = 1, tp: int = 1, replicate: int = 1) -> LlamaMeshes:
-    """A (replicate, shard, tp) world mesh over replicate * dp * tp ranks (the process group's size)."""
+    """A (replicate, dp, tp) world mesh with axes MESH_AXES over replicate * dp * tp ranks (the group's size)."""
     for name, size in (("dp", dp), ("tp", tp), ("replicate", replicate)):
         if isinstance(size, bool) or not isinstance(size, int) or size < 1:
             raise ValueError(f"build_meshes({name}={size!r}): pass an integer >= 1")
-    world = init_device_mesh(device_type, (replicate, dp, tp), mesh_dim_names=("replicate", "shard", "tp"))
+    world = init_device_mesh(device_type, (replicate, dp, tp), mesh_dim_names=MESH_AXES)
     data = None
     if replicate > 1:
-        data = world["replicate", "shard"]  # HSDP even with dp == 1: FSDP2 keeps the replicas in sync
+        data = world[DP_REPLICATE, DP_SHARD]  # HSDP even with dp == 1: FSDP2 keeps the replicas in sync
     elif dp > 1:
-        data = world["shard"]
+        data = world[DP_SHARD]
     weight = None
     if dp > 1 and tp > 1:
-        weight = world["shard", "tp"]._flatten("shard_tp")
+        weight = world[DP_SHARD, TP]._flatten(f"{DP_SHARD}_{TP}")
     elif dp > 1 or tp > 1:
-        weight = world["shard" if dp > 1 else "tp"]
-    return LlamaMeshes(world, data, world["tp"] if tp > 1 else None, weight)
+        weight = world[DP_SHARD if dp > 1 else TP]
+    return LlamaMeshes(world, data, world[TP] if tp > 1 else None, weight)
 
 
 def _check_fits(model: Llama, tp: int, sequence_parallel: bool) -> None:
@@ -138,7 +139,7 @@ def parallelize_llama(
 
 
 @torch.no_grad()
-def sum_data_parallel_gradients(model: Llama, meshes: LlamaMeshes | None) -> None:
+def sum_data_parallel_gradients(model: torch.nn.Module, meshes: LlamaMeshes | None) -> None:
     """Multiply every gradient by the DP size after backward: FSDP2's average becomes the sum (module docstring)."""
     size = 1 if meshes is None or meshes.world is None else meshes.data_parallel_size
     if size == 1:

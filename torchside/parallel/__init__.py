@@ -4,16 +4,19 @@
 - `tp_comm`: the TP collectives as autograd functions (FP8-byte all-gather for sequence parallelism);
 - `module_mesh`: `TensorParallelMixin`, the one `set_device_mesh` every module inherits;
 - `compose`: `parallelize(model, mesh, tp_mesh=..., weight_mesh=...)`;
-- `layouts`: `parameter_layouts(model)`, every parameter's global shape, mesh and placements.
+- `layouts`: `parameter_layouts(model)`, every parameter's global shape, mesh and placements;
+- `mesh_axes`: `MESH_AXES`, the world mesh's axis names (the same in JAX).
 """
 
 from torchside.parallel.compose import materialize, parallelize
 from torchside.parallel.layouts import ParameterLayout, parameter_layouts
+from torchside.parallel.mesh_axes import MESH_AXES
 from torchside.parallel.module_mesh import TensorParallelMixin
 from torchside.parallel.placements import tp_placement
 from torchside.parallel.tp_comm import TPComm
 
 __all__ = [
+    "MESH_AXES",
     "ParameterLayout",
     "TPComm",
     "TensorParallelMixin",
