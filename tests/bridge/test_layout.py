@@ -21,7 +21,7 @@ from jax.sharding import PartitionSpec as P
 from torch.distributed.tensor import Partial, Replicate, Shard
 
 from bridge import layout, layout_translate
-from bridge._torch_compat import make_strided_shard
+from torchside.parallel._torch_compat import make_strided_shard
 from bridge.layout import MeshSpec, ShardMap
 from bridge.layout_text import (
     format_indices,

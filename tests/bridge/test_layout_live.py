@@ -15,7 +15,8 @@ import torch
 from hypothesis import Phase, given, settings
 from hypothesis import strategies as st
 
-from bridge import _torch_compat, layout
+from bridge import layout
+from torchside.parallel import _torch_compat
 from bridge.layout import MeshSpec, ShardMap
 from tests.bridge.test_layout import GOLDEN_NAMES, arange_global, assert_same, load_golden, placement_cases
 from tests.distributed import run_threads

@@ -18,7 +18,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 
 from bridge import layout, params, transfer
-from bridge._torch_compat import make_strided_shard
+from torchside.parallel._torch_compat import make_strided_shard
 from jaxside.sharding import make_mesh
 from torchside.quantization import Quantizer
 from torchside.recipe import Float8CurrentScaling

@@ -1,8 +1,9 @@
-"""What differs between torch 2.11 (the GPU machine) and 2.13 (CI), in one place.
+"""What differs between torch 2.11 (the GPU machine) and 2.13 (CI), in one place for the whole project.
 
 - `_StridedShard` (private): both keep it in `torch.distributed.tensor.placement_types` and build it
   with the keyword `split_factor` (2.13 also accepts `sf`, 2.11 does not); they print it differently,
-  and it is not a `Shard` subclass there, so test for it before testing for `Shard`.
+  and it is not a `Shard` subclass there (it was one in older releases), so test for it
+  (`is_strided_shard`) before testing for `Shard`.
 - 2.13 renames `all_gather_into_tensor` / `reduce_scatter_tensor` to `all_gather_single` /
   `reduce_scatter_single` (the old names warn); 2.11 has only the old ones.
 """
@@ -38,10 +39,20 @@ def make_strided_shard(dim: int, split_factor: int) -> Placement:
     return strided_shard_type()(dim, split_factor=split_factor)
 
 
+def is_strided_shard(placement: object) -> bool:
+    """Whether `placement` is a `_StridedShard` (check this before `isinstance(p, Shard)`)."""
+    return isinstance(placement, strided_shard_type())
+
+
+def split_factor_of(placement: Placement) -> int:
+    """The split factor of a `_StridedShard` as a plain int."""
+    return int(placement.split_factor)
+
+
 def placement_text(placement: Placement) -> str:
     """A release-independent name: `S(0)`, `SS(0,sf=2)` (strided), `R`, `P`."""
-    if isinstance(placement, strided_shard_type()):
-        return f"SS({placement.dim},sf={int(placement.split_factor)})"
+    if is_strided_shard(placement):
+        return f"SS({placement.dim},sf={split_factor_of(placement)})"
     if isinstance(placement, Shard):
         return f"S({placement.dim})"
     if isinstance(placement, Replicate):
@@ -51,4 +62,12 @@ def placement_text(placement: Placement) -> str:
     raise TypeError(f"{placement!r} is not a DTensor placement")
 
 
-__all__ = ["all_gather_single", "make_strided_shard", "placement_text", "reduce_scatter_single", "strided_shard_type"]
+__all__ = [
+    "all_gather_single",
+    "is_strided_shard",
+    "make_strided_shard",
+    "placement_text",
+    "reduce_scatter_single",
+    "split_factor_of",
+    "strided_shard_type",
+]
