@@ -18,6 +18,7 @@ Runs inside co-located processes (bridge.runtime). Per case (model, mesh, recipe
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import sys
 import time
@@ -28,7 +29,6 @@ from typing import Any
 from bridge import layout, params, transfer, twins
 from bridge.numerics import RECIPES, TensorCheck, VerifyReport, collect, tolerance
 
-MESH_AXES = ("dp_replicate", "dp_shard", "tp")  # jaxside.sharding's mesh; the torch mesh uses the same names
 MESH_ALIASES = {"rep": "dp_replicate", "dp_replicate": "dp_replicate", "dp": "dp_shard", "dp_shard": "dp_shard",
                 "tp": "tp"}  # fmt: skip
 HISTORY = 4  # DelayedScaling amax history rows
@@ -46,7 +46,7 @@ class MeshShape:
     tp: int = 1
 
     @property
-    def sizes(self) -> tuple[int, int, int]:
+    def sizes(self) -> tuple[int, int, int]:  # in the order of the meshes' axes (torchside.parallel.MESH_AXES)
         return self.dp_replicate, self.dp_shard, self.tp
 
     @property
@@ -58,7 +58,8 @@ class MeshShape:
         return self.dp_replicate * self.dp_shard
 
     def __str__(self) -> str:
-        return ",".join(f"{name}={size}" for name, size in zip(MESH_AXES, self.sizes) if size > 1) or "single"
+        named = zip((f.name for f in dataclasses.fields(self)), self.sizes)
+        return ",".join(f"{name}={size}" for name, size in named if size > 1) or "single"
 
 
 def parse_mesh(text: str) -> MeshShape:
@@ -102,21 +103,12 @@ class VerifyCase:
 
 
 def recipe_pair(name: str) -> tuple[Any, Any]:
-    """(torchside recipe, jaxside recipe) of a recipe name; (None, None) for FP8 off."""
+    """(torchside recipe, jaxside recipe) of a recipe name, from each framework's registry; (None, None) for off."""
     import jaxside.recipe as jax_recipe
     import torchside.recipe as torch_recipe
 
-    classes = {
-        "current": ("Float8CurrentScaling", {}),
-        "delayed": ("DelayedScaling", {"amax_history_len": HISTORY}),
-        "block": ("Float8BlockScaling", {}),
-        "mxfp8": ("MXFP8BlockScaling", {}),
-        "nvfp4": ("NVFP4BlockScaling", {}),
-    }
-    if name == "off":
-        return None, None
-    cls, kwargs = classes[name]
-    return getattr(torch_recipe, cls)(**kwargs), getattr(jax_recipe, cls)(**kwargs)
+    options = {"amax_history_len": HISTORY} if name == "delayed" else {}
+    return torch_recipe.recipe_from_name(name, **options), jax_recipe.recipe_from_name(name, **options)
 
 
 def verify(runtime, cases: Sequence[VerifyCase], rules: Iterable[params.Rule] = params.RULES) -> list[dict]:
@@ -124,6 +116,7 @@ def verify(runtime, cases: Sequence[VerifyCase], rules: Iterable[params.Rule] = 
     from torch.distributed.device_mesh import init_device_mesh
 
     from bridge.runtime import jax_mesh
+    from torchside.parallel import MESH_AXES
 
     rules = tuple(rules)
     reports = []
@@ -176,6 +169,7 @@ class _Twins:
     jax_model: Any
     pairs: list[params.ParamPair]
     shardings: dict[tuple, Any]  # JAX path -> where the JAX model keeps the parameter
+    meshes: Any  # torchside's LlamaMeshes: the world mesh and its data and TP parts
 
 
 def _verify_recipe(runtime, world, mesh, case: VerifyCase, recipe: str, rules) -> VerifyReport:
@@ -184,6 +178,7 @@ def _verify_recipe(runtime, world, mesh, case: VerifyCase, recipe: str, rules) -
 
     from jaxside.optim import fused_adam
     from torchside.autocast import fp8_autocast
+    from torchside.models.llama_parallel import sum_data_parallel_gradients
     from torchside.optim import FusedAdam
 
     report = VerifyReport(case.model, str(case.mesh), recipe, case.steps, runtime.torch_device.type)
@@ -193,12 +188,12 @@ def _verify_recipe(runtime, world, mesh, case: VerifyCase, recipe: str, rules) -
     jax_optimizer = nnx.Optimizer(models.jax_model, fused_adam(LR), wrt=nnx.Param)
     jax_step = _jax_step(jax_recipe)
     for step in range(case.steps):
-        x_local, dy_local = _batch(world, step, case.hidden, runtime.torch_device)
+        x_local, dy_local = _batch(models.meshes, step, case.hidden, runtime.torch_device)
         x = x_local.clone().requires_grad_()
         with fp8_autocast(enabled=torch_recipe is not None, recipe=torch_recipe, amax_reduction_group=dist.group.WORLD):
             y, torch_outputs = models.torch_model(x)
         y.backward(dy_local)
-        _sum_over_dp(models.torch_model, case.mesh.dp)
+        sum_data_parallel_gradients(models.torch_model, models.meshes)  # as JAX's: the full batch's sum
         jax_x, jax_dy = (_activation_to_jax(t, world, mesh) for t in (x_local, dy_local))
         jax_outputs, jax_dx, jax_grads = jax_step(models.jax_model, jax_optimizer, jax_x, jax_dy)
         replicas = case.mesh.tp  # activations are whole on every TP rank
@@ -254,49 +249,36 @@ def _build_twins(runtime, world, mesh, case: VerifyCase, rules, report: VerifyRe
     from flax import nnx
 
     import jaxside.modules as JM
+    from torchside.models.llama_parallel import LlamaMeshes
     from torchside.parallel import parallelize
+    from torchside.parallel.mesh_axes import DP_REPLICATE, DP_SHARD, TP
 
     spec = case.spec
     dist.barrier()  # JAX's collectives below (placement) must not wait long for a late process
     torch_model = twins.build_torch(spec)
-    replicate, shard, tp = case.mesh.sizes
-    dp_mesh = world[("dp_replicate", "dp_shard")] if replicate > 1 else world["dp_shard"]
-    tp_mesh = world["tp"] if tp > 1 else None
-    parallelize(torch_model, dp_mesh, tp_mesh=tp_mesh, blocks=list(torch_model.layers), device=runtime.torch_device)
+    # FSDP over dp_shard even of size 1: every parameter is a DTensor, as the checks below expect.
+    dp_mesh = world[DP_REPLICATE, DP_SHARD] if case.mesh.dp_replicate > 1 else world[DP_SHARD]
+    meshes = LlamaMeshes(world, dp_mesh, world[TP] if case.mesh.tp > 1 else None, weight=None)
+    parallelize(torch_model, dp_mesh, tp_mesh=meshes.tp, blocks=list(torch_model.layers), device=runtime.torch_device)
     _load_seeded_values(torch_model)
     jax_model = twins.build_jax(spec)
     JM.place(jax_model, mesh)
     pairs = params.pair_models(torch_model, jax_model, rules)
     shardings = {tuple(path): v.get_value() for path, v in nnx.to_flat_state(JM.shardings(jax_model, mesh))}
-    models = _Twins(torch_model, jax_model, pairs, shardings)
+    models = _Twins(torch_model, jax_model, pairs, shardings, meshes)
     _check_layouts(models, mesh, report)
     _load_torch_parameters(models, mesh)
     return models
-
-
-def _sum_over_dp(model, dp: int) -> None:
-    """FSDP2 averages gradients over the DP ranks; JAX's is the full batch's sum (gloo has no pre-scaled sum)."""
-    for param in model.parameters():
-        param.grad._local_tensor.mul_(dp)
 
 
 def _check_layouts(models: _Twins, mesh, report: VerifyReport) -> None:
     """Per parameter: does JAX keep on each device what torch keeps there (the kernel transposed)?"""
     torch_params = dict(models.torch_model.named_parameters())
     for pair in models.pairs:
-        param = torch_params[pair.torch_name]
-        shape = tuple(param.shape)
-        torch_side = layout.from_named_sharding(
-            transfer.equivalent_sharding(param.device_mesh, param.placements, shape, mesh), shape
-        )
-        if pair.layout.transposes:
-            torch_side, shape = torch_side.transposed(), shape[::-1]
-        verdict = layout.compare(torch_side, layout.from_named_sharding(models.shardings[pair.jax_path], shape))
-        mismatch = 0.0 if verdict.equal else 1.0
+        equal = params.same_layout(torch_params[pair.torch_name], pair, models.shardings[pair.jax_path], mesh)
+        mismatch = 0.0 if equal else 1.0
         limit = tolerance(report.recipe, "layout")
-        report.checks.append(
-            TensorCheck(0, "layout", pair.torch_name, mismatch, mismatch, False, limit, verdict.equal)
-        )
+        report.checks.append(TensorCheck(0, "layout", pair.torch_name, mismatch, mismatch, False, limit, equal))
 
 
 def _load_seeded_values(model) -> None:
@@ -319,15 +301,14 @@ def _activation_placements() -> list:
     return [Shard(1), Shard(1), Replicate()]  # batch over (dp_replicate, dp_shard), whole on every TP rank
 
 
-def _batch(world, step: int, hidden: int, device) -> tuple[Any, Any]:
+def _batch(meshes, step: int, hidden: int, device) -> tuple[Any, Any]:
     """This rank's batch columns of the step's seeded global x and dy [S, B, H]."""
     import torch
 
     generator = torch.Generator().manual_seed(1000 + step)
     x, dy = (torch.randn(SEQUENCE, BATCH, hidden, generator=generator) for _ in range(2))
-    replicate, shard, _ = world.get_coordinate()
-    dp_index, dp_size = replicate * world.size(1) + shard, world.size(0) * world.size(1)
-    return tuple(t.chunk(dp_size, dim=1)[dp_index].contiguous().to(device) for t in (x, dy))
+    columns = (t.chunk(meshes.data_parallel_size, dim=1)[meshes.data_parallel_rank()] for t in (x, dy))
+    return tuple(t.contiguous().to(device) for t in columns)
 
 
 def _activation_to_jax(local, world, mesh):
@@ -442,4 +423,4 @@ class _Placement:
         return hash(self._key)
 
 
-__all__ = ["HISTORY", "LR", "MESH_AXES", "MeshShape", "VerifyCase", "parse_mesh", "recipe_pair", "verify"]
+__all__ = ["HISTORY", "LR", "MeshShape", "VerifyCase", "parse_mesh", "recipe_pair", "verify"]

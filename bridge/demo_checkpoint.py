@@ -31,13 +31,15 @@ def mismatches(reference: dict[str, torch.Tensor], loaded: dict[str, torch.Tenso
 
 def reload(runtime, checkpoint: str, dp: int, lr: float) -> dict[str, Any]:
     """Load the checkpoint into the tiny Llama on FSDP2 over `dp` ranks (no TP), with its optimizer."""
-    from bridge.demo_train import build_llama, full_parameters
+    from bridge.demo_train import full_parameters
     from torchside import checkpoint as dcp_checkpoint
-    from torchside.train import TrainOptions, build_optimizer
+    from torchside.train import TrainOptions, build_model, build_optimizer
 
     started = time.perf_counter()
-    model, _ = build_llama(runtime, dp, 1, seed=1)  # another initialization: the load must replace every value
-    optimizer = build_optimizer(model, TrainOptions(lr=lr, dp=dp, device=runtime.device_type))
+    # Seed 1: another initialization than training's, so the load must replace every value.
+    options = TrainOptions(config="tiny", lr=lr, dp=dp, seed=1, device=runtime.device_type)
+    model, _ = build_model(options)
+    optimizer = build_optimizer(model, options)
     result = dcp_checkpoint.load(checkpoint, model, optimizer)
     seconds = time.perf_counter() - started
     loaded = full_parameters(model)

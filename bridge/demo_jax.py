@@ -23,7 +23,7 @@ import functools
 from pathlib import Path
 from typing import Any
 
-from bridge import layout, params, transfer
+from bridge import layout, params
 from bridge.numerics import tolerance
 
 EVAL_STEP = 1_000_000  # a corpus batch no training step used
@@ -78,7 +78,8 @@ def cross_check(runtime, model, meshes, options, corpus, out: str, reference: di
     jax_shapes = {path: tuple(v.shape) for path, v in params.jax_parameters(twin).items()}
     pairs = params.pair_parameters({n: tuple(p.shape) for n, p in torch_params.items()}, jax_shapes)
 
-    mismatched = [p.torch_name for p in pairs if not _same_layout(torch_params[p.torch_name], p, shardings, mesh)]
+    same = {p.torch_name: params.same_layout(torch_params[p.torch_name], p, shardings[p.jax_path], mesh) for p in pairs}
+    mismatched = [name for name, equal in same.items() if not equal]
     if runtime.rank == 0:
         _draw(Path(out, LAYOUT_PNG), torch_params, pairs, shardings, mesh)
     moved = params.torch_values_to_jax(torch_params, pairs, mesh, shardings)
@@ -191,16 +192,6 @@ def _to_torch(array):
     return torch.from_numpy(np.array(array))
 
 
-def _same_layout(param, pair: params.ParamPair, shardings: dict, mesh) -> bool:
-    shape = tuple(param.shape)
-    torch_side = layout.from_named_sharding(
-        transfer.equivalent_sharding(param.device_mesh, param.placements, shape, mesh), shape
-    )
-    if pair.layout.transposes:
-        torch_side, shape = torch_side.transposed(), shape[::-1]
-    return layout.compare(torch_side, layout.from_named_sharding(shardings[pair.jax_path], shape)).equal
-
-
 def _draw(path: Path, torch_params: dict, pairs, shardings: dict, mesh) -> None:
     """torch's live layout and the JAX twin's of one column- and one row-parallel weight of layer 0."""
     from bridge.draw import save_png
@@ -229,7 +220,7 @@ def _torch_forward(model, meshes, options, corpus):
     from torch.distributed import group
 
     from torchside.autocast import fp8_autocast
-    from torchside.train import RECIPES
+    from torchside.recipe import recipe_from_name
 
     tokens = corpus.batch(EVAL_STEP, options.batch_size, options.seq_len)[:, :-1]
     tokens = tokens.chunk(meshes.data_parallel_size)[meshes.data_parallel_rank()].to(next(model.parameters()).device)
@@ -237,7 +228,7 @@ def _torch_forward(model, meshes, options, corpus):
     hooks = [model.layers[0].register_forward_pre_hook(lambda module, args: captured.setdefault("input", args[0]))]
     keep_output = lambda module, args, output: captured["outputs"].append(output)  # noqa: E731
     hooks += [layer.register_forward_hook(keep_output) for layer in model.layers]
-    recipe = RECIPES[options.recipe]()
+    recipe = recipe_from_name(options.recipe)
     try:
         with fp8_autocast(enabled=recipe is not None, recipe=recipe, amax_reduction_group=group.WORLD):
             model(tokens)
@@ -257,11 +248,9 @@ def _jax_forward_program(recipe_name: str):
     from flax import nnx
 
     import jaxside.modules as JM
-    from jaxside import recipe as jax_recipes
-    from torchside.train import RECIPES
+    from jaxside.recipe import recipe_from_name
 
-    torch_recipe = RECIPES[recipe_name]()
-    recipe = None if torch_recipe is None else getattr(jax_recipes, type(torch_recipe).__name__)()
+    recipe = recipe_from_name(recipe_name)
 
     @nnx.jit
     def forward(twin, x):

@@ -1,9 +1,9 @@
 """The demo's first launch (one process per device): train the tiny Llama under FP8 on FSDP2 x TP, save it.
 
-Every rank builds the seeded single-device model's shards (torchside.train's build steps, on a mesh
-whose axes are named as jaxside's, so that bridge.transfer maps them onto the JAX mesh), trains
-`steps` steps with FusedAdam on the synthetic corpus, starts an async DCP save, and, while the
-files are written, hands the live model to bridge.demo_jax for the layout and numerics checks.
+Every rank builds the seeded single-device model's shards and trains `steps` steps with FusedAdam on
+the synthetic corpus through torchside.train's own `build_model` and `train_step` (its mesh axes are
+named as jaxside's, so bridge.transfer maps them onto the JAX mesh), starts an async DCP save and,
+while the files are written, hands the live model to bridge.demo_jax for the layout and numerics checks.
 Rank 0 returns the trained parameters (full tensors) as the reference of the checkpoint checks.
 """
 
@@ -12,43 +12,11 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
-import warnings
 from typing import Any
 
-from bridge.demo_options import MESH_AXES, DemoOptions
+from bridge.demo_options import DemoOptions
 
 CHECKPOINT_DIR = "dcp"
-
-
-def build_llama(runtime, dp: int, tp: int, seed: int = 0):
-    """The tiny Llama's shards on a (1, dp, tp) mesh named MESH_AXES, from rank 0's seeded initialization."""
-    import torch
-    import torch.distributed as dist
-    from torch.distributed.device_mesh import init_device_mesh
-
-    from torchside.models.llama import LLAMA_CONFIGS, Llama
-    from torchside.models.llama_parallel import LlamaMeshes, load_full_state, parallelize_llama
-    from torchside.modules import ModuleConfig
-
-    config = LLAMA_CONFIGS["tiny"]
-    full = None
-    if dist.get_rank() == 0:
-        torch.manual_seed(seed)
-        full = Llama(config)
-    world = init_device_mesh(runtime.device_type, (1, dp, tp), mesh_dim_names=MESH_AXES)
-    data = world["dp_shard"] if dp > 1 else None
-    tp_mesh = world["tp"] if tp > 1 else None
-    if dp > 1 and tp > 1:
-        weight = world["dp_shard", "tp"]._flatten("dp_shard_tp")  # as llama_parallel.build_meshes does
-    else:
-        weight = data if dp > 1 else tp_mesh
-    meshes = LlamaMeshes(world, data, tp_mesh, weight)
-    model = Llama(config, device="meta", module_config=ModuleConfig(tp_size=tp))
-    with warnings.catch_warnings():  # materializing on a CPU mesh warns that DTensor RNG support is partial
-        warnings.filterwarnings("ignore", message="DTensor random operators")
-        parallelize_llama(model, meshes, device=runtime.torch_device)
-    load_full_state(model, None if full is None else full.state_dict(), from_rank0=True)
-    return model, meshes
 
 
 def full_parameters(model) -> dict[str, Any]:
@@ -60,15 +28,14 @@ def full_parameters(model) -> dict[str, Any]:
 
 def train_save_check(runtime, options: DemoOptions, out: str) -> dict[str, Any]:
     """Train, save asynchronously, cross-check in JAX; rank 0 returns losses, timings, checks and the reference."""
-    import torch
     import torch.distributed as dist
 
     from bridge import demo_jax
     from torchside import checkpoint
     from torchside.corpus import SyntheticCorpus
     from torchside.models.llama import LLAMA_CONFIGS
-    from torchside.models.llama_parallel import sum_data_parallel_gradients
-    from torchside.train import RECIPES, TrainOptions, build_optimizer, learning_rate, local_batch, loss_of
+    from torchside.recipe import recipe_from_name
+    from torchside.train import LossLog, TrainOptions, build_model, build_optimizer, train_step
 
     timings: dict[str, float] = {}
     started = time.perf_counter()
@@ -77,27 +44,19 @@ def train_save_check(runtime, options: DemoOptions, out: str) -> dict[str, Any]:
         warmup_steps=min(3, options.steps), recipe=options.recipe, dp=options.dp, tp=options.tp,
         device=runtime.device_type,
     )  # fmt: skip
-    model, meshes = build_llama(runtime, options.dp, options.tp)
+    model, meshes = build_model(train_options)
     optimizer = build_optimizer(model, train_options)
     corpus = SyntheticCorpus(LLAMA_CONFIGS["tiny"].vocab_size)
-    recipe = RECIPES[options.recipe]()
+    recipe = recipe_from_name(options.recipe)
     timings["build"] = time.perf_counter() - started
 
-    started, losses = time.perf_counter(), []
+    started, log = time.perf_counter(), LossLog(train_options, 0, runtime.torch_device, writes=False)
     with _progress(runtime.rank == 0, options.steps) as advance:
         for step in range(options.steps):
-            for group in optimizer.param_groups:
-                group["lr"] = learning_rate(train_options, step)
-            inputs, targets = local_batch(corpus, train_options, meshes, step)
-            loss = loss_of(model, inputs, targets, recipe, dist.group.WORLD, options.batch_size * options.seq_len)
-            sum_data_parallel_gradients(model, meshes)
-            torch.nn.utils.clip_grad_norm_(model.parameters(), train_options.clip)
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
-            total = loss.detach().clone()
-            dist.all_reduce(total)  # each DP rank holds its part of the mean, each TP rank a copy of it
-            losses.append(total.item() / options.tp)
-            advance(losses[-1])
+            log.add(step, *train_step(model, optimizer, corpus, train_options, meshes, recipe, step))
+            log.flush(options.tp)  # every step: the bar shows the loss
+            advance(log.losses[-1])
+    losses = log.losses
     timings["train"] = time.perf_counter() - started
 
     started = time.perf_counter()
@@ -139,4 +98,4 @@ def _progress(show: bool, steps: int):
         yield lambda loss: progress.update(task, advance=1, status=f"loss {loss:.3f}")
 
 
-__all__ = ["CHECKPOINT_DIR", "build_llama", "full_parameters", "train_save_check"]
+__all__ = ["CHECKPOINT_DIR", "full_parameters", "train_save_check"]

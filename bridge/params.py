@@ -29,13 +29,14 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from bridge import transfer
+from bridge import layout, transfer
 
 if TYPE_CHECKING:
     import jax
     from flax import nnx
     from jax.sharding import Mesh, NamedSharding
     from torch import nn
+    from torch.distributed.tensor import DTensor
 
 
 @dataclass(frozen=True)
@@ -99,6 +100,17 @@ class ParamPair:
 def dotted(path: Iterable[Any]) -> str:
     """An nnx state path as a dotted name, as torch names its parameters (`layers.0.mlp.fc1_kernel`)."""
     return ".".join(str(part) for part in path)
+
+
+def same_layout(param: DTensor, pair: ParamPair, jax_sharding: NamedSharding, mesh: Mesh) -> bool:
+    """Does JAX keep on each device what torch keeps there of this parameter (the kernel transposed)?"""
+    shape = tuple(param.shape)
+    torch_side = layout.from_named_sharding(
+        transfer.equivalent_sharding(param.device_mesh, param.placements, shape, mesh), shape
+    )
+    if pair.layout.transposes:
+        torch_side, shape = torch_side.transposed(), shape[::-1]
+    return layout.compare(torch_side, layout.from_named_sharding(jax_sharding, shape)).equal
 
 
 def jax_parameters(model: nnx.Module) -> dict[tuple[Any, ...], Any]:
@@ -279,5 +291,6 @@ __all__ = [
     "optimizer_states_to_jax",
     "pair_models",
     "pair_parameters",
+    "same_layout",
     "torch_values_to_jax",
 ]
