@@ -109,7 +109,7 @@ def _same_values(array, full, pair: params.ParamPair) -> bool:
     """This process's shard of a moved JAX parameter equals the torch tensor's elements there, bit for bit."""
     import numpy as np
 
-    expected = (full.t() if pair.layout.transposes else full).contiguous().numpy()
+    expected = pair.layout.to_jax(full).contiguous().numpy()  # a torch tensor: .T is its transpose too
     shard = array.addressable_shards[0]
     return np.array_equal(np.asarray(shard.data).view(np.uint32), expected[shard.index].view(np.uint32))
 
@@ -171,8 +171,7 @@ def _forward_checks(
     values = {}
     for pair in pairs:
         full = reference[pair.torch_name]
-        as_jax = full.t() if pair.layout.transposes else full
-        values[pair.jax_path] = jax.device_put(jnp.asarray(as_jax.numpy()), device)
+        values[pair.jax_path] = jax.device_put(jnp.asarray(pair.layout.to_jax(full).numpy()), device)
     params.load_into_jax(twin, values)
     _load_scaling_state(twin, scaling, device)  # DelayedScaling: the scales torch's forward uses
     checks = []

@@ -65,6 +65,20 @@ def test_every_recipe_name_has_a_tolerance_row():
             assert numerics.tolerance(recipe, stage, lr=1e-3, steps_taken=1).passes(0.0, 0.0, nan=False)
 
 
+def test_verify_builds_each_recipe_from_both_registries():
+    import jaxside.recipe as jax_recipe
+    import torchside.recipe as torch_recipe
+    from bridge import crosscheck
+
+    assert crosscheck.recipe_pair("off") == (None, None)
+    for name in numerics.RECIPES[1:]:
+        torch_side, jax_side = crosscheck.recipe_pair(name)
+        assert isinstance(torch_side, torch_recipe.RECIPE_CLASSES) and isinstance(jax_side, jax_recipe.RECIPE_CLASSES)
+        assert type(torch_side).__name__ == type(jax_side).__name__, name
+    delayed = crosscheck.recipe_pair("delayed")
+    assert delayed[0].amax_history_len == delayed[1].amax_history_len == crosscheck.HISTORY
+
+
 def test_fp8_tensor_core_sums_take_the_own_scales_bound_on_cuda():
     """On CUDA, recipes whose GEMMs sum in Hopper's FP8 accumulator lose the same-scale bound (module docstring)."""
     own_scales = {  # (recipe, stage, steps taken) -> relative limit on CUDA
