@@ -22,7 +22,7 @@ import torch
 from torchside.corpus import SyntheticCorpus
 from torchside.models.llama import LLAMA_CONFIGS
 from torchside.recipe import recipe_from_name
-from torchside.train import TrainOptions, build_model, build_optimizer, local_batch, loss_of
+from torchside.train import TrainOptions, build_model, build_optimizer, train_step
 
 
 def main() -> None:
@@ -36,14 +36,10 @@ def main() -> None:
         model, _ = build_model(options)
         optimizer = build_optimizer(model, options)
         corpus = SyntheticCorpus(LLAMA_CONFIGS[options.config].vocab_size, seed=0)
-        recipe, tokens = recipe_from_name(name), options.batch_size * options.seq_len
+        recipe = recipe_from_name(name)
 
-        def step(i: int) -> None:
-            inputs, targets = local_batch(corpus, options, None, i)
-            loss_of(model, inputs, targets, recipe, None, tokens)
-            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
+        def step(i: int) -> None:  # the training loop's own step (torchside.train)
+            train_step(model, optimizer, corpus, options, None, recipe, i)
 
         for i in range(8):  # compile and autotune
             step(i)

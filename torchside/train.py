@@ -6,8 +6,8 @@ One process per device; several through torchrun, e.g. FSDP 2 x TP 2 on 4 GPUs:
 
 The mesh is (replicate, dp, tp) (axes named torchside.parallel.MESH_AXES, as JAX's) and must hold the
 launcher's world size. Every rank builds batch `step` of the corpus (a pure function of the seed and
-the step) and keeps its data-parallel rows;
-the model starts from one seeded single-device initialization, whatever the mesh. Output in
+the step) and keeps its data-parallel rows; the model starts from one seeded single-device
+initialization, whatever the mesh; each step is `train_step` (the demo's too). Output in
 `--out`: `losses.jsonl` (one JSON object per step: step, loss, lr, grad_norm) and `losses.png`;
 a summary (final loss, tokens/s, non-finite losses) as one JSON line on stdout. With
 `--checkpoint-dir`, an async DCP checkpoint every `--checkpoint-every` steps; `--resume` continues
@@ -52,6 +52,7 @@ from torchside.models.llama_parallel import (
 from torchside.modules import ModuleConfig
 from torchside.optim import FusedAdam
 from torchside.recipe import Recipe, recipe_from_name, recipe_names
+
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 LOG_NAME, PLOT_NAME = "losses.jsonl", "losses.png"
 

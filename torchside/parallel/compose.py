@@ -10,9 +10,9 @@ shard scaled by the whole weight's amax) just before its fully_shard, because FS
 fully_shard whether a parameter all-gathers through the QuantizedTensor hooks. Block by block, the
 peak stays at one unsharded block.
 
-Meshes are passed in, already sliced by the caller (`world["dp"]`, `world["tp"]`, ...): nothing
+Meshes are passed in, already sliced by the caller (`world["dp_shard"]`, `world["tp"]`, ...): nothing
 here reads a mesh dimension's name. `mesh` is the data-parallel mesh: 1-D for FSDP, 2-D
-(replicate, shard) for HSDP.
+(dp_replicate, dp_shard) for HSDP.
 """
 
 from __future__ import annotations
@@ -111,7 +111,7 @@ def parallelize(
     if mesh is not None and mesh.ndim > 2:
         raise ValueError(
             f"parallelize(mesh=...) got a {mesh.ndim}-D mesh: pass the data-parallel part only (1-D for FSDP, 2-D "
-            "(replicate, shard) for HSDP) and the TP part as tp_mesh"
+            "(dp_replicate, dp_shard) for HSDP) and the TP part as tp_mesh"
         )
     tp_modules = outermost_tp_modules(model)
     for module in tp_modules:
