@@ -89,7 +89,9 @@ def host_us(fn: Callable[[], object], calls: int = 100) -> float:
     return seconds / calls * 1e6
 
 
-def wall_ms(fn: Callable[[], object], *, repeats: int = 10, warmup: int = 1, before: Callable[[], object] | None = None) -> float:
+def wall_ms(
+    fn: Callable[[], object], *, repeats: int = 10, warmup: int = 1, before: Callable[[], object] | None = None
+) -> float:
     """Median wall milliseconds of fn() over `repeats` calls, after `warmup` untimed ones.
 
     fn must return only when its work is done (torch.cuda.synchronize, jax.block_until_ready);
@@ -165,12 +167,13 @@ def format_environment(
 
 def environment_line() -> str:
     """Date, GPU, versions, commit and command: the header of a RESULTS.md entry."""
-    return format_environment(datetime.datetime.now(datetime.timezone.utc), device_name(), versions(), _commit(), sys.argv)
+    now = datetime.datetime.now(datetime.timezone.utc)
+    return format_environment(now, device_name(), versions(), _commit(), sys.argv)
 
 
 # --- result rows ----------------------------------------------------------------------------------------------
 def fraction_of_floor(measured: float | None, floor: float | None, unit: str) -> float | None:
-    """How close `measured` comes to its floor, 1.0 at the floor: floor / measured for a time, measured / floor for a rate."""
+    """How close `measured` comes to its floor (1.0 at it): floor / measured for a time, measured / floor for a rate."""
     if measured is None or floor is None or measured <= 0 or floor <= 0:
         return None
     return floor / measured if unit in TIME_UNITS else measured / floor

@@ -64,7 +64,8 @@ def main() -> None:
         peer_s = time.perf_counter() - start
         rows[0] = dataclasses.replace(rows[0], peer=peer_s, peer_name="dcp.load + save_file")
         rows.append(Result("peer: dcp.load + save_file", peer_s, None, unit="s", note="holds the whole model in memory"))
-        title = f"bench_convert, {args.layers} x [{args.size}, {args.size}] bf16 = {nbytes / 2 * 1e-9:.2f}B parameters, {nbytes / 1e9:.2f} GB"
+        title = (f"bench_convert, {args.layers} x [{args.size}, {args.size}] bf16 = {nbytes / 2 * 1e-9:.2f}B parameters, "
+                 f"{nbytes / 1e9:.2f} GB")  # fmt: skip
         report(title, rows, args.json)
     finally:
         shutil.rmtree(work, ignore_errors=True)

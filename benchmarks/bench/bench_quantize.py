@@ -62,7 +62,7 @@ def _eager_tensorwise(x: torch.Tensor, scale: torch.Tensor | None = None) -> tup
     return data, data.t().contiguous(), amax
 
 
-_PEER_NAMES = {"quantize_tensorwise": "eager amax, scale, cast, transpose"}  # others: kernels.reference, eager
+_PEER_NAMES = {"quantize_tensorwise": "eager amax, scale, cast, transpose"}  # the others: kernels.reference
 
 
 def _peer(case: Case, x: torch.Tensor) -> Callable[[], object]:
@@ -125,8 +125,10 @@ def main() -> None:
         as_run_at_copy_ms = floors_ms(case, x, q, copy_bytes_per_s)[1]
         extra = {"host us": host, "target": f"{case.target:.0%}", "floor as run": as_run_ms,
                  "of that": f"{as_run_ms / ms:.0%}", "of copy": f"{as_run_at_copy_ms / ms:.0%}",
-                 "amax ms": None if case.passes_over_x == 1 else _amax_ms(case, x), "exact": "yes" if exact else "NO"}  # fmt: skip
-        rows.append(Result(case.name, ms, floor_ms, peer=peer_ms, peer_name=_PEER_NAMES.get(case.function, "kernels.reference, eager"), extra=extra))
+                 "amax ms": None if case.passes_over_x == 1 else _amax_ms(case, x),
+                 "exact": "yes" if exact else "NO"}  # fmt: skip
+        peer_name = _PEER_NAMES.get(case.function, "kernels.reference, eager")
+        rows.append(Result(case.name, ms, floor_ms, peer=peer_ms, peer_name=peer_name, extra=extra))
         torch.cuda.empty_cache()
     notes = [
         "ms: device time; host us: the host's time per call, calls back to back. floor: one read of x plus the "

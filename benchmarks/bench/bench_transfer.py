@@ -92,7 +92,7 @@ def main() -> None:
     rows = [  # zero-copy moves no bytes: no floor; the peer is the copying exchange
         Result("torch -> JAX, zero-copy (bridge.transfer)", to_jax_ms, None, **peer),
         Result("JAX -> torch, zero-copy (bridge.transfer)", to_torch_ms, None, **peer),
-        Result("peer: DLPack + JAX copy of each shard", copying_ms, copy_floor_ms, note="floor: the shards copied at 4.24 TB/s"),
+        Result("peer: DLPack + JAX copy of each shard", copying_ms, copy_floor_ms, note="floor: a copy at 4.24 TB/s"),
         Result("peer: full_tensor() + device_put (gathers)", gathering_ms, None),
     ]
     if rt.rank == 0:

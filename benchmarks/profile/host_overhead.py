@@ -126,7 +126,8 @@ def main() -> None:
             GroupedLinear(8, 128, 128, params_dtype=torch.bfloat16), m_splits=[1, 3, 0, 2, 4, 1, 2, 3]
         ),
     }
-    print(f"# host_overhead, {environment_line()}\nhost time per fwd+bwd, kernels stubbed (best of 5 x {args.iters} iterations)")
+    print(f"# host_overhead, {environment_line()}")
+    print(f"host time per fwd+bwd, kernels stubbed (best of 5 x {args.iters} iterations)")
     for recipe_name in args.recipes.split(","):
         for module_name, module in modules.items():
             measure(f"{module_name} {recipe_name}", module, x, RECIPES[recipe_name](), args.iters, launches)
