@@ -34,7 +34,7 @@ from kernels._backend import Backend, backend_for
 from kernels._casts import f32_to_bf16_bits
 from kernels.multi_tensor import TensorTable, aligned
 
-# Measured on one H200 (benchmarks/bench_adam.py, 537M fp32 params, kernel only): 1024 x 4 warps 3.575 ms
+# Measured on one H200 (benchmarks/bench/bench_adam.py, 537M fp32 params, kernel only): 1024 x 4 warps 3.575 ms
 # (4.21 TB/s) against 3.921 ms for 4096 x 8; larger blocks were no faster.
 DEFAULT_BLOCK = 1024  # elements per program: 8 per thread with 4 warps
 DEFAULT_NUM_WARPS = 4

@@ -41,7 +41,7 @@ from kernels.formats import FORMATS, NVFP4_GLOBAL_MAX, SCHEME_BLOCKS
 from kernels.gemm_reference import GemmOperand, check_gemm, gemm_operand
 from kernels.reference import Quantized
 
-# Measured choices (benchmarks/bench_gemm.py, 8192^3 e4m3, bf16 out, one H200, 2026-11-30):
+# Measured choices (benchmarks/bench/bench_gemm.py, 8192^3 e4m3, bf16 out, one H200, 2026-11-30):
 # tensorwise: torch._scaled_mm 1273 TFLOP/s, this kernel 934 -> cuBLASLt.
 # 1x128 x 128x128 blocks: torch._scaled_mm (torch 2.11 blockwise) 1103 TFLOP/s, this kernel 535 -> cuBLASLt
 # where the torch build runs it (older builds raise: then this kernel, remembered per process).
@@ -51,7 +51,7 @@ TENSORWISE_USES_TORCH_SCALED_MM = True
 BLOCKWISE_USES_TORCH_SCALED_MM = True
 # cuBLASLt reads the 128x128 scales [K/128, N/128] with a leading dim of K/128 floats that must be
 # 16-byte aligned: torch 2.11 does not check it, and with K/128 = 6 or 10 (K = 768, 1280) it returned
-# wrong products (relative error 0.4 to 5e7 on the H200, found by benchmarks/check_step_gemms.py when the
+# wrong products (relative error 0.4 to 5e7 on the H200, found by benchmarks/diagnose/check_step_gemms.py when the
 # 125M Llama trained NaN from step 0 under Float8BlockScaling). So K/128 must be a multiple of 4.
 _BLOCKWISE_K_MULTIPLE = 4 * 128
 _blockwise_cublas_failed = False

@@ -61,7 +61,7 @@ from kernels.gemm import (
 from kernels.gemm_reference import GemmOperand, check_gemm, gemm_operand
 from kernels.reference import Quantized
 
-# Measured choice (benchmarks/bench_grouped_gemm.py, one H200, 2026-11-30; GroupedLinear's problem: 8 groups
+# Measured choice (benchmarks/bench/bench_grouped_gemm.py, one H200, 2026-11-30; GroupedLinear's problem: 8 groups
 # [2861, 1024, 3517, 611, 2290, 1999, 3077, 1005] of 16384 tokens, 4096 -> 14336, tensorwise e4m3, bf16 out):
 # fprop, dense torch._scaled_mm 1.50 ms, a loop of 8 torch._scaled_mm 1.60 ms, the one Triton launch 4.43 ms (the
 # dense Triton kernel 4.28); wgrad (K split), dense torch._scaled_mm 1.48 ms, the launch 5.38 ms. So per-group

@@ -18,7 +18,7 @@ Providers: torch._scaled_mm (cuBLASLt, what torchside runs on CUDA), kernels.gem
 (promotes to fp32 every K tile), the JAX twin's FP8 dot_general (XLA), the JAX twin's dot on
 dequantized fp32 values at HIGHEST precision.
 
-Run:  PYTHONPATH=. python3 benchmarks/diagnose_fp8_gemm_noise.py [--device cuda]
+Run:  PYTHONPATH=. python3 benchmarks/diagnose/diagnose_fp8_gemm_noise.py [--device cuda]
 """
 
 from __future__ import annotations
@@ -31,6 +31,7 @@ import jax.numpy as jnp
 import numpy as np
 import torch
 
+from benchmarks.harness import environment_line
 import jaxside.quantize as jq
 import kernels.gemm
 from jaxside.modules import functions as jax_functions
@@ -102,7 +103,7 @@ def main() -> None:
     parser.add_argument("--device", default="cuda:0" if torch.cuda.is_available() else "cpu")
     args = parser.parse_args()
     generator = torch.Generator().manual_seed(0)
-    print(f"device {args.device}, jax {jax.devices()[0].platform}")
+    print(f"# diagnose_fp8_gemm_noise, {environment_line()}\ndevice {args.device}, jax {jax.devices()[0].platform}")
     print(f"{'case':10s} {'provider':30s} {'rel':>9s} {'log2 err/sum|ab|':>17s} {'flips':>8s}")
     for what, a_fmt, m, n, k in CASES:
         a_values = torch.randn(m, k, generator=generator)

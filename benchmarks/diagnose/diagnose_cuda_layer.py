@@ -14,7 +14,7 @@ Builds the case of `test_cuda_layer_matches_float64_quantized_math` exactly as t
 - per tensor: the end-to-end error against that model (what the test used to assert) and against
   the model following the module's codes (what it asserts now).
 
-Run:  PYTHONPATH=. python3 benchmarks/diagnose_cuda_layer.py [--recipes current,block] [--device cuda]
+Run:  PYTHONPATH=. python3 benchmarks/diagnose/diagnose_cuda_layer.py [--recipes current,block] [--device cuda]
 Default recipes: the three that failed on the H200 and two controls. On CPU the kernels are the
 pure-torch reference (TRITON_INTERPRET=0): about 2 s a recipe.
 """
@@ -27,6 +27,7 @@ import os
 
 import torch
 
+from benchmarks.harness import environment_line
 from kernels.gemm_reference import gemm_operand
 from tests.torchside.fp8_capture import Gemm, on_cpu
 from tests.torchside.test_modules_numerics import RECIPES, QuantizedMath64, _relative_error
@@ -102,7 +103,7 @@ def main() -> None:
     args = parser.parse_args()
     if args.device == "cpu":
         os.environ["TRITON_INTERPRET"] = "0"  # the pure-torch reference kernels: seconds, not minutes
-    print(torch.cuda.get_device_name() if args.device == "cuda" else "CPU", f"torch {torch.__version__}", CASE)
+    print(f"# diagnose_cuda_layer, {environment_line()}\n{CASE}")
     for recipe_name in args.recipes.split(","):
         diagnose(recipe_name, args.device)
 

@@ -8,15 +8,13 @@ dropping it from the page cache). The checkpoint files are dropped from the page
 load, so a load reads the disk. Also: the blocking time of an async save (thread and process:
 what the training loop waits for) and its total time, and a load without the CRC32 pass.
 
-Usage (repository root, CUDA machine): python benchmarks/bench_checkpoint.py [--dir /local/disk/tmp]
+Usage (repository root, CUDA machine): PYTHONPATH=. python3 benchmarks/bench/bench_checkpoint.py [--dir /local/disk/tmp]
 """
 
 from __future__ import annotations
 
-import argparse
 import os
 import shutil
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -24,14 +22,13 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from torchside.autocast import quantized_model_init  # noqa: E402
-from torchside.checkpoint import load, save  # noqa: E402
-from torchside.modules import LayerNormMLP  # noqa: E402
-from torchside.optim import FusedAdam  # noqa: E402
-from torchside.quantization import QuantizedTensor  # noqa: E402
-from torchside.recipe import Float8CurrentScaling  # noqa: E402
+from benchmarks.harness import Result, argument_parser, report
+from torchside.autocast import quantized_model_init
+from torchside.checkpoint import load, save
+from torchside.modules import LayerNormMLP
+from torchside.optim import FusedAdam
+from torchside.quantization import QuantizedTensor
+from torchside.recipe import Float8CurrentScaling
 
 BLOCKS, HIDDEN, FFN = 8, 4096, 16384
 DISK_PROBE_BYTES = 2 << 30
@@ -84,10 +81,16 @@ def _bytes(directory: Path) -> int:
     return sum(p.stat().st_size for p in directory.rglob("*") if p.is_file())
 
 
+def _row(operation: str, seconds: float, size: int, disk_gbps: float) -> Result:
+    """Checkpoint bytes over wall time against the disk's rate measured in the same run."""
+    return Result(operation, size / seconds / 1e9, disk_gbps, unit="GB/s", extra={"seconds": seconds})
+
+
 def main() -> None:
-    parser = argparse.ArgumentParser()
+    parser = argument_parser(__doc__)
     parser.add_argument("--dir", default=tempfile.gettempdir(), help="a directory on the disk to measure")
-    root = Path(tempfile.mkdtemp(prefix="bench_checkpoint_", dir=parser.parse_args().dir))
+    args = parser.parse_args()
+    root = Path(tempfile.mkdtemp(prefix="bench_checkpoint_", dir=args.dir))
     if not dist.is_initialized():  # an async "process" save's daemon joins the default group
         dist.init_process_group("gloo", rank=0, world_size=1, store=dist.HashStore())
     try:
@@ -100,15 +103,15 @@ def main() -> None:
         path = save(root / "sync", model, optimizer, step=1).path
         seconds = time.perf_counter() - start
         size = _bytes(path)
-        rows.append(("save (sync)", seconds, size / seconds / 1e9, write_gbps))
+        rows.append(_row("save (sync)", seconds, size, write_gbps))
         for mode in ("thread", "process"):
             start = time.perf_counter()
             handle = save(root / mode, model, optimizer, step=1, async_mode=mode)
             blocked = time.perf_counter() - start
             handle.wait()
             total = time.perf_counter() - start
-            rows.append((f"save ({mode}) blocking", blocked, size / blocked / 1e9, write_gbps))
-            rows.append((f"save ({mode}) total", total, size / total / 1e9, write_gbps))
+            rows.append(_row(f"save ({mode}) blocking", blocked, size, write_gbps))
+            rows.append(_row(f"save ({mode}) total", total, size, write_gbps))
         for verify in (True, False):
             _drop_from_page_cache(root / "sync")
             torch.cuda.synchronize()
@@ -117,13 +120,11 @@ def main() -> None:
             torch.cuda.synchronize()
             seconds = time.perf_counter() - start
             label = "load (CRC32 checked)" if verify else "load (verify=False)"
-            rows.append((label, seconds, size / seconds / 1e9, read_gbps))
-        print(f"{torch.cuda.get_device_name()}  torch {torch.__version__}  {params / 1e9:.2f}B parameters, "
-              f"checkpoint {size / 1e9:.2f} GB")  # fmt: skip
-        print(f"disk: write {write_gbps:.2f} GB/s, read {read_gbps:.2f} GB/s (2 GiB, fsync, page cache dropped)")
-        print(f"{'operation':<26} {'seconds':>8} {'GB/s':>7} {'disk GB/s':>10} {'of disk':>8}")
-        for label, seconds, gbps, floor in rows:
-            print(f"{label:<26} {seconds:8.3f} {gbps:7.2f} {floor:10.2f} {gbps / floor:8.0%}")
+            rows.append(_row(label, seconds, size, read_gbps))
+        notes = [f"disk: write {write_gbps:.2f} GB/s, read {read_gbps:.2f} GB/s (2 GiB, fsync, page cache dropped): "
+                 "the floor of each row"]  # fmt: skip
+        title = f"bench_checkpoint, {params / 1e9:.2f}B parameters, checkpoint {size / 1e9:.2f} GB"
+        report(title, rows, args.json, notes)
     finally:
         shutil.rmtree(root, ignore_errors=True)
 

@@ -5,7 +5,7 @@ host takes as long as the wall, the step is launch-bound and the GPU waits), the
 one step makes (torch.cuda.set_sync_debug_mode), and cProfile's top functions by own time over a
 few steps. The model and data are torchside.train's (125m: 12 layers, 4096 tokens per step).
 
-Run on a CUDA machine:  PYTHONPATH=. python3 benchmarks/profile_step.py [--recipes off,current --config 125m]
+Run on a CUDA machine:  PYTHONPATH=. python3 benchmarks/profile/profile_step.py [--recipes off,current --config 125m]
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ import warnings
 
 import torch
 
+from benchmarks.harness import environment_line
 from torchside.corpus import SyntheticCorpus
 from torchside.models.llama import LLAMA_CONFIGS
 from torchside.recipe import recipe_from_name
@@ -31,6 +32,7 @@ def main() -> None:
     parser.add_argument("--config", default="125m")
     parser.add_argument("--top", type=int, default=22)
     args = parser.parse_args()
+    print(f"# profile_step, {environment_line()}")
     for name in args.recipes.split(","):
         options = TrainOptions(config=args.config, batch_size=8, seq_len=512, recipe=name, dtype="bf16", device="cuda")
         model, _ = build_model(options)

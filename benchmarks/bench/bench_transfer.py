@@ -14,16 +14,13 @@ stack (hidden 4096, ffn 16384: 8 x 134M = 1.07B fp32 parameters, 4.3 GB) and mov
 Printed on rank 0: the slowest rank's median ms per direction, the bytes a copy would move, the
 device memory growth, and whether every pointer matched.
 
-Run:   torchrun --nproc-per-node 2 benchmarks/bench_transfer.py     (or 1; PYTHONPATH=. first)
-CPU smoke test:  PYTHONPATH=. python3 -m bridge run -n 2 benchmarks/bench_transfer.py --device cpu --hidden 64 --layers 2
+Times: benchmarks.harness.wall_ms (every rank lined up by a barrier before each call), slowest rank.
+
+Run:   PYTHONPATH=. torchrun --nproc-per-node 2 benchmarks/bench/bench_transfer.py     (or 1)
+CPU smoke test:  PYTHONPATH=. python3 -m bridge run -n 2 benchmarks/bench/bench_transfer.py --device cpu --hidden 64 --layers 2
 """
 
 from __future__ import annotations
-
-import argparse
-import datetime
-import statistics
-import time
 
 import jax
 import jax.numpy as jnp
@@ -31,7 +28,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 
-from benchmarks.floors import COPY_BYTES_PER_S
+from benchmarks.harness import COPY_BYTES_PER_S, Result, argument_parser, report, slowest_rank, wall_ms
 from bridge import runtime, transfer, twins
 from torchside.parallel import parallelize
 
@@ -40,19 +37,7 @@ REPEATS = 5
 
 def _median_ms(fn) -> float:
     """The slowest rank's median wall time of fn() in ms (every rank starts each repeat together)."""
-    times = []
-    for _ in range(REPEATS):
-        dist.barrier()
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    slowest = torch.tensor(statistics.median(times), dtype=torch.float64, device=_device())
-    dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
-    return 1e3 * slowest.item()
-
-
-def _device() -> torch.device:
-    return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+    return slowest_rank(wall_ms(fn, repeats=REPEATS, warmup=0, before=dist.barrier))
 
 
 def _memory(rt) -> tuple[int, int]:
@@ -63,7 +48,7 @@ def _memory(rt) -> tuple[int, int]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = argument_parser(__doc__)
     parser.add_argument("--device", choices=("cpu", "cuda"))
     parser.add_argument("--hidden", type=int, default=4096)
     parser.add_argument("--layers", type=int, default=8)
@@ -100,22 +85,23 @@ def main() -> None:
         for p in shards.values():
             jax.device_put(jax.dlpack.from_dlpack(p.full_tensor().detach())).block_until_ready()
 
-    rows = [
-        ("torch -> JAX, zero-copy (bridge.transfer)", _median_ms(torch_to_jax)),
-        ("JAX -> torch, zero-copy (bridge.transfer)", _median_ms(jax_to_torch)),
-        ("peer: DLPack + JAX copy of each shard", _median_ms(copying_peer)),
-        ("peer: full_tensor() + device_put (gathers)", _median_ms(gathering_peer)),
+    copy_floor_ms = 1e3 * 2 * local_bytes / COPY_BYTES_PER_S
+    to_jax_ms, to_torch_ms = _median_ms(torch_to_jax), _median_ms(jax_to_torch)
+    copying_ms, gathering_ms = _median_ms(copying_peer), _median_ms(gathering_peer)
+    peer = {"peer": copying_ms, "peer_name": "DLPack + JAX copy of each shard"}
+    rows = [  # zero-copy moves no bytes: no floor; the peer is the copying exchange
+        Result("torch -> JAX, zero-copy (bridge.transfer)", to_jax_ms, None, **peer),
+        Result("JAX -> torch, zero-copy (bridge.transfer)", to_torch_ms, None, **peer),
+        Result("peer: DLPack + JAX copy of each shard", copying_ms, copy_floor_ms, note="floor: a copy at 4.24 TB/s"),
+        Result("peer: full_tensor() + device_put (gathers)", gathering_ms, None),
     ]
     if rt.rank == 0:
-        copy_floor_ms = 1e3 * 2 * local_bytes / COPY_BYTES_PER_S
-        print(f"# {datetime.date.today()} {torch.cuda.get_device_name() if rt.device_type == 'cuda' else 'cpu'} "
-              f"x{rt.world_size}, torch {torch.__version__}, jax {jax.__version__}")  # fmt: skip
-        print(f"model: {count / 1e9:.2f}B parameters, {local_bytes / 1e9:.2f} GB of shards per device")
-        print(f"zero-copy: every JAX buffer is the torch storage: {same_to_jax}; and back: {same_back}")
-        print(f"device memory growth after torch -> JAX (torch, JAX bytes): {to_jax_growth}")
-        print(f"{'case':48s} {'ms':>10s}   (a copy of the shards: >= {copy_floor_ms:.2f} ms at 4.24 TB/s)")
-        for name, ms in rows:
-            print(f"{name:48s} {ms:10.3f}")
+        notes = [
+            f"model: {count / 1e9:.2f}B parameters, {local_bytes / 1e9:.2f} GB of shards per device, {rt.world_size} ranks",
+            f"zero-copy: every JAX buffer is the torch storage: {same_to_jax}; and back: {same_back}",
+            f"device memory growth after torch -> JAX (torch, JAX bytes): {to_jax_growth}",
+        ]
+        report("bench_transfer, FSDP shards torch <-> JAX", rows, args.json, notes)
     runtime.shutdown()
 
 

@@ -10,7 +10,7 @@ eager torch ops (a TorchDispatchMode counter: the ops aten sees, views and alloc
 and kernel launches (Triton and _scaled_mm; on an H200 a Triton launch costs the host ~100 us,
 an eager op ~5-10 us).
 
-Run:  PYTHONPATH=. python benchmarks/host_overhead.py [--iters 200]
+Run:  PYTHONPATH=. python3 benchmarks/profile/host_overhead.py [--iters 200]
 """
 
 from __future__ import annotations
@@ -28,6 +28,7 @@ import torch
 import triton.runtime.jit
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from benchmarks.harness import environment_line
 import kernels._backend as backend_module
 from kernels._backend import Backend
 from torchside.autocast import fp8_autocast
@@ -123,7 +124,8 @@ def main() -> None:
             GroupedLinear(8, 128, 128, params_dtype=torch.bfloat16), m_splits=[1, 3, 0, 2, 4, 1, 2, 3]
         ),
     }
-    print(f"host time per fwd+bwd, kernels stubbed (torch {torch.__version__}, best of 5 x {args.iters} iterations)")
+    print(f"# host_overhead, {environment_line()}")
+    print(f"host time per fwd+bwd, kernels stubbed (best of 5 x {args.iters} iterations)")
     for recipe_name in args.recipes.split(","):
         for module_name, module in modules.items():
             measure(f"{module_name} {recipe_name}", module, x, recipe_from_name(recipe_name), args.iters, launches)

@@ -6,7 +6,7 @@ from the very operands the module passed. Prints one line per GEMM shape and pro
 non-finite outputs, worst relative error against the spec, and non-finite values in the operands'
 scale_inv (a broken scale, not a broken GEMM). Use it when a recipe's loss or gradient goes NaN.
 
-Run on a CUDA machine:  PYTHONPATH=. python3 benchmarks/check_step_gemms.py --recipe block [--config 125m]
+Run on a CUDA machine:  PYTHONPATH=. python3 benchmarks/diagnose/check_step_gemms.py --recipe block [--config 125m]
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ from collections import defaultdict
 
 import torch
 
+from benchmarks.harness import environment_line
 import torchside.modules.functions as functions
 from kernels import gemm, gemm_reference
 from torchside.corpus import SyntheticCorpus
@@ -34,6 +35,7 @@ def main() -> None:
     parser.add_argument("--config", default="125m")
     parser.add_argument("--device", default="cuda")
     args = parser.parse_args()
+    print(f"# check_step_gemms, {environment_line()}")
     options = TrainOptions(config=args.config, batch_size=8, seq_len=512, recipe=args.recipe, dtype="bf16",
                            device=args.device)  # fmt: skip
     model, _ = build_model(options)

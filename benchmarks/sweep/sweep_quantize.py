@@ -8,7 +8,7 @@ cast on in-range tiles (HARDWARE_CAST off), which shows what the GPU's cvt buys.
 no loops, so num_stages changes nothing and is not swept; register caps (maxnreg) are.
 Stops starting new configurations after --budget-s seconds (compiles dominate: ~1-3 s each).
 
-Run on a CUDA machine:  PYTHONPATH=. python3 benchmarks/sweep_quantize.py [--cases tensorwise,mxfp8] [--budget-s 100]
+Run on a CUDA machine:  PYTHONPATH=. python3 benchmarks/sweep/sweep_quantize.py [--cases tensorwise,mxfp8] [--budget-s 100]
 """
 
 from __future__ import annotations
@@ -22,8 +22,8 @@ from unittest import mock
 import torch
 import triton
 
-from benchmarks.bench_quantize import Case, cases, floors_ms, identical
-from benchmarks.timing import device_ms
+from benchmarks.bench.bench_quantize import Case, cases, floors_ms, identical
+from benchmarks.harness import device_ms, environment_line
 from kernels import quantize as triton_quantize
 from kernels import reference
 from kernels._backend import autotune_configs
@@ -155,8 +155,7 @@ def main() -> None:
     x = torch.randn(args.rows, args.cols, device="cuda", dtype=torch.bfloat16)
     copy_ms = _bench(lambda: x.clone())
     copy_bytes_per_s = 2 * x.numel() * x.element_size() / copy_ms * 1e3
-    print(f"# sweep_quantize on {torch.cuda.get_device_name()}, torch {torch.__version__}, "
-          f"triton {triton.__version__}, x {args.rows}x{args.cols} bf16; "
+    print(f"# sweep_quantize, {environment_line()}\n# x {args.rows}x{args.cols} bf16; "
           f"copy {copy_ms:.3f} ms = {copy_bytes_per_s / 1e12:.2f} TB/s")
     wanted = [w for w in args.cases.split(",") if w]
     if not wanted or "amax" in wanted:

@@ -1,6 +1,6 @@
 """FP8 GEMM on one GPU: measured TFLOP/s against the tensor-core floor and the peers of the same run.
 
-    PYTHONPATH=. python benchmarks/bench_gemm.py [--size 8192]
+    PYTHONPATH=. python3 benchmarks/bench/bench_gemm.py [--size 8192] [--json PATH]
 
 Throughput = 2*M*N*K / time. Floors are DESIGN.md's H200 peaks: bf16 788 TFLOP/s, FP8 1425
 (torch._scaled_mm tensorwise). Rows:
@@ -13,64 +13,24 @@ Throughput = 2*M*N*K / time. Floors are DESIGN.md's H200 peaks: bf16 788 TFLOP/s
   bf16 dots), so their floor is the bf16 peak; peer: dequantize + bf16 torch.matmul, eager.
 
 Every row also reports its relative error against kernels.gemm_reference (fp32 matmul of the
-dequantized operands), so a fast wrong kernel cannot pass unnoticed. Output: markdown for
-benchmarks/RESULTS.md.
+dequantized operands), so a fast wrong kernel cannot pass unnoticed. Times: benchmarks.harness.device_ms
+(CUDA graph replays). Output: markdown for benchmarks/RESULTS.md.
 """
 
 from __future__ import annotations
 
-import argparse
-import datetime
-import subprocess
-import sys
-
 import torch
 
-from benchmarks.floors import PEAK_TFLOPS
+from benchmarks.harness import PEAK_TFLOPS, Result, argument_parser, device_ms, relative_error, report
 from kernels import gemm, gemm_reference
 from kernels import reference  # its quantizers give the Triton ones' bytes, in plain torch
 
 
-
-def time_ms(fn) -> float:
-    """Median milliseconds of fn() (triton.testing.do_bench: warmup, then repeated timed calls)."""
-    from triton.testing import do_bench
-
-    return do_bench(fn, warmup=50, rep=300, return_mode="median")
-
-
-def environment_line() -> str:
-    """Date, GPU, versions, commit and command: the header of a RESULTS.md entry."""
-    import triton
-
-    try:
-        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
-    except OSError:
-        commit = ""
-    return (
-        f"{datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M UTC}, {torch.cuda.get_device_name()}, "
-        f"torch {torch.__version__}, triton {triton.__version__}, commit {commit or 'unknown'} (+ working tree), "
-        f"`{' '.join(['python'] + sys.argv)}`"
-    )
-
-
-def print_table(columns: list[str], rows: list[list]) -> None:
-    """A markdown table; floats with 3 significant digits."""
-    print("| " + " | ".join(columns) + " |")
-    print("|" + "|".join("---" for _ in columns) + "|")
-    for row in rows:
-        cells = [f"{cell:.3g}" if isinstance(cell, float) else str(cell) for cell in row]
-        print("| " + " | ".join(cells) + " |")
-
-
-def relative_error(got: torch.Tensor, want: torch.Tensor) -> float:
-    return float((got.float() - want.float()).norm() / want.float().norm())
-
-
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argument_parser(__doc__)
     parser.add_argument("--size", type=int, default=8192, help="M = N = K")
-    size = parser.parse_args().size
+    args = parser.parse_args()
+    size = args.size
     flops = 2.0 * size**3
     generator = torch.Generator(device="cuda").manual_seed(0)
     x = torch.randn(size, size, device="cuda", dtype=torch.bfloat16, generator=generator)
@@ -79,13 +39,14 @@ def main() -> None:
 
     def measure(case, provider, fn, floor, want=None, note=""):
         try:
-            ms = time_ms(fn)
+            ms = device_ms(fn)
         except Exception as error:  # a peer this torch build does not run: say so, keep going
-            rows.append([case, provider, "-", "-", floor, "-", "-", f"unavailable: {str(error).splitlines()[0][:80]}"])
+            note = f"unavailable: {str(error).splitlines()[0][:80]}"
+            rows.append(Result(case, None, floor, "TFLOP/s", provider, note=note))
             return None
         tflops = flops / ms / 1e9
-        error = relative_error(fn(), want) if want is not None else "-"
-        rows.append([case, provider, ms, tflops, floor, tflops / floor, error, note])
+        error = relative_error(fn(), want) if want is not None else None
+        rows.append(Result(case, tflops, floor, "TFLOP/s", provider, extra={"ms": ms, "rel. error": error}, note=note))
         return tflops
 
     bf16_peak, fp8_peak, bf16_out = PEAK_TFLOPS["bf16"], PEAK_TFLOPS["fp8"], torch.bfloat16
@@ -152,20 +113,19 @@ def main() -> None:
 
         measure(case, "dequantize + torch.matmul (peer)", unfused, bf16_peak, want, "eager, unfused")
 
-    print(f"## bench_gemm, {size}^3, bf16 out\n\n{environment_line()}\n")
-    print_table(["case", "provider", "ms", "TFLOP/s", "floor TFLOP/s", "of floor", "rel. error", "note"], rows)
-    print()
+    notes = []
     if ours and cublas:
         faster = "torch._scaled_mm" if cublas >= ours else "Triton"
-        print(f"- tensorwise: Triton {ours:.0f} vs torch._scaled_mm {cublas:.0f} TFLOP/s ({ours / cublas:.1%}); "
-              f"faster: {faster}. Record both numbers at gemm.TENSORWISE_USES_TORCH_SCALED_MM "
-              f"(now {gemm.TENSORWISE_USES_TORCH_SCALED_MM}; should be {faster == 'torch._scaled_mm'}).")  # fmt: skip
+        notes.append(f"- tensorwise: Triton {ours:.0f} vs torch._scaled_mm {cublas:.0f} TFLOP/s ({ours / cublas:.1%}); "
+                     f"faster: {faster}. Record both numbers at gemm.TENSORWISE_USES_TORCH_SCALED_MM "
+                     f"(now {gemm.TENSORWISE_USES_TORCH_SCALED_MM}; should be {faster == 'torch._scaled_mm'}).")  # fmt: skip
     if block and bf16:
-        print(f"- block-scaled: {block:.0f} TFLOP/s = {block / PEAK_TFLOPS['bf16']:.2f}x the bf16 peak 788 "
-              f"(target >= 1.3x), {block / bf16:.2f}x this run's bf16 matmul.")  # fmt: skip
+        notes.append(f"- block-scaled: {block:.0f} TFLOP/s = {block / PEAK_TFLOPS['bf16']:.2f}x the bf16 peak 788 "
+                     f"(target >= 1.3x), {block / bf16:.2f}x this run's bf16 matmul.")  # fmt: skip
     for name, tflops in emulated.items():
         if tflops:
-            print(f"- {name} (emulated): {tflops:.0f} TFLOP/s, {tflops / PEAK_TFLOPS['bf16']:.0%} of the bf16 peak.")
+            notes.append(f"- {name} (emulated): {tflops:.0f} TFLOP/s, {tflops / PEAK_TFLOPS['bf16']:.0%} of the bf16 peak.")
+    report(f"bench_gemm, {size}^3, bf16 out", rows, args.json, notes)
 
 
 if __name__ == "__main__":

@@ -1,6 +1,6 @@
 """Benchmark: Triton quantizers (kernels.quantize) on a 16384x8192 bf16 tensor, against the copy floor.
 
-For each scheme: the device time (benchmarks.timing.device_ms: CUDA graph replays, so Python
+For each scheme: the device time (benchmarks.harness.device_ms: CUDA graph replays, so Python
 never holds the GPU back), the host time a call costs, the floor (bytes that one pass must move
 / 4.24 TB/s, the H200 copy bandwidth in DESIGN.md), the fraction of the floor reached, the floor
 for the bytes the kernels really move (current scaling and NVFP4 read x twice: the global amax
@@ -10,26 +10,20 @@ otherwise). Every Triton result is also checked byte-for-byte against the refere
 cases also show the global-amax launch alone ("amax ms"); the tile each kernel's autotuner kept
 closes the table.
 
-Run on a CUDA machine:  PYTHONPATH=. python3 benchmarks/bench_quantize.py [--rows 16384 --cols 8192]
+Run on a CUDA machine:  PYTHONPATH=. python3 benchmarks/bench/bench_quantize.py [--rows 16384 --cols 8192] [--json PATH]
 """
 
 from __future__ import annotations
 
-import argparse
-import datetime
 import functools
 from dataclasses import dataclass, field
 from typing import Callable
 
 import torch
-import triton
-from triton.testing import do_bench
 
-from benchmarks.floors import COPY_BYTES_PER_S
-from benchmarks.timing import device_ms, host_us
+from benchmarks.harness import COPY_BYTES_PER_S, Result, argument_parser, device_ms, host_us, report
 from kernels import quantize as triton_quantize
 from kernels import reference
-
 
 
 @dataclass(frozen=True)
@@ -42,7 +36,7 @@ class Case:
 
 
 def cases(device: torch.device) -> list[Case]:
-    """The timed cases (benchmarks/sweep_quantize.py sweeps the same ones)."""
+    """The timed cases (benchmarks/sweep/sweep_quantize.py sweeps the same ones)."""
     delayed_scale = torch.tensor([0.37], device=device)
     both = {"rowwise": True, "columnwise": True}
     return [
@@ -66,6 +60,9 @@ def _eager_tensorwise(x: torch.Tensor, scale: torch.Tensor | None = None) -> tup
     scale = 448.0 / amax if scale is None else scale
     data = (x.float() * scale).clamp(-448.0, 448.0).to(torch.float8_e4m3fn)
     return data, data.t().contiguous(), amax
+
+
+_PEER_NAMES = {"quantize_tensorwise": "eager amax, scale, cast, transpose"}  # the others: kernels.reference
 
 
 def _peer(case: Case, x: torch.Tensor) -> Callable[[], object]:
@@ -105,7 +102,7 @@ def identical(a: reference.Quantized, b: reference.Quantized) -> bool:
 
 def main() -> None:
     """Time every case and print the table (the lead copies it into benchmarks/RESULTS.md)."""
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argument_parser(__doc__)
     parser.add_argument("--rows", type=int, default=16384)
     parser.add_argument("--cols", type=int, default=8192)
     args = parser.parse_args()
@@ -114,41 +111,35 @@ def main() -> None:
     device = torch.device("cuda")
     x = torch.randn(args.rows, args.cols, device=device, dtype=torch.bfloat16)
     input_bytes = x.numel() * x.element_size()
-
-    print(f"# bench_quantize {datetime.date.today()} on {torch.cuda.get_device_name()}, "
-          f"torch {torch.__version__}, triton {triton.__version__}, x {args.rows}x{args.cols} bf16, "
-          f"rowwise + columnwise outputs")
     copy_ms = device_ms(lambda: x.clone())
     copy_bytes_per_s = 2 * input_bytes / copy_ms * 1e3
-    print(f"# torch copy (x.clone): {copy_ms:.3f} ms = {2 * input_bytes / copy_ms / 1e9:.2f} TB/s "
-          f"(floor {2 * input_bytes / COPY_BYTES_PER_S * 1e3:.3f} ms)")
-    header = (f"{'case':<28}{'ms':>8}{'host us':>9}{'floor ms':>10}{'of floor':>10}{'target':>8}"
-              f"{'floor as run':>14}{'of that':>9}{'of copy':>9}{'amax ms':>9}{'peer ms':>9}{'speedup':>9}  exact")
-    print(header)
-    print("-" * len(header))
+    rows = [Result("torch copy (x.clone)", copy_ms, 2 * input_bytes / COPY_BYTES_PER_S * 1e3,
+                   extra={"TB/s": 2 * input_bytes / copy_ms / 1e9})]  # fmt: skip
     for case in cases(device):
         run = functools.partial(getattr(triton_quantize, case.function), x, **case.kwargs)
         q = run()  # compiles and autotunes before timing
         exact = identical(q, _peer_reference(case, x))
         ms, host = device_ms(run), host_us(run)
-        peer_ms = do_bench(_peer(case, x), return_mode="median")
+        peer_ms = device_ms(_peer(case, x), graph=False)  # eager torch, as a user would run it
         floor_ms, as_run_ms = floors_ms(case, x, q)
         as_run_at_copy_ms = floors_ms(case, x, q, copy_bytes_per_s)[1]
-        amax = "" if case.passes_over_x == 1 else f"{_amax_ms(case, x):.3f}"
-        print(f"{case.name:<28}{ms:>8.3f}{host:>9.0f}{floor_ms:>10.3f}{floor_ms / ms:>10.0%}{case.target:>8.0%}"
-              f"{as_run_ms:>14.3f}{as_run_ms / ms:>9.0%}{as_run_at_copy_ms / ms:>9.0%}{amax:>9}"
-              f"{peer_ms:>9.3f}{peer_ms / ms:>8.1f}x  "
-              f"{'yes' if exact else 'NO'}")
+        extra = {"host us": host, "target": f"{case.target:.0%}", "floor as run": as_run_ms,
+                 "of that": f"{as_run_ms / ms:.0%}", "of copy": f"{as_run_at_copy_ms / ms:.0%}",
+                 "amax ms": None if case.passes_over_x == 1 else _amax_ms(case, x),
+                 "exact": "yes" if exact else "NO"}  # fmt: skip
+        peer_name = _PEER_NAMES.get(case.function, "kernels.reference, eager")
+        rows.append(Result(case.name, ms, floor_ms, peer=peer_ms, peer_name=peer_name, extra=extra))
         torch.cuda.empty_cache()
+    notes = [
+        "ms: device time; host us: the host's time per call, calls back to back. floor: one read of x plus the "
+        "outputs at 4.24 TB/s; 'floor as run' counts the second read of x that current scaling and NVFP4 make for "
+        "their global amax; 'of copy': that floor at the copy bandwidth measured above (the first row). Hopper has "
+        "no MXFP8/NVFP4 tensor cores: only the quantization is timed here."
+    ]
     for name in triton_quantize._KERNELS:  # the config each kernel's autotuner kept, per autotune key
         for key, config in triton_quantize._kernel(name, tuned=True)[0].kept.items():
-            print(f"# {name} {[k for k in key if not str(k).startswith('torch.')]}: {config}")
-    print("\nms: device time; host us: the host's time per call, calls back to back. "
-          "floor: one read of x plus the outputs at 4.24 TB/s; 'floor as run' counts the second read of x "
-          "that current scaling and NVFP4 make for their global amax; 'of copy': that floor "
-          "at the copy bandwidth measured above. Peers: tensorwise = eager amax, scale, "
-          "cast, transpose; others = kernels.reference (torch eager). Hopper has no MXFP8/NVFP4 tensor cores: "
-          "only the quantization is timed here.")
+            notes.append(f"# {name} {[k for k in key if not str(k).startswith('torch.')]}: {config}")
+    report(f"bench_quantize, x {args.rows}x{args.cols} bf16, rowwise + columnwise outputs", rows, args.json, notes)
 
 
 if __name__ == "__main__":

@@ -1,8 +1,8 @@
 """Grouped FP8 GEMM on one GPU: is one grouped launch as fast as the dense kernel on the same total problem?
 
-    PYTHONPATH=. python benchmarks/bench_grouped_gemm.py [--tile 0] [--autotune]
+    PYTHONPATH=. python3 benchmarks/bench/bench_grouped_gemm.py [--tile 0] [--autotune] [--json PATH]
 
-GroupedLinear's problem (benchmarks/bench_transformer_layer.py, Part 2): 8 experts, uneven splits of
+GroupedLinear's problem (benchmarks/bench/bench_transformer_layer.py, Part 2): 8 experts, uneven splits of
 16384 tokens, 4096 -> 14336, Float8CurrentScaling's tensorwise e4m3, bf16 out. Two GEMM kinds:
 
 - fprop, split along M: out[g] = x_g @ w_g^T. Grouped with G=1 (exactly the dense problem: the cost of
@@ -16,25 +16,22 @@ problem, the one grouped Triton launch, a loop of torch._scaled_mm per group (wh
 every group, else the autotuned launch; its note says which ran). The Triton launch rows use one fixed
 tile (`--tile`, an index into kernels.gemm._FP8_TILES) so that dense and grouped run the same tile code;
 `--autotune` adds the autotuned launch (6 more compiles). Throughput = 2*T*I*O / time; floor: DESIGN.md's
-FP8 peak (1425 TFLOP/s); "vs dense cuBLASLt" is issue 5's target (>= 0.87x: within 15%). Every grouped
-row reports its relative error against the reference GEMM per group. Runs in well under 60 s on an H200.
+FP8 peak (1425 TFLOP/s); "vs peer" (the dense cuBLASLt GEMM) is issue 5's target (>= 0.87x: within 15%). Every grouped
+row reports its relative error against the reference GEMM per group. Times: benchmarks.harness.device_ms
+(CUDA graph replays). Runs in well under 60 s on an H200.
 """
 
 from __future__ import annotations
 
-import argparse
 import time
 
 import torch
 
-from benchmarks.bench_gemm import environment_line, print_table, relative_error, time_ms
-from benchmarks.bench_transformer_layer import GROUPED_IN, GROUPED_OUT, SPLITS
-from benchmarks.floors import PEAK_TFLOPS
+from benchmarks.bench.bench_transformer_layer import GROUPED_IN, GROUPED_OUT, SPLITS
+from benchmarks.harness import PEAK_TFLOPS, Result, argument_parser, device_ms, relative_error, report
 from kernels import gemm, gemm_reference, grouped_gemm, reference
 from kernels.gemm_reference import gemm_operand
 
-COLUMNS = ["GEMM", "provider", "ms", "TFLOP/s", "floor ms", "of floor", "vs dense cuBLASLt", "vs dense Triton",
-           "rel. error", "note"]  # fmt: skip
 BF16 = torch.bfloat16
 
 
@@ -62,13 +59,13 @@ def bench_kind(kind: str, layout: tuple[bool, bool], dense: tuple, groups: tuple
         return map(list, zip(*(grouped_gemm._aligned_k(a_op, b_op) for a_op, b_op in zip(a_ops, b_ops))))
 
     def measure(provider, fn, got=None, note=""):
-        fn()  # compiles (and autotunes) outside the timing
-        ms = baselines[provider] = time_ms(fn)
+        ms = baselines[provider] = device_ms(fn)  # its warm call compiles (and autotunes) outside the timing
         errors = [relative_error(o, w) for o, w in zip(got or [], want, strict=False) if w.numel()]
-        error = max(errors) if errors else "-"
         cublas_ms, triton_ms = (baselines.get(name) for name in ("dense cuBLASLt", "dense Triton kernel"))
-        vs = [f"{base / ms:.2f}x" if base else "-" for base in (cublas_ms, triton_ms)]
-        rows.append([kind, provider, ms, flops / ms / 1e9, floor_ms, floor_ms / ms, *vs, error, note])
+        extra = {"TFLOP/s": flops / ms / 1e9, "vs dense Triton": f"{triton_ms / ms:.2f}x" if triton_ms else None,
+                 "rel. error": max(errors) if errors else None}  # fmt: skip
+        rows.append(Result(kind, ms, floor_ms, provider=provider, peer=cublas_ms, peer_name="dense cuBLASLt",
+                           extra=extra, note=note))  # fmt: skip
 
     measure("dense cuBLASLt", lambda: gemm._torch_scaled_mm(a, b, BF16, None), note="torch._scaled_mm")
     measure("dense Triton kernel", lambda: gemm._scaled_mm_triton(a, b, BF16, None, tile))
@@ -95,12 +92,12 @@ def bench_kind(kind: str, layout: tuple[bool, bool], dense: tuple, groups: tuple
 
         measure(f"loop: {len(a_ops)} x torch._scaled_mm", per_group, loop, f"{len(a_ops)} launches")
     else:
-        rows.append([kind, f"loop: {len(a_ops)} x torch._scaled_mm", "-", "-", floor_ms, "-", "-", "-", "-",
-                     "cuBLASLt needs K % 16 == 0; the token counts are not (grouped_scaled_mm pads them)"])  # fmt: skip
+        rows.append(Result(kind, None, floor_ms, provider=f"loop: {len(a_ops)} x torch._scaled_mm",
+                           note="cuBLASLt needs K % 16 == 0; the token counts are not (grouped_scaled_mm pads them)"))  # fmt: skip
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argument_parser(__doc__)
     parser.add_argument("--tile", type=int, default=0, help="index into kernels.gemm._FP8_TILES for the Triton rows")
     parser.add_argument("--autotune", action="store_true", help="also time the autotuned grouped launch")
     args = parser.parse_args()
@@ -115,7 +112,7 @@ def main() -> None:
 
     x, dy = sample(sum(SPLITS), GROUPED_IN), sample(sum(SPLITS), GROUPED_OUT)
     weights = [sample(GROUPED_OUT, GROUPED_IN) for _ in SPLITS]
-    rows: list[list] = []
+    rows: list[Result] = []
     # fprop: A = x rowwise [T, I], split along T; B = w_g rowwise [O, I]. Dense: all tokens through weight 0.
     dense = (_quantized(x, False), _quantized(weights[0], False))
     groups = ([_quantized(part, False) for part in x.split(SPLITS)], [_quantized(w, False) for w in weights])
@@ -125,10 +122,9 @@ def main() -> None:
     groups = tuple([_quantized(part, True) for part in t.split(SPLITS)] for t in (dy, x))
     bench_kind("wgrad (K split)", (True, True), dense, groups, tile, args.autotune, rows)
 
-    print(f"## bench_grouped_gemm, {len(SPLITS)} groups {SPLITS}, {GROUPED_IN} -> {GROUPED_OUT}, tensorwise e4m3, "
-          f"bf16 out, Triton tile {tile}\n\n{environment_line()}\n")  # fmt: skip
-    print_table(COLUMNS, rows)
-    print(f"\n{time.perf_counter() - start:.0f} s in all, compiles included")
+    title = (f"bench_grouped_gemm, {len(SPLITS)} groups {SPLITS}, {GROUPED_IN} -> {GROUPED_OUT}, tensorwise e4m3, "
+             f"bf16 out, Triton tile {tile}")  # fmt: skip
+    report(title, rows, args.json, [f"{time.perf_counter() - start:.0f} s in all, compiles included"])
 
 
 if __name__ == "__main__":

@@ -14,23 +14,23 @@ measured peak, plus the bytes its collectives move per GPU at DESIGN.md's ~250 G
 all-gather rate), the fraction of it, and the output's relative error against the bf16 case
 (FP8 all-gather on and off must agree exactly: `equal`).
 
-Run on a 2-GPU machine:  PYTHONPATH=. python3 benchmarks/bench_tp.py [--hidden 8192 --ffn 28672 --seq 8192 --batch 2]
-Smoke-test the script on CPU:  PYTHONPATH=. python3 benchmarks/bench_tp.py --device cpu --hidden 64 --ffn 128 --seq 32
+Times: benchmarks.harness.wall_ms of a synchronized step, every rank lined up by a barrier first.
+
+Run on a 2-GPU machine:  PYTHONPATH=. python3 benchmarks/bench/bench_tp.py [--hidden 8192 --ffn 28672 --seq 8192 --batch 2]
+Smoke-test the script on CPU:  PYTHONPATH=. python3 benchmarks/bench/bench_tp.py --device cpu --hidden 64 --ffn 128 --seq 32
 """
 
 from __future__ import annotations
 
-import argparse
-import datetime
-import statistics
-import time
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from benchmarks.floors import NCCL_ALL_GATHER_BYTES_PER_S, PEAK_FLOPS
+from benchmarks.harness import (
+    NCCL_ALL_GATHER_BYTES_PER_S, PEAK_FLOPS, Result, argument_parser, relative_error, report, slowest_rank, wall_ms,
+)  # fmt: skip
 from torchside.autocast import fp8_autocast
 from torchside.modules import LayerNormMLP, ModuleConfig
 from torchside.quantization import FALLBACK_CALLS
@@ -77,15 +77,9 @@ def _step_ms(module, case: Case, x, dy, group) -> tuple[float, torch.Tensor]:
 
     for _ in range(WARMUP):
         output = step()
-    times = []
-    for _ in range(STEPS):
-        dist.barrier()
-        _synchronize(x.device)
-        start = time.perf_counter()
-        step()
-        _synchronize(x.device)
-        times.append((time.perf_counter() - start) * 1e3)
-    return statistics.median(times), output
+    ms = wall_ms(lambda: (step(), _synchronize(x.device)), repeats=STEPS, warmup=0,
+                 before=lambda: (dist.barrier(), _synchronize(x.device)))  # fmt: skip
+    return ms, output
 
 
 def _synchronize(device: torch.device) -> None:
@@ -115,11 +109,10 @@ def _rank_main(rank: int, port: int, args, results) -> None:
             if device.type == "cuda":
                 torch.cuda.reset_peak_memory_stats()
             ms, output = _step_ms(module, case, x, dy, group)
-            slowest = torch.tensor([ms], device=device)
-            dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
-            peak = torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else float("nan")
+            slowest = slowest_rank(ms)
+            peak = torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else None
             outputs.append(output)
-            rows.append([slowest.item(), peak, _relative_error(output, outputs[0])])
+            rows.append([slowest, peak, relative_error(output, outputs[0])])
             del module
         same = [torch.equal(outputs[on], outputs[off]) for on, off in SAME_OUTPUT]
         if rank == 0:
@@ -128,13 +121,9 @@ def _rank_main(rank: int, port: int, args, results) -> None:
         dist.destroy_process_group()
 
 
-def _relative_error(a: torch.Tensor, b: torch.Tensor) -> float:
-    return ((a.float() - b.float()).norm() / b.float().norm()).item()
-
-
 def main() -> None:
     """Spawn 2 ranks, time every case and print the table (the lead copies it into benchmarks/RESULTS.md)."""
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argument_parser(__doc__)
     parser.add_argument("--hidden", type=int, default=8192)
     parser.add_argument("--ffn", type=int, default=28672)
     parser.add_argument("--seq", type=int, default=8192)
@@ -156,24 +145,21 @@ def main() -> None:
             raise SystemExit(f"a rank exited with code {p.exitcode}")
     tokens = args.seq * args.batch
     flops_per_gpu = 12 * tokens * args.hidden * args.ffn / TP
-    device_name = torch.cuda.get_device_name() if args.device == "cuda" else "CPU (gloo smoke run)"
-    print(f"# bench_tp {datetime.date.today()} on {TP}x {device_name}, torch {torch.__version__}; LayerNormMLP "
-          f"H={args.hidden} F={args.ffn} gelu, [S={args.seq}, B={args.batch}] tokens, TP={TP} sequence parallel, "
-          "forward + backward")
-    columns = (("ms", 8), ("floor ms", 10), ("of floor", 10), ("comm MB", 9), ("peak GiB", 10), ("vs bf16", 9))
-    header = f"{'case':<28}" + "".join(f"{name:>{width}}" for name, width in columns) + f"{'rel err':>9}"
-    print(header)
-    print("-" * len(header))
     baseline_ms = rows[0][0]
+    results = []
     for case, (ms, peak, error) in zip(CASES, rows, strict=True):
         comm = _comm_bytes(case, tokens, args.hidden)
         flops_floor = flops_per_gpu / PEAK_FLOPS["bf16" if case.recipe is None else "fp8"]
         floor_ms = (flops_floor + comm / NCCL_ALL_GATHER_BYTES_PER_S) * 1e3
-        print(f"{case.name:<28}{ms:>8.2f}{floor_ms:>10.2f}{floor_ms / ms:>10.0%}{comm / 1e6:>9.0f}{peak:>10.2f}"
-              f"{baseline_ms / ms:>8.2f}x{error:>9.1e}")
-    for (on, off), equal in zip(SAME_OUTPUT, same, strict=True):
-        print(f"{CASES[on].name} vs {CASES[off].name}: outputs {'equal' if equal else 'DIFFER'}")
-    print(f"QuantizedTensor ops run on dequantized values: {fallbacks} (must be 0)")
+        extra = {"comm MB": comm / 1e6, "peak GiB": peak, "rel. error": error}
+        results.append(Result(case.name, ms, floor_ms, peer=baseline_ms, peer_name="bf16 (FP8 off)", extra=extra))
+    notes = [f"{CASES[on].name} vs {CASES[off].name}: outputs {'equal' if equal else 'DIFFER'}"
+             for (on, off), equal in zip(SAME_OUTPUT, same, strict=True)]  # fmt: skip
+    notes.append(f"QuantizedTensor ops run on dequantized values: {fallbacks} (must be 0)")
+    where = "" if args.device == "cuda" else ", CPU (gloo smoke run)"
+    title = (f"bench_tp{where}, LayerNormMLP H={args.hidden} F={args.ffn} gelu, [S={args.seq}, B={args.batch}] tokens, "
+             f"TP={TP} sequence parallel, forward + backward")  # fmt: skip
+    report(title, results, args.json, notes)
 
 
 if __name__ == "__main__":

@@ -1,6 +1,6 @@
 """Profile: where a TP=2 sequence-parallel TransformerLayer step spends its time, bf16 against FP8.
 
-The layer, inputs and cases are bench_tp_layer.py's (Llama-3-8B's layer, [S=4096, B=2], each rank
+The layer, inputs and cases are benchmarks/bench/bench_tp_layer.py's (Llama-3-8B's layer, [S=4096, B=2], each rank
 holding S/2 rows). After the bench's warmup, each case runs STEPS steps under torch.profiler, each
 from an idle GPU (barrier, synchronize) as the bench times them. Per case, rank 0 prints:
 
@@ -15,9 +15,9 @@ enough (launch-bound); GPU busy close to wall: the kernels themselves (the top 1
 sync per step stalls the host on the GPU; NCCL ms far above what the bytes take: a rank waits in a
 collective for the other (the small amax all-reduces show up as AllReduce kernels).
 
-Run on 2 GPUs:  torchrun --nproc-per-node 2 benchmarks/profile_tp_layer.py [--trace-dir DIR]
+Run on 2 GPUs:  torchrun --nproc-per-node 2 benchmarks/profile/profile_tp_layer.py [--trace-dir DIR]
 (from the repository root, PYTHONPATH=.); --trace-dir writes one Chrome trace per case and rank.
-Smoke test on CPU (gloo, no GPU events):  torchrun --nproc-per-node 2 benchmarks/profile_tp_layer.py
+Smoke test on CPU (gloo, no GPU events):  torchrun --nproc-per-node 2 benchmarks/profile/profile_tp_layer.py
 --device cpu --hidden 64 --heads 4 --groups 2 --ffn 128 --seq 32 --batch 2
 """
 
@@ -35,7 +35,8 @@ import torch.distributed as dist
 from torch.autograd import DeviceType
 from torch.profiler import ProfilerActivity, profile, record_function
 
-from benchmarks.bench_tp_layer import CASES, TP, WARMUP, Case, train_step
+from benchmarks.bench.bench_tp_layer import CASES, TP, WARMUP, Case, train_step
+from benchmarks.harness import environment_line
 from torchside.modules import ModuleConfig, TransformerConfig, TransformerLayer
 from torchside.modules.rotary import RotaryPositionEmbedding
 
@@ -177,7 +178,7 @@ def main() -> None:
     parser.add_argument("--trace-dir", type=Path, default=None, help="write a Chrome trace per case and rank here")
     args = parser.parse_args()
     if "LOCAL_RANK" not in os.environ:
-        raise SystemExit("run under torchrun: torchrun --nproc-per-node 2 benchmarks/profile_tp_layer.py")
+        raise SystemExit("run under torchrun: torchrun --nproc-per-node 2 benchmarks/profile/profile_tp_layer.py")
     rank = int(os.environ["LOCAL_RANK"])
     if args.device == "cuda":
         torch.cuda.set_device(rank)
@@ -193,8 +194,7 @@ def main() -> None:
         freqs = RotaryPositionEmbedding(args.hidden // args.heads).to(device)(args.seq)
         inputs = (x.requires_grad_(), dy, freqs)
         if rank == 0:
-            print(f"# profile_tp_layer on {TP}x {torch.cuda.get_device_name() if args.device == 'cuda' else 'CPU'}, "
-                  f"torch {torch.__version__}; TransformerLayer H={args.hidden} N={args.heads} G={args.groups} "
+            print(f"# profile_tp_layer, {environment_line()}\n# TransformerLayer H={args.hidden} N={args.heads} G={args.groups} "
                   f"F={args.ffn}, [S={args.seq}, B={args.batch}], TP={TP} sequence parallel; {STEPS} profiled steps "
                   f"after {WARMUP}")  # fmt: skip
         for case in CASES:

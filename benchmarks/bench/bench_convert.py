@@ -10,27 +10,23 @@ Floor = bytes read + written (source once, target written once and read back onc
 bandwidth in DESIGN.md (~1.0 GB/s read, ~1.1 GB/s write, direct I/O; the page cache can beat it).
 Peer, same run: `dcp.load` of the whole state dict plus `safetensors.torch.save_file` (a gather-everything
 converter, which holds the full model in host memory). Disk: about 13 GB in a temporary directory,
-removed at the end. Usage (repository root): python benchmarks/bench_convert.py [--layers 16]
+removed at the end. Usage (repository root): PYTHONPATH=. python3 benchmarks/bench/bench_convert.py [--layers 16]
 """
 
 from __future__ import annotations
 
-import argparse
+import dataclasses
 import shutil
-import sys
 import tempfile
 import time
 from pathlib import Path
 
 import torch
+import torch.distributed.checkpoint as dcp
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from benchmarks.harness import DISK_READ_BYTES_PER_S, DISK_WRITE_BYTES_PER_S, Result, argument_parser, report
+from bridge.convert import convert
 
-import torch.distributed.checkpoint as dcp  # noqa: E402
-
-from bridge.convert import convert  # noqa: E402
-
-READ_BW, WRITE_BW = 1.0e9, 1.1e9  # bytes/s (DESIGN.md)
 DIRECTIONS = (
     ("dcp", "src", "safetensors", "out.safetensors"),
     ("safetensors", "out.safetensors", "dcp", "dcp2"),
@@ -40,7 +36,7 @@ DIRECTIONS = (
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = argument_parser(__doc__)
     parser.add_argument("--layers", type=int, default=16)
     parser.add_argument("--size", type=int, default=8192)
     args = parser.parse_args()
@@ -50,23 +46,27 @@ def main() -> None:
         nbytes = sum(t.nbytes for t in state.values())
         dcp.save(state, checkpoint_id=work / "src", no_dist=True)
         del state
-        print(f"{args.layers} x [{args.size}, {args.size}] bf16 = {nbytes / 2 * 1e-9:.2f}B parameters, {nbytes / 1e9:.2f} GB")
-        print(f"{'direction':28} {'time s':>8} {'GB/s':>6} {'floor s':>8} {'of floor':>9}")
-        floor = nbytes / READ_BW + nbytes / WRITE_BW + nbytes / READ_BW
+        floor = nbytes / DISK_READ_BYTES_PER_S + nbytes / DISK_WRITE_BYTES_PER_S + nbytes / DISK_READ_BYTES_PER_S
+        rows = []
         for source_format, source, target_format, target in DIRECTIONS:
             start = time.perf_counter()
             result = convert(work / source, source_format, work / target, target_format)
             seconds = time.perf_counter() - start
             assert result.ok, f"{source_format} -> {target_format}: checksums differ"
-            name = f"{source_format} -> {target_format}"
-            print(f"{name:28} {seconds:8.2f} {nbytes / seconds * 1e-9:6.2f} {floor:8.2f} {floor / seconds:9.2f}")
+            rows.append(Result(f"{source_format} -> {target_format}", seconds, floor, unit="s",
+                               extra={"GB/s": nbytes / seconds * 1e-9}))  # fmt: skip
         start = time.perf_counter()
         from safetensors.torch import save_file
 
         full = {f"model.layers.{i}.weight": torch.empty(args.size, args.size, dtype=torch.bfloat16) for i in range(args.layers)}
         dcp.load(full, checkpoint_id=work / "src", no_dist=True)
         save_file(full, work / "peer.safetensors")
-        print(f"{'peer: dcp.load + save_file':28} {time.perf_counter() - start:8.2f}   (holds the whole model in memory)")
+        peer_s = time.perf_counter() - start
+        rows[0] = dataclasses.replace(rows[0], peer=peer_s, peer_name="dcp.load + save_file")
+        rows.append(Result("peer: dcp.load + save_file", peer_s, None, unit="s", note="holds the whole model in memory"))
+        title = (f"bench_convert, {args.layers} x [{args.size}, {args.size}] bf16 = {nbytes / 2 * 1e-9:.2f}B parameters, "
+                 f"{nbytes / 1e9:.2f} GB")  # fmt: skip
+        report(title, rows, args.json)
     finally:
         shutil.rmtree(work, ignore_errors=True)
 

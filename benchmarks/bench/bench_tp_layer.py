@@ -16,23 +16,23 @@ attention's at the bf16 peak, plus the bytes the collectives bring to each GPU a
 ~250 GB/s), the fraction of it, the speedup over bf16, and the output's relative error against bf16
 (the two FP8 cases must agree exactly: `equal`).
 
-Run on 2 GPUs:  torchrun --nproc-per-node 2 benchmarks/bench_tp_layer.py [--seq 4096 --batch 2]
-(from the repository root, PYTHONPATH=.)
+Times: benchmarks.harness.wall_ms of a synchronized step, every rank lined up by a barrier first.
+
+Run on 2 GPUs:  PYTHONPATH=. torchrun --nproc-per-node 2 benchmarks/bench/bench_tp_layer.py [--seq 4096 --batch 2]
+(from the repository root)
 """
 
 from __future__ import annotations
 
-import argparse
-import datetime
 import os
-import statistics
-import time
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
-from benchmarks.floors import NCCL_ALL_GATHER_BYTES_PER_S, PEAK_FLOPS
+from benchmarks.harness import (
+    NCCL_ALL_GATHER_BYTES_PER_S, PEAK_FLOPS, Result, argument_parser, relative_error, report, slowest_rank, wall_ms,
+)  # fmt: skip
 from torchside.autocast import fp8_autocast
 from torchside.modules import ModuleConfig, TransformerConfig, TransformerLayer
 from torchside.modules.rotary import RotaryPositionEmbedding
@@ -87,29 +87,19 @@ def _step_ms(layer, case: Case, x, dy, freqs) -> tuple[float, torch.Tensor]:
     """Median wall time of one synchronized step (every rank starts together), and the step's output."""
     for _ in range(WARMUP):
         output = train_step(layer, case, x, dy, freqs)
-    times = []
-    for _ in range(STEPS):
-        dist.barrier()
-        torch.cuda.synchronize()
-        start = time.perf_counter()
-        train_step(layer, case, x, dy, freqs)
-        torch.cuda.synchronize()
-        times.append((time.perf_counter() - start) * 1e3)
-    return statistics.median(times), output
-
-
-def _relative_error(a: torch.Tensor, b: torch.Tensor) -> float:
-    return ((a.float() - b.float()).norm() / b.float().norm()).item()
+    ms = wall_ms(lambda: (train_step(layer, case, x, dy, freqs), torch.cuda.synchronize()), repeats=STEPS, warmup=0,
+                 before=lambda: (dist.barrier(), torch.cuda.synchronize()))  # fmt: skip
+    return ms, output
 
 
 def main() -> None:
     """Time every case on this rank; rank 0 prints the table (the lead copies it into benchmarks/RESULTS.md)."""
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argument_parser(__doc__)
     for name, default in (("hidden", 4096), ("heads", 32), ("groups", 8), ("ffn", 14336), ("seq", 4096), ("batch", 2)):
         parser.add_argument(f"--{name}", type=int, default=default)
     args = parser.parse_args()
     if "LOCAL_RANK" not in os.environ:
-        raise SystemExit("run under torchrun: torchrun --nproc-per-node 2 benchmarks/bench_tp_layer.py")
+        raise SystemExit("run under torchrun: torchrun --nproc-per-node 2 benchmarks/bench/bench_tp_layer.py")
     rank = int(os.environ["LOCAL_RANK"])
     torch.cuda.set_device(rank)
     dist.init_process_group("nccl")
@@ -134,11 +124,10 @@ def main() -> None:
                                      params_dtype=torch.bfloat16, device=device, config=config)  # fmt: skip
             torch.cuda.reset_peak_memory_stats()
             ms, output = _step_ms(layer, case, x, dy, freqs)
-            slowest = torch.tensor([ms], device=device)
-            dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
+            slowest = slowest_rank(ms)
             outputs.append(output)
             peak = torch.cuda.max_memory_allocated() / 2**30
-            rows.append((slowest.item(), peak, _relative_error(output, outputs[0])))
+            rows.append((slowest, peak, relative_error(output, outputs[0])))
             del layer
         same = torch.equal(outputs[SAME_OUTPUT[0]], outputs[SAME_OUTPUT[1]])
         if rank == 0:
@@ -148,21 +137,18 @@ def main() -> None:
 
 
 def _print(args, rows, same: bool) -> None:
-    print(f"# bench_tp_layer {datetime.date.today()} on {TP}x {torch.cuda.get_device_name()}, torch {torch.__version__};"
-          f" TransformerLayer H={args.hidden} N={args.heads} G={args.groups} F={args.ffn} swiglu RMSNorm, "
-          f"[S={args.seq}, B={args.batch}], TP={TP} sequence parallel, bf16 params, forward + backward")
-    columns = (("ms", 8), ("floor ms", 10), ("of floor", 10), ("peak GiB", 10), ("vs bf16", 9), ("rel err", 9))
-    header = f"{'case':<28}" + "".join(f"{name:>{width}}" for name, width in columns)
-    print(header)
-    print("-" * len(header))
     baseline_ms = rows[0][0]
-    for case, (ms, peak, error) in zip(CASES, rows, strict=True):
-        floor_ms = _floor_ms(case, args)
-        print(f"{case.name:<28}{ms:>8.2f}{floor_ms:>10.2f}{floor_ms / ms:>10.0%}{peak:>10.2f}{baseline_ms / ms:>8.2f}x"
-              f"{error:>9.1e}")
+    results = [
+        Result(case.name, ms, _floor_ms(case, args), peer=baseline_ms, peer_name="bf16 (FP8 off)",
+               extra={"peak GiB": peak, "rel. error": error})
+        for case, (ms, peak, error) in zip(CASES, rows, strict=True)
+    ]  # fmt: skip
     first, second = (CASES[i].name for i in SAME_OUTPUT)
-    print(f"{first} vs {second}: outputs {'equal' if same else 'DIFFER'}")
-    print(f"QuantizedTensor ops run on dequantized values: {sum(FALLBACK_CALLS.values())} (must be 0)")
+    notes = [f"{first} vs {second}: outputs {'equal' if same else 'DIFFER'}",
+             f"QuantizedTensor ops run on dequantized values: {sum(FALLBACK_CALLS.values())} (must be 0)"]  # fmt: skip
+    title = (f"bench_tp_layer, TransformerLayer H={args.hidden} N={args.heads} G={args.groups} F={args.ffn} swiglu "
+             f"RMSNorm, [S={args.seq}, B={args.batch}], TP={TP} sequence parallel, bf16 params, forward + backward")  # fmt: skip
+    report(title, results, args.json, notes)
 
 
 if __name__ == "__main__":

@@ -19,22 +19,21 @@ grouped_scaled_mm follows: then one grouped launch) against the dense Triton ker
 code, so the gap between those two is the cost of grouping). Floor: 2 * T * in * out (x3 for a step)
 at 1425 TFLOP/s.
 
-Run on a CUDA machine:  PYTHONPATH=. python3 benchmarks/bench_transformer_layer.py [--seq 4096 --batch 2]
+Times: benchmarks.harness.device_ms on the eager steps (graph=False). One table: the "case" column
+names the part, "provider" what ran; "peer" is the part's baseline (bf16 layer; dense Linear or GEMM).
+
+Run on a CUDA machine:  PYTHONPATH=. python3 benchmarks/bench/bench_transformer_layer.py [--seq 4096 --batch 2]
 """
 
 from __future__ import annotations
 
-import argparse
 import contextlib
-import datetime
 
 import torch
 import torch.nn.functional as F
-import triton
 from torch import nn
-from triton.testing import do_bench
 
-from benchmarks.floors import PEAK_FLOPS
+from benchmarks.harness import PEAK_FLOPS, Result, argument_parser, device_ms, report
 from kernels import gemm
 from kernels.grouped_gemm import grouped_scaled_mm
 from torchside.autocast import fp8_autocast, quantized_model_init
@@ -56,17 +55,16 @@ GROUPED_IN, GROUPED_OUT = 4096, 14336
 
 
 def _ms(step, grads) -> float:
-    step()  # compiles and autotunes outside the timing
-    return do_bench(step, grad_to_none=grads, return_mode="median")
+    return device_ms(step, graph=False, grad_to_none=grads)  # its warm call compiles and autotunes
 
 
-def _row(name: str, ms: float, baseline_ms: float, floor_ms: float, note: str = "") -> None:
-    print(f"{name:<44}{ms:>9.2f}{baseline_ms / ms:>8.2f}x{floor_ms:>10.2f}{floor_ms / ms:>10.0%}  {note}")
+def _rows(part: str, baseline: str, rows: list[Result]):
+    """An `add(name, ms, baseline_ms, floor_ms, note)` that appends the part's rows to `rows`."""
 
+    def add(name: str, ms: float, baseline_ms: float, floor_ms: float, note: str = "") -> None:
+        rows.append(Result(part, ms, floor_ms, provider=name, peer=baseline_ms, peer_name=baseline, note=note))
 
-def _header(title: str, baseline: str) -> None:
-    print(f"\n{title}\n{'case':<44}{'ms':>9}{'vs ' + baseline:>9}{'floor ms':>10}{'of floor':>10}")
-    print("-" * 84)
+    return add
 
 
 class PlainBlock(nn.Module):
@@ -93,7 +91,8 @@ class PlainBlock(nn.Module):
         return x_SBD + self.fc2(F.silu(gate) * linear)
 
 
-def bench_layer(args) -> None:
+def bench_layer(args, rows: list[Result]) -> list[str]:
+    """Part 1's rows into `rows`; its notes returned."""
     tokens, head_dim = args.seq * args.batch, args.hidden // args.heads
     qkv_out = (args.heads + 2 * args.groups) * head_dim
     linear_flops = 3 * 2 * tokens * args.hidden * (qkv_out + args.hidden + 2 * args.ffn + args.ffn)
@@ -103,8 +102,9 @@ def bench_layer(args) -> None:
         "fp8": (linear_flops / PEAK_FLOPS["fp8"] + attention_flops / PEAK_FLOPS["bf16"]) * 1e3,
     }
     total_tflop = (linear_flops + attention_flops) / 1e12
-    print(f"TransformerLayer H={args.hidden} heads={args.heads} groups={args.groups} F={args.ffn} (SwiGLU, RMSNorm, "
-          f"RoPE), S={args.seq} B={args.batch}, bf16: {total_tflop:.1f} TFLOP per step")  # fmt: skip
+    notes = [f"Part 1: TransformerLayer H={args.hidden} heads={args.heads} groups={args.groups} F={args.ffn} (SwiGLU, "
+             f"RMSNorm, RoPE), S={args.seq} B={args.batch}, bf16: {total_tflop:.1f} TFLOP per step, forward + backward "
+             "(target: Float8CurrentScaling >= 1.2x bf16)"]  # fmt: skip
     config = TransformerConfig(normalization="RMSNorm", activation="swiglu", bias=False)
     freqs = RotaryPositionEmbedding(head_dim)(args.seq).cuda()
     generator = torch.Generator(device="cuda").manual_seed(1)
@@ -114,7 +114,7 @@ def bench_layer(args) -> None:
     torch.manual_seed(0)
     layer = TransformerLayer(args.hidden, args.ffn, args.heads, num_gqa_groups=args.groups,
                              params_dtype=torch.bfloat16, device="cuda", config=config)  # fmt: skip
-    _header("Part 1: TransformerLayer forward + backward (target: Float8CurrentScaling >= 1.2x bf16)", "bf16")
+    add_row = _rows("layer step", "bf16 (FP8 off)", rows)
     fallbacks = sum(FALLBACK_CALLS.values())
     baseline_ms = None
     for name, recipe in LAYER_CASES.items():
@@ -129,14 +129,15 @@ def bench_layer(args) -> None:
         note = ""
         if name == "Float8CurrentScaling":
             note = "target 1.2x: " + ("met" if baseline_ms / ms >= 1.2 else "NOT met")
-        _row(name, ms, baseline_ms, floors["bf16" if recipe is None else "fp8"], note)
-    print(f"QuantizedTensor ops run on dequantized values: {sum(FALLBACK_CALLS.values()) - fallbacks} (must be 0)")
+        add_row(name, ms, baseline_ms, floors["bf16" if recipe is None else "fp8"], note)
+    notes.append(f"QuantizedTensor ops run on dequantized values: {sum(FALLBACK_CALLS.values()) - fallbacks} (must be 0)")
     del layer
     torch.cuda.empty_cache()
-    _bench_layer_peers(args, x, dy, freqs, baseline_ms, floors)
+    notes += _bench_layer_peers(args, x, dy, freqs, baseline_ms, floors, add_row)
+    return notes
 
 
-def _bench_layer_peers(args, x, dy, freqs, baseline_ms: float, floors: dict) -> None:
+def _bench_layer_peers(args, x, dy, freqs, baseline_ms: float, floors: dict, add_row) -> list[str]:
     torch.manual_seed(0)
     plain = PlainBlock(args).to("cuda", torch.bfloat16)
 
@@ -144,15 +145,15 @@ def _bench_layer_peers(args, x, dy, freqs, baseline_ms: float, floors: dict) -> 
         model(x, freqs).backward(dy)
 
     ms = _ms(plain_step, list(plain.parameters()) + [x])
-    _row("peer: plain torch block, bf16 eager", ms, baseline_ms, floors["bf16"])
+    add_row("peer: plain torch block, bf16 eager", ms, baseline_ms, floors["bf16"])
     try:
         from torchao.float8 import convert_to_float8_training
     except Exception as error:  # any import failure means no FP8 peer on this machine
-        print(f"peer torchao: not available ({type(error).__name__}: {error})")
-        return
+        return [f"peer torchao: not available ({type(error).__name__}: {error})"]
     compiled = torch.compile(convert_to_float8_training(plain))
     ms = _ms(lambda: plain_step(compiled), list(plain.parameters()) + [x])
-    _row("peer: torchao Float8Linear tensorwise + compile", ms, baseline_ms, floors["fp8"])
+    add_row("peer: torchao Float8Linear tensorwise + compile", ms, baseline_ms, floors["fp8"])
+    return []
 
 
 @contextlib.contextmanager
@@ -167,7 +168,8 @@ def _triton_tensorwise_gemm():
         gemm.TENSORWISE_USES_TORCH_SCALED_MM = saved
 
 
-def bench_grouped(args) -> None:
+def bench_grouped(args, rows: list[Result]) -> list[str]:
+    """Part 2's rows into `rows`; its notes returned."""
     tokens, recipe = sum(SPLITS), Float8CurrentScaling()
     step_floor = 3 * 2 * tokens * GROUPED_IN * GROUPED_OUT / PEAK_FLOPS["fp8"] * 1e3
     generator = torch.Generator(device="cuda").manual_seed(2)
@@ -177,8 +179,9 @@ def bench_grouped(args) -> None:
     options = {"bias": False, "params_dtype": torch.bfloat16, "device": "cuda"}
     grouped = GroupedLinear(len(SPLITS), GROUPED_IN, GROUPED_OUT, **options)
     dense = Linear(GROUPED_IN, GROUPED_OUT, **options)
-    _header(f"Part 2: GroupedLinear {len(SPLITS)} groups {SPLITS}, {GROUPED_IN} -> {GROUPED_OUT}, "
-            "Float8CurrentScaling (target: within 15% of dense)", "dense")  # fmt: skip
+    notes = [f"Part 2: GroupedLinear {len(SPLITS)} groups {SPLITS}, {GROUPED_IN} -> {GROUPED_OUT}, "
+             "Float8CurrentScaling (target: forward within 15% of dense)"]  # fmt: skip
+    add_row = _rows("grouped", "dense", rows)
 
     def module_forward(module, *extra):
         with torch.no_grad(), fp8_autocast(recipe=recipe):
@@ -200,14 +203,14 @@ def bench_grouped(args) -> None:
         dense_forward_ms = _ms(lambda d=d: module_forward(d), None)
         grouped_forward_ms = _ms(lambda g=g: module_forward(g, SPLITS), None)
         verdict = "met" if grouped_forward_ms <= 1.15 * dense_forward_ms else "NOT met"
-        _row(f"Linear (dense), forward, {weights} weights", dense_forward_ms, dense_forward_ms, step_floor / 3)
-        _row(f"GroupedLinear, forward, {weights} weights", grouped_forward_ms, dense_forward_ms, step_floor / 3,
+        add_row(f"Linear (dense), forward, {weights} weights", dense_forward_ms, dense_forward_ms, step_floor / 3)
+        add_row(f"GroupedLinear, forward, {weights} weights", grouped_forward_ms, dense_forward_ms, step_floor / 3,
              f"<= 1.15x dense: {verdict}")  # fmt: skip
     del grouped_fp8, dense_fp8
     dense_ms = _ms(lambda: module_step(dense), list(dense.parameters()) + [x])
     grouped_ms = _ms(lambda: module_step(grouped, SPLITS), list(grouped.parameters()) + [x])
-    _row("Linear (dense), forward + backward", dense_ms, dense_ms, step_floor)
-    _row("GroupedLinear, forward + backward", grouped_ms, dense_ms, step_floor, "wgrad: 8 weight gradients")
+    add_row("Linear (dense), forward + backward", dense_ms, dense_ms, step_floor)
+    add_row("GroupedLinear, forward + backward", grouped_ms, dense_ms, step_floor, "wgrad: 8 weight gradients")
 
     def quantized(t):  # rowwise only: what the fprop GEMM reads
         return Quantizer(recipe, "input", columnwise=False, device="cuda").quantize(t).quantized_storage.to_quantized()
@@ -223,16 +226,17 @@ def bench_grouped(args) -> None:
     with _triton_tensorwise_gemm():
         triton_ms = _ms(lambda: gemm.scaled_mm(x_all, w_all), None)
         one_launch_ms = _ms(lambda: grouped_scaled_mm(x_parts, w_parts, out=y_parts), None)
-    _row("fprop GEMM: dense scaled_mm (cuBLASLt)", cublas_ms, cublas_ms, gemm_floor)
-    _row("fprop GEMM: grouped_scaled_mm (cuBLASLt)", grouped_gemm_ms, cublas_ms, gemm_floor, "one call per group")
-    _row("fprop GEMM: dense kernels.gemm Triton kernel", triton_ms, cublas_ms, gemm_floor)
-    _row("fprop GEMM: grouped_scaled_mm, one launch", one_launch_ms, cublas_ms, gemm_floor,
+    add_row("fprop GEMM: dense scaled_mm (cuBLASLt)", cublas_ms, cublas_ms, gemm_floor)
+    add_row("fprop GEMM: grouped_scaled_mm (cuBLASLt)", grouped_gemm_ms, cublas_ms, gemm_floor, "one call per group")
+    add_row("fprop GEMM: dense kernels.gemm Triton kernel", triton_ms, cublas_ms, gemm_floor)
+    add_row("fprop GEMM: grouped_scaled_mm, one launch", one_launch_ms, cublas_ms, gemm_floor,
          f"{one_launch_ms / triton_ms:.2f}x the same kernel ungrouped")  # fmt: skip
+    return notes
 
 
 def main() -> None:
     """Print both parts (the lead copies them into benchmarks/RESULTS.md)."""
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argument_parser(__doc__)
     parser.add_argument("--hidden", type=int, default=4096)
     parser.add_argument("--heads", type=int, default=32)
     parser.add_argument("--groups", type=int, default=8)
@@ -246,12 +250,12 @@ def main() -> None:
         parser.error(f"--parts {args.parts!r}: pass layer, grouped or layer,grouped")
     if not torch.cuda.is_available():
         raise SystemExit("bench_transformer_layer needs a CUDA device")
-    print(f"# bench_transformer_layer {datetime.date.today()} on {torch.cuda.get_device_name()}, "
-          f"torch {torch.__version__}, triton {triton.__version__}")  # fmt: skip
+    rows, notes = [], []
     if "layer" in parts:
-        bench_layer(args)
+        notes += bench_layer(args, rows)
     if "grouped" in parts:
-        bench_grouped(args)
+        notes += bench_grouped(args, rows)
+    report("bench_transformer_layer", rows, args.json, notes)
 
 
 if __name__ == "__main__":

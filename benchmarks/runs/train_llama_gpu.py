@@ -19,7 +19,7 @@ attention). At this size the step is bound by kernel launches, not by the GPU's 
 `--report-only` redraws the table and curves from the run directories of an earlier call (e.g. when
 the recipes ran in two device calls).
 
-Run on a CUDA machine:  PYTHONPATH=. python3 benchmarks/train_llama_gpu.py [--recipes off,delayed --seeds 0,1,2]
+Run on a CUDA machine:  PYTHONPATH=. python3 benchmarks/runs/train_llama_gpu.py [--recipes off,delayed --seeds 0,1,2]
 """
 
 from __future__ import annotations

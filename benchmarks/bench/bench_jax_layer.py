@@ -12,23 +12,21 @@ Floor: the projections' GEMM flops (2 * T * in * out, x3 for forward + backward)
 at the bf16 peak.
 
 Run on a CUDA machine:  XLA_PYTHON_CLIENT_PREALLOCATE=false XLA_FLAGS=--xla_gpu_enable_triton_gemm=false \
-    PYTHONPATH=. python3 benchmarks/bench_jax_layer.py
+    PYTHONPATH=. python3 benchmarks/bench/bench_jax_layer.py
 (with XLA's Triton GEMMs on, the H200 spent over 260 s compiling the FP8 step, 6 s with them off)
 (add `--compile-cache /tmp/jax-cache` so that a second run in the same machine session skips compiling).
+Times: benchmarks.harness.wall_ms of the compiled step up to jax.block_until_ready, after one warm call.
 """
 
 from __future__ import annotations
 
-import argparse
-import datetime
-import statistics
 import time
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from benchmarks.floors import PEAK_TFLOPS
+from benchmarks.harness import PEAK_TFLOPS, Result, argument_parser, report, wall_ms
 from jaxside.hlo import fp8_gemm_count
 from jaxside.modules import ModuleConfig, TransformerConfig, TransformerLayer, fp8_autocast
 from jaxside.recipe import Float8CurrentScaling
@@ -112,14 +110,9 @@ def compile_step(name: str, step, arguments):
     return compiled
 
 
-def time_ms(step, arguments, repeats: int) -> float:
-    jax.block_until_ready(step(*arguments))  # warm up
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        jax.block_until_ready(step(*arguments))
-        times.append((time.perf_counter() - start) * 1e3)
-    return statistics.median(times)
+def step_ms(compiled, arguments, repeats: int) -> float:
+    """Median ms of the compiled step up to its results (one warm call first)."""
+    return wall_ms(lambda: jax.block_until_ready(compiled(*arguments)), repeats=repeats)
 
 
 def floor_ms(args, gemm_peak: float) -> float:
@@ -131,7 +124,7 @@ def floor_ms(args, gemm_peak: float) -> float:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argument_parser(__doc__)
     for name, default in (("hidden", 4096), ("heads", 32), ("groups", 8), ("ffn", 14336), ("seq", 2048), ("batch", 4)):
         parser.add_argument(f"--{name}", type=int, default=default)
     parser.add_argument("--repeats", type=int, default=10)
@@ -140,26 +133,26 @@ def main() -> None:
     if args.compile_cache:
         jax.config.update("jax_compilation_cache_dir", args.compile_cache)
         jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
-    device = jax.devices()[0]
-    print(f"# bench_jax_layer {datetime.date.today()} on {device.device_kind}, jax {jax.__version__}; "
-          f"TransformerLayer H={args.hidden} heads={args.heads}/{args.groups} F={args.ffn} swiglu, "
-          f"seq {args.seq} x batch {args.batch}, bf16, forward + backward", flush=True)  # fmt: skip
     rows = []
     for name, recipe, peak in (("twin, FP8 off", None, "bf16"), ("Float8CurrentScaling", Float8CurrentScaling(), "fp8")):
         step, arguments = build_step(args, recipe)
         compiled = compile_step(name, step, arguments)
         fp8, total = fp8_gemm_count(compiled.as_text())
-        rows.append((name, time_ms(compiled, arguments, args.repeats), floor_ms(args, PEAK_TFLOPS[peak]), fp8, total))
+        rows.append((name, step_ms(compiled, arguments, args.repeats), floor_ms(args, PEAK_TFLOPS[peak]), fp8, total))
     peer_step, peer_arguments = build_plain_step(args)
     compiled = compile_step("peer: plain JAX, bf16", peer_step, peer_arguments)
-    rows.append(("peer: plain JAX, bf16", time_ms(compiled, peer_arguments, args.repeats),
+    rows.append(("peer: plain JAX, bf16", step_ms(compiled, peer_arguments, args.repeats),
                  floor_ms(args, PEAK_TFLOPS["bf16"]), *fp8_gemm_count(compiled.as_text())))  # fmt: skip
-    bf16_ms = rows[-1][1]
-    print(f"{'case':24s} {'ms':>8s} {'vs peer':>8s} {'floor ms':>9s} {'of floor':>9s} {'FP8 GEMMs':>10s} {'all GEMMs':>10s}")
-    for name, ms, floor, fp8, total in rows:
-        print(f"{name:24s} {ms:8.2f} {bf16_ms / ms:7.2f}x {floor:9.2f} {floor / ms:8.0%} {fp8:10d} {total:10d}")
+    peer_ms = rows[-1][1]
+    results = [
+        Result(name, ms, floor, peer=peer_ms, peer_name="plain JAX, bf16", extra={"FP8 GEMMs": fp8, "all GEMMs": total})
+        for name, ms, floor, fp8, total in rows
+    ]
     fp8_gemms = rows[1][3]
-    print(f"FP8 GEMMs in the compiled FP8 step: {fp8_gemms} (expected 12: 4 projections x fprop, dgrad, wgrad)")
+    title = (f"bench_jax_layer, TransformerLayer H={args.hidden} heads={args.heads}/{args.groups} F={args.ffn} swiglu, "
+             f"seq {args.seq} x batch {args.batch}, bf16, forward + backward")  # fmt: skip
+    report(title, results, args.json,
+           [f"FP8 GEMMs in the compiled FP8 step: {fp8_gemms} (expected 12: 4 projections x fprop, dgrad, wgrad)"])  # fmt: skip
     if fp8_gemms != 12:
         raise SystemExit("the FP8 step does not run all 12 projection GEMMs in FP8")
 

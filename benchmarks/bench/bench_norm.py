@@ -1,24 +1,22 @@
 """LayerNorm/RMSNorm on one GPU: time against the bytes-moved floor and torch, measured in the same run.
 
-    PYTHONPATH=. python benchmarks/bench_norm.py [--rows 16384] [--hidden 8192] [--no-compile]
+    PYTHONPATH=. python3 benchmarks/bench/bench_norm.py [--rows 16384] [--hidden 8192] [--no-compile] [--json PATH]
 
 bf16 in and out at 16384 x 8192 (the MLP benchmark's LayerNorm). A case's floor is the bytes it
 must move / 4.24 TB/s (DESIGN.md's copy bandwidth); the "bytes" column says what they are
 (e = elements). Peers: torch eager F.layer_norm / F.rms_norm and their autograd backward; for
 FP8 outputs the unfused eager chain (norm, amax, scale, cast: what a module without fusion runs)
 and, unless --no-compile, the same chain under torch.compile. "rel. error" compares our output
-(dx for backward) with torch eager's. Output: markdown for benchmarks/RESULTS.md.
+(dx for backward) with torch eager's. Times: benchmarks.harness.device_ms (CUDA graph replays).
+Output: markdown for benchmarks/RESULTS.md.
 """
 
 from __future__ import annotations
 
-import argparse
-
 import torch
 import torch.nn.functional as F
-from bench_gemm import environment_line, print_table, relative_error, time_ms  # run as benchmarks/bench_norm.py
 
-from benchmarks.floors import COPY_BYTES_PER_S
+from benchmarks.harness import COPY_BYTES_PER_S, Result, argument_parser, device_ms, relative_error, report
 from kernels import norm, quantize
 from kernels import reference as R
 from kernels.norm_reference import FusedCast
@@ -96,7 +94,7 @@ def _norm_cases(kind, x, weight, bias, dy, compiled):
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argument_parser(__doc__)
     parser.add_argument("--rows", type=int, default=16384)
     parser.add_argument("--hidden", type=int, default=8192)
     parser.add_argument("--no-compile", action="store_true", help="skip the torch.compile peers")
@@ -115,15 +113,15 @@ def main() -> None:
             floor_ms = floor_bytes / COPY_BYTES_PER_S * 1e3
             times = {}
             for provider, fn, error in providers:
+                extra = {"bytes": bytes_text}
                 try:
-                    times[provider] = ms = time_ms(fn)
+                    times[provider] = ms = device_ms(fn)
                 except Exception as failure:  # a provider this build cannot run: say so, keep going
-                    unavailable = f"unavailable: {failure}"[:100]
-                    table.append([case, provider, "-", "-", bytes_text, floor_ms, "-", "-", unavailable])
+                    table.append(Result(case, None, floor_ms, provider=provider, extra=extra,
+                                        note=f"unavailable: {failure}"[:100]))  # fmt: skip
                     continue
-                error_text = "-" if error is None else error
-                gigabytes_per_s = floor_bytes / ms / 1e6
-                table.append([case, provider, ms, gigabytes_per_s, bytes_text, floor_ms, floor_ms / ms, error_text, ""])
+                extra |= {"GB/s of floor bytes": floor_bytes / ms / 1e6, "rel. error": error}
+                table.append(Result(case, ms, floor_ms, provider=provider, extra=extra))
             ours_provider = providers[0][0]
             peers = {provider: ms for provider, ms in times.items() if provider != ours_provider}
             if ours_provider in times and peers:
@@ -134,10 +132,7 @@ def main() -> None:
                     f"{peers[best] / ours_ms:.2f}x the best peer ({best}, {peers[best]:.3f} ms)"
                 )
 
-    print(f"## bench_norm, {args.rows} x {args.hidden} bf16\n\n{environment_line()}\n")
-    columns = ["case", "provider", "ms", "GB/s of floor bytes", "bytes", "floor ms", "of floor", "rel. error", "note"]
-    print_table(columns, table)
-    print("\n" + "\n".join(summary))
+    report(f"bench_norm, {args.rows} x {args.hidden} bf16", table, args.json, summary)
 
 
 if __name__ == "__main__":

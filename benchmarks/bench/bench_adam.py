@@ -10,43 +10,21 @@ bandwidth in DESIGN.md; the copy measured in this run is printed too). Bytes per
 
 Peers, measured in the same run: torch.optim.AdamW(fused=True) on fp32 tensors; for bf16
 parameters, fused AdamW on fp32 masters followed by a copy into the bf16 parameters.
-Usage (repository root, CUDA machine): python benchmarks/bench_adam.py
+Times: benchmarks.harness.device_ms on the eager steps (graph=False): an optimizer step keeps host
+state, and at 3-5 ms of device time its host time hides behind the GPU as in training.
+Usage (repository root, CUDA machine): PYTHONPATH=. python3 benchmarks/bench/bench_adam.py [--json PATH]
 """
 
 from __future__ import annotations
 
-import statistics
-import sys
-from collections.abc import Callable
-from pathlib import Path
-
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from benchmarks.floors import COPY_BYTES_PER_S  # noqa: E402
-from kernels.adam import MultiTensorAdam  # noqa: E402
-from torchside.optim import FusedAdam  # noqa: E402
+from benchmarks.harness import COPY_BYTES_PER_S, Result, argument_parser, device_ms, report
+from kernels.adam import MultiTensorAdam
+from torchside.optim import FusedAdam
 
 N_TENSORS, ROWS, COLS = 32, 4096, 4096
 HYPER = dict(lr=1e-4, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01)
-
-
-def _time_ms(step: Callable[[], None], iters: int = 10, repeats: int = 5) -> float:
-    """GPU time of one call: `iters` calls back to back between CUDA events (the host runs ahead, as
-    in training, so Python overhead hides behind the GPU), median over `repeats`."""
-    step()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(repeats):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(iters):
-            step()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end) / iters)
-    return statistics.median(times)
 
 
 def _params(dtype: torch.dtype) -> list[torch.nn.Parameter]:
@@ -56,17 +34,18 @@ def _params(dtype: torch.dtype) -> list[torch.nn.Parameter]:
     return params
 
 
-def _copy_tbps() -> float:
+def _copy() -> Result:
     source = torch.empty(1 << 30, dtype=torch.float32, device="cuda")  # 4 GiB
     target = torch.empty_like(source)
-    ms = _time_ms(lambda: target.copy_(source))
-    return 2 * source.numel() * 4 / (ms * 1e-3) / 1e12
+    ms = device_ms(lambda: target.copy_(source))
+    moved = 2 * source.numel() * 4
+    return Result("copy, 4 GiB fp32", ms, moved / COPY_BYTES_PER_S * 1e3, extra={"TB/s": moved / (ms * 1e-3) / 1e12})
 
 
 def _ours_ms(param_dtype: torch.dtype, **options) -> float:
     params = _params(param_dtype)
     optimizer = FusedAdam(params, **HYPER, **options)
-    ms = _time_ms(optimizer.step)
+    ms = device_ms(optimizer.step, graph=False)
     del optimizer, params
     torch.cuda.empty_cache()
     return ms
@@ -84,7 +63,7 @@ def _peer_ms(bf16_params: bool) -> float:
             optimizer.step()
             torch._foreach_copy_(params, masters)
 
-    ms = _time_ms(step)
+    ms = device_ms(step, graph=False)
     del optimizer, masters
     torch.cuda.empty_cache()
     return ms
@@ -99,19 +78,18 @@ def _launch_config_sweep() -> list[tuple[int, int, float]]:
     for block in (1024, 2048, 4096, 8192):
         for num_warps in (4, 8):
             adam = MultiTensorAdam(params, *moments, [None] * len(params), block=block, num_warps=num_warps)
-            ms = _time_ms(lambda: adam.step(grads, lr=1e-4, beta1=0.9, beta2=0.999, eps=1e-8,
-                                            weight_decay=0.01, adam_w_mode=True, step=1))  # fmt: skip
+            ms = device_ms(lambda: adam.step(grads, lr=1e-4, beta1=0.9, beta2=0.999, eps=1e-8,
+                                              weight_decay=0.01, adam_w_mode=True, step=1), graph=False)  # fmt: skip
             results.append((block, num_warps, ms))
     return results
 
 
 def main() -> None:
+    args = argument_parser(__doc__).parse_args()
     if not torch.cuda.is_available():
-        sys.exit("bench_adam needs a CUDA device")
+        raise SystemExit("bench_adam needs a CUDA device")
     elements = N_TENSORS * ROWS * COLS
-    copy_tbps = _copy_tbps()
-    print(f"# {torch.cuda.get_device_name()}, torch {torch.__version__}, {elements / 1e6:.0f}M params")
-    print(f"# copy measured now: {copy_tbps:.2f} TB/s; floor uses {COPY_BYTES_PER_S / 1e12} TB/s (DESIGN.md)")
+    rows = [_copy()]
     cases = [
         ("fp32 params, fp32 moments", 28, lambda: _ours_ms(torch.float32), lambda: _peer_ms(False)),
         ("bf16 params, fp32 master", 28, lambda: _ours_ms(torch.bfloat16, master_weights=True), lambda: _peer_ms(True)),
@@ -121,17 +99,16 @@ def main() -> None:
          lambda: _ours_ms(torch.float32, exp_avg_dtype=torch.bfloat16, exp_avg_sq_dtype=torch.bfloat16),
          lambda: _peer_ms(False)),
     ]  # fmt: skip
-    header = f"{'case':32} {'ours ms':>8} {'floor ms':>9} {'of floor':>9} {'TB/s':>6} {'peer ms':>8} {'speedup':>8}"
-    print(header)
     for name, bytes_per_element, ours, peer in cases:
         ours_ms, peer_ms = ours(), peer()
         floor_ms = elements * bytes_per_element / COPY_BYTES_PER_S * 1e3
         tbps = elements * bytes_per_element / (ours_ms * 1e-3) / 1e12
-        print(f"{name:32} {ours_ms:8.3f} {floor_ms:9.3f} {floor_ms / ours_ms:9.1%} {tbps:6.2f} {peer_ms:8.3f} "
-              f"{peer_ms / ours_ms:7.2f}x")  # fmt: skip
-    print("# launch configurations, fp32 kind (kernel only; defaults: block 4096, 8 warps)")
+        rows.append(Result(name, ours_ms, floor_ms, peer=peer_ms, peer_name="torch AdamW(fused=True)",
+                           extra={"TB/s": tbps}))  # fmt: skip
+    notes = ["# launch configurations, fp32 kind (kernel only; defaults: block 1024, 4 warps)"]
     for block, num_warps, ms in _launch_config_sweep():
-        print(f"block {block:5} warps {num_warps}: {ms:7.3f} ms  {elements * 28 / (ms * 1e-3) / 1e12:5.2f} TB/s")
+        notes.append(f"block {block:5} warps {num_warps}: {ms:7.3f} ms  {elements * 28 / (ms * 1e-3) / 1e12:5.2f} TB/s")
+    report(f"bench_adam, FusedAdam, {elements / 1e6:.0f}M params", rows, args.json, notes)
 
 
 if __name__ == "__main__":

@@ -1,7 +1,7 @@
 """Benchmark: LayerNormMLP forward + backward in bf16 (FP8 off) and under the Hopper-native FP8 recipes.
 
 Shape (DESIGN.md's peer measurement): hidden 8192, ffn 28672, gelu, 16384 tokens, bf16 parameters and
-activations. For each case: measured ms (median, triton.testing.do_bench), speedup over bf16, the
+activations. For each case: measured ms (benchmarks.harness.device_ms on the eager steps), speedup over bf16, the
 floor (12 * T * H * F flops of the six GEMMs / peak: bf16 788 TFLOP/s, FP8 1425 TFLOP/s, both
 measured on the H200 in DESIGN.md), the fraction of the floor reached, the peak memory of one step,
 and the output's relative error against the bf16 module (same weights). Then the same with FP8
@@ -9,21 +9,17 @@ weights (quantized_model_init): memory against bf16. The peer is torchao's Float
 (tensorwise, torch.compile) when `import torchao` works. DESIGN.md measured bf16 eager at 67.8 ms.
 MXFP8 and NVFP4 are not run: Hopper has no tensor cores for them (kernels.gemm emulates them).
 
-Run on a CUDA machine:  PYTHONPATH=. python3 benchmarks/bench_mlp.py [--hidden 8192 --ffn 28672 --tokens 16384]
+Run on a CUDA machine:  PYTHONPATH=. python3 benchmarks/bench/bench_mlp.py [--hidden 8192 --ffn 28672 --tokens 16384]
 """
 
 from __future__ import annotations
 
-import argparse
-import datetime
 from dataclasses import dataclass
 
 import torch
-import triton
 from torch import nn
-from triton.testing import do_bench
 
-from benchmarks.floors import PEAK_FLOPS
+from benchmarks.harness import PEAK_FLOPS, Result, argument_parser, device_ms, relative_error, report
 from torchside.autocast import fp8_autocast, quantized_model_init
 from torchside.modules import LayerNormMLP
 from torchside.quantization import FALLBACK_CALLS
@@ -49,7 +45,7 @@ CASES = [
 
 
 @dataclass
-class Result:
+class Measured:
     ms: float
     peak_gib: float
     output: torch.Tensor
@@ -61,7 +57,7 @@ def _build(case: Case, args) -> LayerNormMLP:
         return LayerNormMLP(args.hidden, args.ffn, params_dtype=torch.bfloat16, device="cuda")
 
 
-def _measure(module: nn.Module, step, x: torch.Tensor, dy: torch.Tensor) -> Result:
+def _measure(module: nn.Module, step, x: torch.Tensor, dy: torch.Tensor) -> Measured:
     params = list(module.parameters())
     output = step(x, dy)  # compiles, autotunes, and gives the output to compare
     for p in params + [x]:
@@ -71,8 +67,8 @@ def _measure(module: nn.Module, step, x: torch.Tensor, dy: torch.Tensor) -> Resu
     step(x, dy)
     torch.cuda.synchronize()
     peak_gib = torch.cuda.max_memory_allocated() / 2**30
-    ms = do_bench(lambda: step(x, dy), grad_to_none=params + [x], return_mode="median")
-    return Result(ms, peak_gib, output.cpu())  # a GPU copy kept for the error would count in later peaks
+    ms = device_ms(lambda: step(x, dy), graph=False, grad_to_none=params + [x])
+    return Measured(ms, peak_gib, output.cpu())  # a GPU copy kept for the error would count in later peaks
 
 
 def _fp8_step(module: nn.Module, recipe: Recipe | None):
@@ -107,13 +103,9 @@ def _torchao_step(args):
     return mlp, step
 
 
-def _relative_error(a: torch.Tensor, b: torch.Tensor) -> float:
-    return ((a.float() - b.float()).norm() / b.float().norm()).item()
-
-
 def main() -> None:
     """Time every case and print the table (the lead copies it into benchmarks/RESULTS.md)."""
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argument_parser(__doc__)
     parser.add_argument("--hidden", type=int, default=8192)
     parser.add_argument("--ffn", type=int, default=28672)
     parser.add_argument("--tokens", type=int, default=16384)
@@ -126,13 +118,7 @@ def main() -> None:
     x.requires_grad_()
     dy = torch.randn(args.tokens, args.hidden, device="cuda", dtype=torch.bfloat16, generator=generator)
 
-    print(f"# bench_mlp {datetime.date.today()} on {torch.cuda.get_device_name()}, torch {torch.__version__}, "
-          f"triton {triton.__version__}; LayerNormMLP H={args.hidden} F={args.ffn} gelu, T={args.tokens}, "
-          f"bf16, forward + backward; {flops / 1e12:.1f} TFLOP per step")
-    header = (f"{'case':<36}{'ms':>8}{'vs bf16':>9}{'floor ms':>10}{'of floor':>10}{'peak GiB':>10}"
-              f"{'mem vs bf16':>13}{'rel err':>9}")
-    print(header)
-    print("-" * len(header))
+    rows = []
     fallbacks_before = sum(FALLBACK_CALLS.values())
     baseline = None
     for case in CASES:
@@ -140,22 +126,31 @@ def main() -> None:
         result = _measure(module, _fp8_step(module, case.recipe), x, dy)
         if baseline is None:
             baseline = result
-        floor_ms = flops / PEAK_FLOPS["bf16" if case.recipe is None else "fp8"] * 1e3
-        print(f"{case.name:<36}{result.ms:>8.2f}{baseline.ms / result.ms:>8.2f}x{floor_ms:>10.2f}"
-              f"{floor_ms / result.ms:>10.0%}{result.peak_gib:>10.2f}{result.peak_gib / baseline.peak_gib:>12.2f}x"
-              f"{_relative_error(result.output, baseline.output):>9.1e}")
+        rows.append(_row(case.name, result, baseline, flops / PEAK_FLOPS["bf16" if case.recipe is None else "fp8"] * 1e3))
         del module, result
         torch.cuda.empty_cache()
     fallbacks = sum(FALLBACK_CALLS.values()) - fallbacks_before
-    print(f"\nQuantizedTensor ops run on dequantized values during the runs: {fallbacks} (must be 0)")
-    print(f"bf16 expected ~{BF16_EXPECTED_MS} ms (DESIGN.md, eager). Floors: 12*T*H*F flops at "
-          f"{PEAK_FLOPS['bf16'] / 1e12:.0f} TFLOP/s (bf16) and {PEAK_FLOPS['fp8'] / 1e12:.0f} (FP8 torch._scaled_mm).")
     peer = _torchao_step(args)
     if peer is not None:
         mlp, step = peer
-        result = _measure(mlp, step, x, dy)
-        print(f"peer torchao Float8Linear tensorwise + torch.compile: {result.ms:.2f} ms "
-              f"({baseline.ms / result.ms:.2f}x bf16), peak {result.peak_gib:.2f} GiB")
+        floor_ms = flops / PEAK_FLOPS["fp8"] * 1e3
+        result = _measure(mlp, step, x, dy)  # its own weights: no error against ours
+        rows.append(_row("peer: torchao Float8Linear tensorwise + torch.compile", result, baseline, floor_ms, error=False))
+    notes = [
+        f"QuantizedTensor ops run on dequantized values during the runs: {fallbacks} (must be 0)",
+        f"bf16 expected ~{BF16_EXPECTED_MS} ms (DESIGN.md, eager). Floors: 12*T*H*F flops at "
+        f"{PEAK_FLOPS['bf16'] / 1e12:.0f} TFLOP/s (bf16) and {PEAK_FLOPS['fp8'] / 1e12:.0f} (FP8 torch._scaled_mm).",
+    ]
+    title = (f"bench_mlp, LayerNormMLP H={args.hidden} F={args.ffn} gelu, T={args.tokens}, bf16, forward + backward; "
+             f"{flops / 1e12:.1f} TFLOP per step")  # fmt: skip
+    report(title, rows, args.json, notes)
+
+
+def _row(name: str, result: Measured, baseline: Measured, floor_ms: float, error: bool = True) -> Result:
+    """A case's row; the peer is the bf16 module (FP8 off) of the same run, rel. error against its output."""
+    extra = {"peak GiB": result.peak_gib, "mem vs bf16": f"{result.peak_gib / baseline.peak_gib:.2f}x",
+             "rel. error": relative_error(result.output, baseline.output) if error else None}  # fmt: skip
+    return Result(name, result.ms, floor_ms, peer=baseline.ms, peer_name="bf16 (FP8 off)", extra=extra)
 
 
 if __name__ == "__main__":
