@@ -5,9 +5,10 @@ A load validates everything it can before it changes anything, but the swap itse
 could still fail halfway: a bad tensor, an out-of-memory error, Ctrl-C. `Rollback` holds:
 
 - copies of this rank's model tensors: every parameter shard (an FP8 parameter's every buffer,
-  columnwise copies and amaxes included) and every buffer (FP8 scaling state). Cost: one more copy of
-  the model's local shards while the load runs; the optimizer states, usually several times larger,
-  are not copied;
+  columnwise copies and amaxes included) and every buffer (FP8 scaling state). Cost: one copy of
+  the model's local shards in host memory while the load runs (not on the GPU, where the load
+  target already doubles the state); the optimizer states, usually several times larger, are not
+  copied;
 - the optimizer's own state dicts and param groups, by reference: torch's `load_state_dict`
   replaces them with new objects and never writes into the old tensors;
 - the RNG states.
@@ -37,12 +38,12 @@ class Rollback:
             local = quantized_params.local_of(param).detach()
             if quantized_params.is_quantized(param):
                 storage = local.quantized_storage
-                self.storages.append((storage, storage.with_buffers(lambda name, buffer: buffer.clone())))
+                self.storages.append((storage, storage.with_buffers(lambda name, buffer: _host_copy(buffer))))
             else:
-                self.tensors.append((local, local.clone()))
+                self.tensors.append((local, _host_copy(local)))
         for buffer in model.buffers():
             local = quantized_params.local_of(buffer).detach()
-            self.tensors.append((local, local.clone()))
+            self.tensors.append((local, _host_copy(local)))
         self.optimizer = optimizer
         if optimizer is not None:
             self.optimizer_state = {param: dict(state) for param, state in optimizer.state.items()}
@@ -56,6 +57,11 @@ class Rollback:
         for live, saved in self.storages:
             live.copy_(saved)
         if self.optimizer is not None:
-            self.optimizer.state = defaultdict(dict, {param: dict(state) for param, state in self.optimizer_state.items()})
+            states = {param: dict(state) for param, state in self.optimizer_state.items()}
+            self.optimizer.state = defaultdict(dict, states)
             self.optimizer.param_groups = [dict(group) for group in self.param_groups]
         set_rng_states(self.rng)
+
+
+def _host_copy(tensor: Tensor) -> Tensor:
+    return tensor.to("cpu", copy=True)

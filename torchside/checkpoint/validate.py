@@ -1,7 +1,11 @@
 """Checks before a load touches anything: the checkpoint fits the model, and its files are intact.
 
 DCP would fail on a wrong model deep inside its planner, on one key at a time, or load a truncated
-or corrupted shard silently; here every mismatched key is listed at once and a bad file is named.
+or corrupted shard silently; here every difference is listed at once (keys, shapes, dtypes, FP8
+scheme and format, optimizer param groups) and a bad file is named. DCP's `.metadata` is a pickle
+without a checksum of its own: its size and CRC32 go into `shardbridge.json` at commit (under
+DCP_METADATA_CHECKSUM) and are checked before it is unpickled; a checkpoint saved before that is
+checked for the structure DCP relies on.
 """
 
 from __future__ import annotations

@@ -24,7 +24,7 @@ from tests.distributed import RankError, run_processes, run_threads
 from tests.torchside.checkpoint.training import ADAM, build, gathered_state, live_bytes, local, topology, train
 from tests.torchside.test_tensor_parallel import RECIPES
 from tests.torchside.test_tensor_parallel import reference_kernels  # noqa: F401  (autouse)
-from torchside.checkpoint import app_state, commit, load, save
+from torchside.checkpoint import app_state, commit, load, save, validate
 from torchside.optim import FusedAdam, requantize_fp8_weights
 from torchside.quantization import QuantizedTensor
 from torchside.recipe import Float8CurrentScaling, Format
@@ -71,12 +71,13 @@ def _save_then_die(rank, world_size, root, mode):
     """Save step 1 (committed), train, then die by SIGKILL while step 2 is being written."""
     from torchside.checkpoint import checksums
 
+    multiprocessing.current_process().daemon = False  # run_processes' ranks are daemons: DCP's writer could not start
     topo = topology("fsdp2", _pair_mesh()) if world_size == 2 else topology("single")
     model, optimizer = build(topo, RECIPE, True, seed=1)
     train(model, optimizer, topo, RECIPE, 0, 1)
     save(root, model, optimizer, step=1, async_mode=mode).wait()
     train(model, optimizer, topo, RECIPE, 1, 1)
-    if mode == "process":  # the writer is a daemon process: kill it and us once it has the state
+    if mode == "process":  # the writer is a process of its own: kill it and us once it has the state
         save(root, model, optimizer, step=2, async_mode=mode)
         for writer in multiprocessing.active_children():
             os.kill(writer.pid, signal.SIGKILL)
@@ -144,7 +145,7 @@ def _garble_json(path: Path) -> None:
 def _without_metadata_checksum(step: Path) -> None:
     """As saved before `.metadata` had a recorded checksum."""
     metadata = json.loads((step / "shardbridge.json").read_text())
-    metadata.pop("dcp_metadata_checksum", None)
+    metadata.pop(validate.DCP_METADATA_CHECKSUM, None)
     (step / "shardbridge.json").write_text(json.dumps(metadata))
 
 
@@ -252,7 +253,8 @@ def test_another_fp8_format_with_the_same_buffers_is_refused_and_unchanged(tmp_p
     """E5M2 and E4M3 weights have the same buffer names, shapes and dtypes: only the recorded format differs."""
     monkeypatch.setitem(RECIPES, "current_e5m2", Float8CurrentScaling(fp8_format=Format.E5M2))
     save(tmp_path, *_trained(recipe="current_e5m2"), step=1)
-    _load_fails(tmp_path, *_trained(seed=2, recipe="current"), ValueError, "0.qkv.weight: FP8 .*'e5m2'.* in the checkpoint")
+    message = "0.qkv.weight: FP8 .*'e5m2'.* in the checkpoint"
+    _load_fails(tmp_path, *_trained(seed=2, recipe="current"), ValueError, message)
 
 
 # ---- a failure in the middle of the swap: rolled back

@@ -11,6 +11,7 @@ gradients and optimizer states are the same on every topology.
 `gathered_state` reads the model and optimizer directly (not through torchside.checkpoint): full
 parameters (FP8: rowwise bytes, columnwise bytes, dequantized values), optimizer states by
 parameter name, FP8 scaling buffers. numpy arrays, so gloo processes return them by value.
+`live_bytes` is the raw counterpart for "nothing changed" checks: every byte as the objects hold it.
 """
 
 from __future__ import annotations
