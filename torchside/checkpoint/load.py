@@ -92,7 +92,10 @@ def _read(target: dict[str, Any], step_path: Path, group: dist.ProcessGroup | No
     try:
         dcp.load(target, checkpoint_id=str(step_path), process_group=group, no_dist=not use_dist)
     except CheckpointException as error:
-        causes = {f"{type(exc).__name__}: {exc}" for exc, _ in error.failures.values()}
+        failures = [exc for exc, _ in error.failures.values()]
+        if any(isinstance(exc, KeyboardInterrupt) for exc in failures):
+            raise KeyboardInterrupt from error
+        causes = {f"{type(exc).__name__}: {exc}" for exc in failures}
         raise ValueError(
             f"reading checkpoint {step_path} failed ({'; '.join(sorted(causes))}): its .metadata or a shard file "
             "is damaged; load another step (load with verify=True names a damaged shard)"

@@ -48,11 +48,11 @@ def _assert_unchanged(before: dict, after: dict) -> None:
     assert before == after, f"changed by a failed load: {[k for k in before if before[k] != after[k]]}"
 
 
-def _load_fails(root: Path, model, optimizer, error: type[BaseException], match: str) -> str:
+def _load_fails(root: Path, model, optimizer, error: type[BaseException], match: str, verify: bool = True) -> str:
     """`load` raises `error` matching `match`, writes nothing and changes no byte; its message."""
     files, before = _files(root), live_bytes(model, optimizer)
     with pytest.raises(error, match=match) as raised:
-        load(root, model, optimizer)
+        load(root, model, optimizer, verify=verify)
     _assert_unchanged(before, live_bytes(model, optimizer))
     assert _files(root) == files
     return str(raised.value)
@@ -136,6 +136,13 @@ def test_a_damaged_shard_is_named_and_the_model_is_unchanged(tmp_path, kind):
     shard = path / "__0_0.distcp"
     _damage(kind, shard)
     _load_fails(tmp_path, *_trained(seed=2), ValueError, f"{shard}: {kind}")
+
+
+def test_a_truncated_shard_read_unverified_is_a_value_error_naming_the_step(tmp_path):
+    """verify=False skips the CRC32 pass: DCP's read fails instead, and says which checkpoint."""
+    path = save(tmp_path, *_trained(), step=1).path
+    _damage("truncated", path / "__0_0.distcp")
+    _load_fails(tmp_path, *_trained(seed=2), ValueError, f"reading checkpoint {path} failed", verify=False)
 
 
 def _garble_json(path: Path) -> None:
