@@ -227,6 +227,16 @@ def test_a_wrong_model_lists_every_mismatched_key_and_is_unchanged(tmp_path):
     assert "not in the model: model.1.proj.bias" in message
 
 
+def test_a_model_of_other_widths_lists_every_shape_and_is_unchanged(tmp_path):
+    save(tmp_path, *_trained(fp8=False), step=1)
+    topo = topology("single")
+    model, optimizer = build(topo, RECIPE, False, seed=2, widths=(64, 256))
+    train(model, optimizer, topo, RECIPE, 0, 1)
+    message = _load_fails(tmp_path, model, optimizer, ValueError, "does not fit this model")
+    assert "model.0.mlp.fc1_weight: shape (128, 64) in the checkpoint, (256, 64) in the model" in message
+    assert "optim.0.mlp.fc2_weight.exp_avg: shape (64, 128) in the checkpoint, (64, 256) in the model" in message
+
+
 def test_a_fresh_model_and_optimizer_are_unchanged_by_a_failed_load(tmp_path):
     """torch gives a fresh optimizer its states with a step at lr 0 while building the load target."""
     save(tmp_path, *_trained(fp8=False), step=1)
