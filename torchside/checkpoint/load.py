@@ -80,7 +80,7 @@ def load(
         if verify:
             validate.check_files(step_path, dcp_metadata, process_group)
         _read(target, step_path, process_group, use_dist)
-        app.load_state_dict(target, metadata["param_groups"])
+        _swap_on_every_rank(app, target, metadata["param_groups"], process_group)
     except BaseException:  # whatever failed, and wherever: the model and optimizer as they were
         rollback.restore()
         raise
@@ -102,6 +102,26 @@ def _read(target: dict[str, Any], step_path: Path, group: dist.ProcessGroup | No
         ) from error
 
 
+def _swap_on_every_rank(app: AppState, target: dict[str, Any], param_groups, group: dist.ProcessGroup | None) -> None:
+    """The swap; if it fails on any rank, every rank raises (and rolls back): no rank keeps the new state alone."""
+    error = None
+    try:
+        app.load_state_dict(target, param_groups)
+    except Exception as failure:  # reported to the other ranks first, then raised
+        error = failure
+    if dist.is_initialized() and dist.get_world_size(group) > 1:
+        failed = torch.tensor([error is not None], dtype=torch.int64, device=_collective_device(group))
+        dist.all_reduce(failed, group=group)
+        if error is None and failed.item():
+            raise RuntimeError(f"the swap failed on {failed.item()} other rank(s) (their errors say why): rolled back")
+    if error is not None:
+        raise error
+
+
+def _collective_device(group: dist.ProcessGroup | None) -> str:
+    return "cuda" if dist.get_backend(group) == "nccl" else "cpu"
+
+
 def _resolve_same_everywhere(path: Path, group: dist.ProcessGroup | None) -> tuple[Path, Path]:
     """(root, step directory), resolved on rank 0 (after its own pending save) and agreed by all ranks."""
     use_dist = dist.is_initialized() and dist.get_world_size(group) > 1
@@ -115,7 +135,7 @@ def _resolve_same_everywhere(path: Path, group: dist.ProcessGroup | None) -> tup
             error = failure
     if use_dist:
         step = -1 if step_path is None else int(step_path.name.removeprefix("step-"))
-        agreed = torch.tensor([step], dtype=torch.int64, device="cuda" if dist.get_backend(group) == "nccl" else "cpu")
+        agreed = torch.tensor([step], dtype=torch.int64, device=_collective_device(group))
         dist.broadcast(agreed, src=dist.get_global_rank(group or dist.group.WORLD, 0), group=group)
         if rank != 0 and agreed.item() >= 0:
             step_path = commit.step_dir(root, int(agreed.item()))

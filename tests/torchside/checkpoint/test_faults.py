@@ -19,6 +19,7 @@ import signal
 from pathlib import Path
 
 import pytest
+import torch.distributed as dist
 
 from tests.distributed import RankError, run_processes, run_threads
 from tests.torchside.checkpoint.training import ADAM, build, gathered_state, live_bytes, local, topology, train
@@ -287,7 +288,7 @@ def test_an_interrupt_in_the_middle_of_the_swap_changes_nothing(tmp_path, monkey
     _load_fails(tmp_path, *_trained(seed=2), KeyboardInterrupt, "")
 
 
-def _fail_swap_on_two_ranks(rank, world_size, root):
+def _fail_swap_on_two_ranks(rank, world_size, root, failing_ranks):
     topo = topology("fsdp2", _pair_mesh())
     model, optimizer = build(topo, RECIPE, True, seed=1)
     train(model, optimizer, topo, RECIPE, 0, 1)
@@ -295,21 +296,25 @@ def _fail_swap_on_two_ranks(rank, world_size, root):
     model, optimizer = build(topo, RECIPE, True, seed=2)
     train(model, optimizer, topo, RECIPE, 0, 2)
     before = live_bytes(model, optimizer)
-    try:
+    with pytest.raises(RuntimeError, match="swap failed") as raised:
         load(root, model, optimizer)
-    except RuntimeError as error:
-        assert "swap failed" in str(error)
-    else:
-        raise AssertionError("the load did not fail")
-    return before == live_bytes(model, optimizer)
+    return str(raised.value), before == live_bytes(model, optimizer)
 
 
-def test_a_failed_swap_of_fsdp2_shards_changes_no_shard(tmp_path, monkeypatch):
-    def fail(*args, **kwargs):
-        raise RuntimeError("swap failed")
+@pytest.mark.parametrize("failing_ranks", [(0, 1), (1,)], ids=["every-rank", "one-rank"])
+def test_a_failed_swap_of_fsdp2_shards_changes_no_shard_on_any_rank(tmp_path, monkeypatch, failing_ranks):
+    swap = app_state.set_optimizer_state_dict
 
-    monkeypatch.setattr(app_state, "set_optimizer_state_dict", fail)
-    assert run_threads(_fail_swap_on_two_ranks, 2, str(tmp_path)) == [True, True]
+    def fail_on_some_ranks(*args, **kwargs):
+        if dist.get_rank() in failing_ranks:
+            raise RuntimeError("swap failed here")
+        return swap(*args, **kwargs)
+
+    monkeypatch.setattr(app_state, "set_optimizer_state_dict", fail_on_some_ranks)
+    results = run_threads(_fail_swap_on_two_ranks, 2, str(tmp_path), failing_ranks)
+    assert [unchanged for _, unchanged in results] == [True, True]
+    expected = ["swap failed here" if r in failing_ranks else "the swap failed on 1 other rank" for r in range(2)]
+    assert all(text.startswith(start) for (text, _), start in zip(results, expected, strict=True)), results
 
 
 def test_latest_keep_last_and_the_metadata_are_json(tmp_path):
