@@ -44,9 +44,9 @@ def _files(root: Path) -> dict[str, tuple[int, int]]:
     return {str(p.relative_to(root)): (p.stat().st_size, p.stat().st_mtime_ns) for p in root.rglob("*")}
 
 
-def _assert_unchanged(before: dict, after: dict) -> None:
-    assert before.keys() == after.keys(), sorted(set(before) ^ set(after))
-    assert before == after, f"changed by a failed load: {[k for k in before if before[k] != after[k]]}"
+def _assert_same(expected: dict, actual: dict) -> None:
+    assert expected.keys() == actual.keys(), sorted(set(expected) ^ set(actual))
+    assert expected == actual, f"differing: {[k for k in expected if expected[k] != actual[k]]}"
 
 
 def _load_fails(root: Path, model, optimizer, error: type[BaseException], match: str, verify: bool = True) -> str:
@@ -54,7 +54,7 @@ def _load_fails(root: Path, model, optimizer, error: type[BaseException], match:
     files, before = _files(root), live_bytes(model, optimizer)
     with pytest.raises(error, match=match) as raised:
         load(root, model, optimizer, verify=verify)
-    _assert_unchanged(before, live_bytes(model, optimizer))
+    _assert_same(before, live_bytes(model, optimizer))
     assert _files(root) == files
     return str(raised.value)
 
@@ -113,7 +113,7 @@ def test_a_process_killed_mid_save_leaves_the_previous_step_exact(tmp_path, mode
         run_processes(_save_then_die, 1, str(tmp_path), mode, timeout=120)
     loaded = gathered_state(*_assert_step_1_survives(tmp_path))
     reference = gathered_state(*_trained())  # step 1 of the same run, recomputed here
-    _assert_unchanged({k: v.tobytes() for k, v in reference.items()}, {k: v.tobytes() for k, v in loaded.items()})
+    _assert_same({k: v.tobytes() for k, v in reference.items()}, {k: v.tobytes() for k, v in loaded.items()})
 
 
 # ---- damaged files: named, nothing changed
@@ -206,7 +206,7 @@ def test_any_flipped_byte_of_unrecorded_metadata_is_named_or_harmless(tmp_path):
             load(tmp_path, model, optimizer)
         except ValueError as error:
             assert str(step) in str(error), position
-            _assert_unchanged(before, live_bytes(model, optimizer))
+            _assert_same(before, live_bytes(model, optimizer))
             continue
         loaded = gathered_state(model, optimizer)  # the flip hit bytes DCP does not use
         assert all(loaded[k].tobytes() == expected[k].tobytes() for k in expected), position
@@ -326,7 +326,7 @@ def test_latest_keep_last_and_the_metadata_are_json(tmp_path):
     result = load(tmp_path / "latest", fresh, fresh_optimizer)
     assert (result.step, result.metadata["extra"], result.interrupted) == (3, {"run": "a"}, ())
     saved, loaded = gathered_state(model, optimizer), gathered_state(fresh, fresh_optimizer)
-    _assert_unchanged({k: v.tobytes() for k, v in saved.items()}, {k: v.tobytes() for k, v in loaded.items()})
+    _assert_same({k: v.tobytes() for k, v in saved.items()}, {k: v.tobytes() for k, v in loaded.items()})
     with pytest.raises(ValueError, match="already committed"):
         save(tmp_path, model, optimizer, step=3)
     with pytest.raises(ValueError, match="no committed checkpoint"):
