@@ -109,7 +109,7 @@ class AppState(Stateful):
             "optim": optim_state["state"],
             "fp8_scaling": scaling,
             "train": {"step": torch.tensor(self.step, dtype=torch.int64)},
-            "rng": {f"rank{self.rank}": _rng_states()},
+            "rng": {f"rank{self.rank}": rng_states()},
         }
 
     def empty_state_dict(self, *, with_rng: bool) -> dict[str, Any]:
@@ -141,7 +141,7 @@ class AppState(Stateful):
         self.step = int(state_dict["train"]["step"])
         rng = state_dict.get("rng", {}).get(f"rank{self.rank}")
         if rng is not None:
-            _set_rng_states(rng)
+            set_rng_states(rng)
 
     def _is_fp8_buffer(self, key: str) -> bool:
         return key.rsplit(".", 1)[0] in self.fp8_params
@@ -179,14 +179,15 @@ def _restore_group(live: dict[str, Any], saved: dict[str, Any]) -> dict[str, Any
     return restored
 
 
-def _rng_states() -> dict[str, Tensor]:
+def rng_states() -> dict[str, Tensor]:
+    """This process's generator states (CPU, and CUDA once initialized)."""
     states = {"cpu": torch.get_rng_state()}
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         states["cuda"] = torch.cuda.get_rng_state()
     return states
 
 
-def _set_rng_states(states: dict[str, Tensor]) -> None:
+def set_rng_states(states: dict[str, Tensor]) -> None:
     torch.set_rng_state(states["cpu"])
     if "cuda" in states and torch.cuda.is_available():
         torch.cuda.set_rng_state(states["cuda"])

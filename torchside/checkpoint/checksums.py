@@ -19,6 +19,8 @@ import torch.distributed as dist
 from torch.distributed.checkpoint import FileSystemWriter
 from torch.futures import Future
 
+from torchside.checkpoint import damaged
+
 SUFFIX = "checksums.json"
 _CHUNK = 16 << 20
 
@@ -52,10 +54,13 @@ class ChecksummedWriter(FileSystemWriter):
 
 
 def recorded(directory: Path) -> dict[str, tuple[int, int]]:
-    """Every file's recorded (size, crc32) in a checkpoint directory."""
+    """Every file's recorded (size, crc32) in a checkpoint directory; ValueError naming a damaged checksum file."""
     sums: dict[str, tuple[int, int]] = {}
     for path in sorted(directory.glob(f"*{SUFFIX}")):
-        sums.update({name: tuple(v) for name, v in json.loads(path.read_text()).items()})
+        for name, entry in damaged.read_json_object(path).items():
+            if not (isinstance(entry, list) and len(entry) == 2 and all(type(v) is int for v in entry)):
+                raise damaged.damaged(path, f"the entry of {name!r} is {entry!r}, not [size, crc32]")
+            sums[name] = tuple(entry)
     return sums
 
 

@@ -21,6 +21,8 @@ import shutil
 from pathlib import Path
 from typing import Any
 
+from torchside.checkpoint import damaged
+
 METADATA_FILE = "shardbridge.json"
 FORMAT_VERSION = 1
 _STEP_DIR = re.compile(r"^step-(\d+)$")
@@ -108,13 +110,16 @@ def resolve(path: str | os.PathLike) -> tuple[Path, Path]:
 
 
 def read_metadata(step_path: Path) -> dict[str, Any]:
-    """The JSON metadata of a committed step."""
+    """The JSON metadata of a committed step; ValueError naming the file if it is damaged."""
     path = step_path / METADATA_FILE
     if not path.exists():
         raise ValueError(f"{step_path} has no {METADATA_FILE}: it was not committed by torchside.checkpoint.save")
-    metadata = json.loads(path.read_text())
+    metadata = damaged.read_json_object(path)
     if metadata.get("format") != FORMAT_VERSION:
         raise ValueError(f"{path} has format {metadata.get('format')!r}; this version reads format {FORMAT_VERSION}")
+    missing = [key for key in ("step", "world_size", "param_groups", "fp8_params") if key not in metadata]
+    if missing:
+        raise damaged.damaged(path, f"keys {missing} are missing")
     return metadata
 
 

@@ -24,7 +24,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
 
-from torchside.checkpoint import _dcp_compat, commit, quantized_params
+from torchside.checkpoint import _dcp_compat, checksums, commit, quantized_params, validate
 from torchside.checkpoint.app_state import AppState
 from torchside.checkpoint.checksums import ChecksummedWriter
 
@@ -106,7 +106,7 @@ def save(
     writer = ChecksummedWriter(commit.staging_dir(root, step))
     handle = SaveHandle(root, step)
     if rank == 0:
-        handle._publish = lambda: commit.publish(root, step, metadata, keep_last)
+        handle._publish = lambda: _publish(root, step, metadata, keep_last)
     if async_mode is None:
         dcp.save(state, storage_writer=writer, process_group=process_group, no_dist=not use_dist)
         handle.wait()
@@ -150,6 +150,14 @@ def _metadata(app: AppState, extra: dict[str, Any] | None, group: dist.ProcessGr
         "torch_version": torch.__version__,
         "saved_at": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
     }
+
+
+def _publish(root: Path, step: int, metadata: dict[str, Any], keep_last: int | None) -> Path:
+    """Rank 0, once DCP wrote `.metadata`: record its checksum (a pickle DCP does not check), then commit."""
+    dcp_metadata = commit.staging_dir(root, step) / ".metadata"
+    if dcp_metadata.exists():  # else publish refuses the step
+        metadata = {**metadata, validate.DCP_METADATA_CHECKSUM: list(checksums.file_checksum(dcp_metadata))}
+    return commit.publish(root, step, metadata, keep_last)
 
 
 def _background_group(group: dist.ProcessGroup | None) -> dist.ProcessGroup:

@@ -11,6 +11,7 @@ gradients and optimizer states are the same on every topology.
 `gathered_state` reads the model and optimizer directly (not through torchside.checkpoint): full
 parameters (FP8: rowwise bytes, columnwise bytes, dequantized values), optimizer states by
 parameter name, FP8 scaling buffers. numpy arrays, so gloo processes return them by value.
+`live_bytes` is the raw counterpart for "nothing changed" checks: every byte as the objects hold it.
 """
 
 from __future__ import annotations
@@ -150,4 +151,36 @@ def gathered_state(model: nn.Module, optimizer: FusedAdam) -> dict[str, np.ndarr
     for name, buffer in model.named_buffers():
         if name.rsplit(".", 1)[-1].startswith("fp8_"):
             state[name] = _numpy(buffer)
+    return state
+
+
+def _raw(t: torch.Tensor) -> tuple[str, tuple[int, ...], bytes]:
+    t = local(t).detach().cpu().contiguous()
+    return str(t.dtype), tuple(t.shape), t.reshape(-1).view(torch.uint8).numpy().tobytes()
+
+
+def live_bytes(model: nn.Module, optimizer: torch.optim.Optimizer | None) -> dict[str, object]:
+    """This rank's every byte a load may change, read straight from the objects (not through
+    torchside.checkpoint): parameter shards (an FP8 parameter's every buffer), module buffers, each
+    optimizer state tensor as the optimizer holds it, the param groups' hyperparameters, the RNG.
+    Compare two with `==`."""
+    state: dict[str, object] = {"rng": _raw(torch.get_rng_state())}
+    for name, param in model.named_parameters():
+        shard = local(param)
+        if isinstance(shard, QuantizedTensor):
+            for buffer, values in shard.quantized_storage.buffers().items():
+                state[f"{name}:{buffer}"] = _raw(values)
+        else:
+            state[name] = _raw(shard)
+    for name, buffer in model.named_buffers():
+        state[f"buffer:{name}"] = _raw(buffer)
+    if optimizer is not None:
+        names = {id(p): n for n, p in model.named_parameters()}
+        for param, param_state in optimizer.state.items():
+            for key, value in param_state.items():
+                state[f"optim:{names[id(param)]}:{key}"] = _raw(value) if isinstance(value, torch.Tensor) else value
+        for index, group in enumerate(optimizer.param_groups):
+            hyperparameters = {k: _raw(v) if isinstance(v, torch.Tensor) else v for k, v in group.items()}
+            hyperparameters["params"] = [names[id(p)] for p in group["params"]]
+            state[f"optim:group{index}"] = hyperparameters
     return state
