@@ -3,11 +3,15 @@
     plan      bridge.convert_plan: names and orientation (the architecture's parameter rules), and
               which process (or JAX device) writes which dim-0 block of each target tensor
     read      each box is read from the source by its byte ranges only (bridge.convert_dcp /
-              convert_safetensors / convert_orbax), transposed when the names say so, then written
-    commit    everything is written under `.<name>.partial` beside the target and renamed at the end:
-              a failed conversion leaves no target and no temporary files
-    verify    every written box is read back from the target; a per-tensor CRC32 of the bytes as
-              produced and as read back must agree
+              convert_safetensors / convert_orbax), transposed when the names say so, then written;
+              a source whose writer recorded checksums (torchside and jaxside saves, our own
+              targets) is checked against them before its bytes are used (CheckFailed on a mismatch)
+    stage     everything is written into `.<name>.partial/` beside the target, created exclusively
+              (torchside.checkpoint.commit's rule): a second conversion into the same target is refused
+    verify    every written box is read back from the staging copy; a per-tensor CRC32 of the bytes as
+              produced and as read back must agree (CheckFailed if not)
+    commit    only then is the staging copy renamed to the target: a failed, refused or interrupted
+              conversion leaves no target and no temporary files
 
 Processes: with torch.distributed initialized, each rank writes its own boxes of a DCP or safetensors
 target (owners = ranks). An Orbax target is written by one process over its JAX devices (owners =
@@ -18,9 +22,8 @@ target, where Orbax keeps the process's shards of the whole tree until it commit
 
 from __future__ import annotations
 
+import math
 import os
-import shutil
-import zlib
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -29,12 +32,23 @@ import torch
 import torch.distributed as dist
 
 from bridge import convert_dcp, convert_orbax, convert_safetensors
-from bridge.convert_plan import Box, Plan, PlanEntry, check_against, make_plan
+from bridge.convert_plan import Box, Plan, PlanEntry, WriteJob, check_against, itemsize, make_plan
+from bridge.errors import CheckFailed
+from torchside.checkpoint import commit
+from torchside.checkpoint.checksums import crc32_combine, tensor_crc32
 
+# One row per format: how to read a box of a source, how to write a target. A reader is built as
+# reader(path, check=...) and has `tensors`, `skipped`, `verifiable` and `read(key, box)`; a writer
+# is writer(job: WriteJob) and records its format's checksums.
 READERS = {
     "dcp": convert_dcp.DcpReader,
     "safetensors": convert_safetensors.SafetensorsReader,
     "orbax": convert_orbax.OrbaxReader,
+}
+WRITERS: dict[str, Callable[[WriteJob], None]] = {
+    "dcp": convert_dcp.write,
+    "safetensors": convert_safetensors.write,
+    "orbax": convert_orbax.write,
 }
 ProgressCallback = Callable[[str, int], None]  # (target key, bytes written)
 
@@ -59,18 +73,20 @@ class ConvertResult:
     plan: Plan
     skipped: tuple[tuple[str, str], ...]  # (source key, reason): the plan's, plus non-tensor entries
     checksums: tuple[TensorChecksum, ...]  # empty for a dry run
+    source_verified: bool  # False: the source has no recorded checksums (written elsewhere)
 
     @property
     def ok(self) -> bool:
         return all(c.ok for c in self.checksums)
 
 
-def open_reader(fmt: str, path: str | os.PathLike):
+def open_reader(fmt: str, path: str | os.PathLike, *, check: bool = True):
+    """A reader of a checkpoint in format `fmt`; `check=False` skips the recorded checksums."""
     if fmt not in READERS:
         raise ValueError(f"unknown checkpoint format {fmt!r}: use one of {', '.join(READERS)}")
     if not os.path.exists(path):
         raise ValueError(f"source {os.fspath(path)} does not exist")
-    return READERS[fmt](path)
+    return READERS[fmt](path, check=check)
 
 
 def _process() -> tuple[int, int]:
@@ -82,8 +98,22 @@ def _barrier() -> None:
         dist.barrier()
 
 
-def _crc(tensor: torch.Tensor) -> int:
-    return zlib.crc32(tensor.contiguous().reshape(-1).view(torch.uint8).numpy())
+def _on_rank0(action: Callable[[], object]) -> object:
+    """`action()` on rank 0; an exception it raises is raised on every rank (none waits for it forever)."""
+    rank, world = _process()
+    result, error = None, None
+    if rank == 0:
+        try:
+            result = action()
+        except (ValueError, OSError) as failure:
+            error = failure
+    if world > 1:
+        box = [(result, error)]
+        dist.broadcast_object_list(box, src=0)
+        result, error = box[0]
+    if error is not None:
+        raise error
+    return result
 
 
 def convert(
@@ -101,6 +131,8 @@ def convert(
 ) -> ConvertResult:
     """Convert a checkpoint (see the module docstring); ValueError before anything is written if it cannot."""
     target = Path(target).absolute()
+    if target_format not in WRITERS:
+        raise ValueError(f"unknown checkpoint format {target_format!r}: use one of {', '.join(WRITERS)}")
     rank, world = _process()
     devices = _devices(target_format, world)
     reader = open_reader(source_format, source)
@@ -110,10 +142,7 @@ def convert(
         check_against(plan, expected)
     skipped = plan.skipped + tuple(reader.skipped)
     if dry_run:
-        return ConvertResult(plan, skipped, ())
-    if os.path.lexists(target):
-        raise ValueError(f"target {target} exists; pass a new path (a conversion never overwrites)")
-    partial = target.with_name(f".{target.name}.partial")
+        return ConvertResult(plan, skipped, (), reader.verifiable)
     produced: dict[tuple[str, Box], int] = {}
     by_target = {e.target.key: e for e in plan.entries}
 
@@ -121,22 +150,29 @@ def convert(
         entry = by_target[key]
         values = reader.read(entry.source.key, entry.source_box(box))
         values = values.t().contiguous() if entry.transpose else values
-        produced[(key, box)] = _crc(values)
+        produced[(key, box)] = tensor_crc32(values)
         if on_box is not None:
             on_box(key, values.nbytes)
         return values
 
+    written_path = _on_rank0(lambda: commit.stage(target))
     try:
-        _write(partial, plan, target_format, rank, devices, produce)
+        job = WriteJob(written_path, plan, rank, devices, produce, lambda: _tensor_crcs(plan.entries, produced), _barrier)
+        WRITERS[target_format](job)
         _barrier()
-        if rank == 0:
-            os.rename(partial, target)
+        written = _read_back(written_path, target_format, produced) if verify else {}
+        checksums = _checksums(plan.entries, produced, written)
+        differ = [c for c in checksums if not c.ok]
+        if differ:
+            listed = "; ".join(f"{c.key}: produced {c.produced:08x}, read back {c.written:08x}" for c in differ)
+            raise CheckFailed(f"{target}: the written copy differs from what was produced ({listed}); nothing was committed")
         _barrier()
+        _on_rank0(lambda: commit.publish_staged(written_path, target))
     except BaseException:
-        _remove(partial)
+        if rank == 0:
+            commit.discard(target)
         raise
-    written = _read_back(target, target_format, produced) if verify else {}
-    return ConvertResult(plan, skipped, _checksums(plan.entries, produced, written))
+    return ConvertResult(plan, skipped, checksums, reader.verifiable)
 
 
 def _devices(target_format: str, world: int):
@@ -147,58 +183,49 @@ def _devices(target_format: str, world: int):
         raise ValueError("an Orbax target is written by one process (over its JAX devices); run without torch.distributed")
     import jax
 
-    return jax.local_devices()
+    return tuple(jax.local_devices())
 
 
-def _write(partial: Path, plan: Plan, target_format: str, rank: int, devices, produce) -> None:
-    if rank == 0:
-        _remove(partial)  # a stale one from an interrupted run
-    _barrier()
-    mine = [(e.target, box) for e in plan.entries for box in e.boxes[rank]] if devices is None else []
-    if target_format == "dcp":
-        convert_dcp.write(partial, mine, produce)
-    elif target_format == "safetensors":
-        targets = [e.target for e in plan.entries]
-        convert_safetensors.write(partial, targets, mine, produce, first=rank == 0, barrier=_barrier)
-    else:
-        convert_orbax.write(partial, [e.target for e in plan.entries], produce, devices)
+def _read_back(path: Path, target_format: str, produced: Mapping[tuple[str, Box], int]) -> dict[tuple[str, Box], int]:
+    reader = open_reader(target_format, path, check=False)  # compared with what was produced instead
+    return {(key, box): tensor_crc32(reader.read(key, box)) for key, box in produced}
 
 
-def _remove(path: Path) -> None:
-    for stale in path.parent.glob(f"{path.name}*"):  # Orbax's own temporary directory starts with the name too
-        if stale.is_dir():
-            shutil.rmtree(stale, ignore_errors=True)
-        else:
-            stale.unlink(missing_ok=True)
+def _gather(crcs: dict[tuple[str, Box], int]) -> dict[tuple[str, Box], int]:
+    """Every rank's box CRCs (each rank produced and read back its own boxes)."""
+    if not dist.is_initialized():
+        return crcs
+    gathered: list = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, crcs)
+    return {k: v for part in gathered for k, v in part.items()}
 
 
-def _read_back(target: Path, target_format: str, produced: Mapping[tuple[str, Box], int]) -> dict[tuple[str, Box], int]:
-    reader = open_reader(target_format, target)
-    return {(key, box): _crc(reader.read(key, box)) for key, box in produced}
-
-
-def _combine(entry: PlanEntry, crcs: Mapping[tuple[str, Box], int]) -> int | None:
-    """One CRC per tensor: CRC32 over its boxes' CRCs in box order (None if a box has none)."""
-    boxes = sorted(box for boxes in entry.boxes for box in boxes)
-    values = [crcs.get((entry.target.key, box)) for box in boxes]
-    if any(v is None for v in values):
+def _tensor_crc(entry: PlanEntry, crcs: Mapping[tuple[str, Box], int]) -> int | None:
+    """CRC32 of a whole target tensor's bytes from its boxes' (dim-0 blocks, joined in row order)."""
+    boxes = sorted(box for owner in entry.boxes for box in owner)
+    if any((entry.target.key, box) not in crcs for box in boxes):
         return None
-    return zlib.crc32(b"".join(v.to_bytes(4, "little") for v in values))
+    crc = crcs[(entry.target.key, boxes[0])]
+    for offsets, sizes in boxes[1:]:
+        nbytes = math.prod(sizes) * itemsize(entry.target.dtype)
+        crc = crc32_combine(crc, crcs[(entry.target.key, (offsets, sizes))], nbytes)
+    return crc
+
+
+def _tensor_crcs(entries, produced: dict) -> dict[str, int]:
+    everything = _gather(produced)
+    return {e.target.key: _tensor_crc(e, everything) for e in entries}
 
 
 def _checksums(entries, produced: dict, written: dict) -> tuple[TensorChecksum, ...]:
-    if dist.is_initialized():  # every rank produced (and read back) its own boxes
-        gathered: list = [None] * dist.get_world_size()
-        dist.all_gather_object(gathered, (produced, written))
-        produced = {k: v for p, _ in gathered for k, v in p.items()}
-        written = {k: v for _, w in gathered for k, v in w.items()}
+    produced, written = _gather(produced), _gather(written)
     verified = bool(written)
     return tuple(
         TensorChecksum(
-            e.target.key, e.target.shape, e.target.dtype, _combine(e, produced), _combine(e, written) if verified else None
+            e.target.key, e.target.shape, e.target.dtype, _tensor_crc(e, produced), _tensor_crc(e, written) if verified else None
         )
         for e in entries
     )
 
 
-__all__ = ["READERS", "ConvertResult", "TensorChecksum", "convert", "open_reader"]
+__all__ = ["READERS", "WRITERS", "ConvertResult", "TensorChecksum", "convert", "open_reader"]

@@ -1,42 +1,26 @@
 """safetensors boxes: read by offsets (`safe_open(...).get_slice`), write one file by positioned writes.
 
-File layout (the safetensors format): an 8-byte little-endian header length, a JSON header
-(`{key: {dtype, shape, data_offsets}}`, `__metadata__`), padded with spaces to 8 bytes, then every
-tensor's row-major bytes, back to back in header order. Every box the converter writes is a dim-0
-block, so it is one contiguous byte range: process 0 writes the header and sizes the file, then each
-process writes its own boxes at their offsets (`os.pwrite`), never holding more than one box.
+The file is our safetensors dialect (torchside.checkpoint.safetensors_file: header layout, the
+`shardbridge.dtypes` table for dtypes safetensors has no code for, the `shardbridge.crc32` table).
+Every box the converter writes is a dim-0 block, so it is one contiguous byte range: process 0
+writes the header and sizes the file, then each process writes its own boxes at their offsets,
+never holding more than one box; once all are written, process 0 fills in the CRC32 table.
 
-Dtypes safetensors has no code for (`float8_e8m0fnu` scales, ...) are stored as `U8` bytes, with the
-real dtype under `__metadata__["shardbridge.dtypes"]` (JSON {key: dtype}) so a read gives it back.
+Source checks: a file with a `shardbridge.crc32` table is verifiable: each tensor's bytes are
+checked against it before the first box is read from it (CheckFailed on a mismatch). A file
+without one (written elsewhere) converts unverified.
 """
 
 from __future__ import annotations
 
-import json
 import math
 import os
-import struct
-from collections.abc import Sequence
 
 import torch
 
-from bridge.convert_plan import Box, TensorInfo, itemsize
-
-CODES = {
-    "float64": "F64",
-    "float32": "F32",
-    "float16": "F16",
-    "bfloat16": "BF16",
-    "float8_e4m3fn": "F8_E4M3",
-    "float8_e5m2": "F8_E5M2",
-    "int64": "I64",
-    "int32": "I32",
-    "int16": "I16",
-    "int8": "I8",
-    "uint8": "U8",
-    "bool": "BOOL",
-}
-DTYPES_KEY = "shardbridge.dtypes"
+from bridge.convert_plan import Box, TensorInfo, WriteJob, itemsize
+from bridge.errors import CheckFailed
+from torchside.checkpoint import safetensors_file
 
 
 class SafetensorsReader:
@@ -46,72 +30,73 @@ class SafetensorsReader:
     memory for as long as the mapping lives.
     """
 
-    def __init__(self, path: str | os.PathLike) -> None:
-        from safetensors import safe_open
-
+    def __init__(self, path: str | os.PathLike, *, check: bool = True) -> None:
         self.path = os.fspath(path)
         if not os.path.isfile(self.path):
             raise ValueError(f"{self.path} is not a file; pass a .safetensors file")
-        names = {code: name for name, code in CODES.items()}
-        self.tensors, self.skipped = {}, []
-        with safe_open(self.path, framework="pt") as file:
-            real = json.loads((file.metadata() or {}).get(DTYPES_KEY, "{}"))
-            for key in file.keys():
-                part = file.get_slice(key)
-                self.tensors[key] = TensorInfo(key, tuple(part.get_shape()), real.get(key, names[part.get_dtype()]))
+        self.header = safetensors_file.read_header(self.path)
+        self.tensors = {}
+        for key, entry in self.header.entries.items():
+            self.tensors[key] = TensorInfo(key, tuple(entry["shape"]), self.header.dtype(key))
+            if not hasattr(torch, self.tensors[key].dtype):
+                raise ValueError(f"{self.path}: tensor {key} has dtype {entry['dtype']}, which torch cannot hold")
+        self.skipped: list[tuple[str, str]] = []
+        self._recorded = self.header.recorded_crcs() if check else None
+        self.verifiable = self._recorded is not None
+        self._checked: set[str] = set()
 
     def read(self, key: str, box: Box) -> torch.Tensor:
         """The elements of `box` of tensor `key` (only its byte ranges are read)."""
         from safetensors import safe_open
 
+        self._check(key)
         info = self.tensors[key]
         offsets, sizes = box
-        with safe_open(self.path, framework="pt") as file:
-            if not info.shape:
-                values = file.get_tensor(key)
-            else:
-                values = file.get_slice(key)[tuple(slice(o, o + s) for o, s in zip(offsets, sizes))]
-        return values.view(getattr(torch, info.dtype)) if CODES.get(info.dtype) is None else values
+        try:
+            with safe_open(self.path, framework="pt") as file:
+                if not info.shape:
+                    values = file.get_tensor(key)
+                else:
+                    values = file.get_slice(key)[tuple(slice(o, o + s) for o, s in zip(offsets, sizes))]
+        except Exception as error:  # SafetensorError and friends: a damaged file
+            raise ValueError(f"reading {key} from {self.path} failed ({error}): pass an intact .safetensors file") from error
+        return values.view(getattr(torch, info.dtype)) if values.dtype != getattr(torch, info.dtype) else values
+
+    def _check(self, key: str) -> None:
+        """Check `key`'s bytes against the recorded CRC32 once, before its first box is read."""
+        if not self.verifiable or key in self._checked:
+            return
+        if key not in self._recorded:
+            raise ValueError(f"{self.path}: no CRC32 recorded for tensor {key}: the header is damaged; restore the file")
+        actual = self.header.crc_of(key)
+        if actual != self._recorded[key]:
+            raise CheckFailed(
+                f"{self.path}: tensor {key} has CRC32 {actual:08x}, but {self._recorded[key]:08x} was recorded when "
+                "it was written: the source is corrupted; nothing was written. Convert an intact copy"
+            )
+        self._checked.add(key)
 
 
-def header(tensors: Sequence[TensorInfo]) -> tuple[bytes, dict[str, int]]:
-    """The file's first bytes (length + padded JSON) and each key's data offset from the end of them."""
-    entries, offsets, position, real = {}, {}, 0, {}
-    for info in tensors:
-        code = CODES.get(info.dtype)
-        if code is None:
-            if itemsize(info.dtype) != 1:
-                raise TypeError(f"{info.key}: dtype {info.dtype} has no safetensors code; convert to another format")
-            code, real[info.key] = "U8", info.dtype
-        offsets[info.key] = position
-        position += info.nbytes
-        entries[info.key] = {"dtype": code, "shape": list(info.shape), "data_offsets": [offsets[info.key], position]}
-    entries["__metadata__"] = {"format": "pt", DTYPES_KEY: json.dumps(real)}
-    text = json.dumps(entries, separators=(",", ":")).encode()
-    text += b" " * (-len(text) % 8)
-    return struct.pack("<Q", len(text)) + text, offsets
+def _spec(info: TensorInfo) -> safetensors_file.TensorSpec:
+    return info.key, info.dtype, info.shape
 
 
-def write(
-    path: str | os.PathLike, tensors: Sequence[TensorInfo], boxes: Sequence[tuple[TensorInfo, Box]], produce, *, first: bool, barrier
-) -> None:
-    """Write `tensors` into one file: the header (by the `first` process), then this process's boxes."""
-    head, offsets = header(tensors)
-    if first:
-        with open(path, "wb") as f:
-            f.write(head)
-            f.truncate(len(head) + sum(t.nbytes for t in tensors))
-    barrier()
-    fd = os.open(path, os.O_WRONLY)
+def write(job: WriteJob) -> None:
+    """Write every tensor into one file: the header (by owner 0), this process's boxes, then the CRC32 table."""
+    layout = safetensors_file.layout([_spec(t) for t in job.tensors()], {"format": "pt"})
+    if job.owner == 0:
+        safetensors_file.create(job.path, layout)
+    job.barrier()
+    fd = os.open(job.path, os.O_WRONLY)
     try:
-        for info, (box_offsets, sizes) in boxes:
+        for info, (offsets, sizes) in job.boxes():
             row_bytes = math.prod(info.shape[1:]) * itemsize(info.dtype)
-            start = len(head) + offsets[info.key] + (box_offsets[0] * row_bytes if info.shape else 0)
-            values = produce(info.key, (box_offsets, sizes))
-            data = memoryview(values.contiguous().reshape(-1).view(torch.uint8).numpy())
-            while data:
-                written = os.pwrite(fd, data, start)
-                data, start = data[written:], start + written
+            start = layout.offsets[info.key] + (offsets[0] * row_bytes if info.shape else 0)
+            safetensors_file.write_at(fd, start, job.produce(info.key, (offsets, sizes)))
         os.fsync(fd)
     finally:
         os.close(fd)
+    crcs = job.tensor_crcs()
+    if job.owner == 0:
+        safetensors_file.record_checksums(job.path, layout, crcs)
+    job.barrier()
