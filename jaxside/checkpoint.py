@@ -15,8 +15,8 @@ array to the target's dtype without a word; `restore` refuses instead, so FP8 by
 Saves are synchronous (this returns once the step is committed).
 
 Checksums: `save` then writes `shardbridge_checksums.json` into the step directory, the CRC32 of
-every array's row-major bytes under Orbax's name for it (`ocp.tree.get_param_names`: dotted tree
-paths). `bridge.convert` checks an Orbax source against it, and writes it for its Orbax targets.
+every array's row-major bytes under Orbax's name for it (the dotted tree path: dict keys, attribute
+names, list indices). `bridge.convert` checks an Orbax source against it, and writes it for its Orbax targets.
 The file is written after Orbax's commit (atomically, by rename): a save killed in between leaves
 a committed step without it, which reads as a foreign, unverifiable checkpoint.
 """
@@ -55,8 +55,8 @@ def save(directory: str | os.PathLike, step: int, tree: Any) -> Path:
     with ocp.StandardCheckpointer() as checkpointer:
         checkpointer.save(path.absolute(), tree)
         checkpointer.wait_until_finished()
-    names = jax.tree.leaves(ocp.tree.get_param_names(tree))
-    write_checksums(path, {name: _array_crc32(leaf) for name, leaf in zip(names, jax.tree.leaves(tree), strict=True)})
+    leaves = jax.tree_util.tree_leaves_with_path(tree)
+    write_checksums(path, {".".join(map(str, _plain_path(key))): _array_crc32(leaf) for key, leaf in leaves})
     return path
 
 
