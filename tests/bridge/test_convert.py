@@ -17,7 +17,8 @@ import torch
 import torch.distributed.checkpoint as dcp
 from safetensors.torch import load_file, save_file
 
-from bridge import cli, convert_plan
+from bridge import cli
+from bridge.convert import plan as convert_plan
 from bridge.convert import convert
 from tests.distributed import run_processes
 
@@ -104,7 +105,7 @@ def test_dcp_orbax_dcp_roundtrip_exact(tmp_path):
     # Placed one dim-0 block per JAX device (8 host devices in tests).
     import orbax.checkpoint as ocp
 
-    from bridge.convert_orbax import sharding_for
+    from bridge.convert.orbax import sharding_for
 
     target = {"model": {"up": {"kernel": jax.ShapeDtypeStruct((32, 64), np.float32, sharding=sharding_for((32, 64), jax.devices()))}}}
     restored = ocp.PyTreeCheckpointer().restore(
@@ -232,7 +233,7 @@ _RSS_SCRIPT = """
 import gc, json, re, sys
 import psutil
 from bridge.convert import convert
-from bridge import convert_dcp, convert_safetensors  # noqa: F401  (imported before the baseline)
+from bridge.convert import dcp, safetensors  # noqa: F401  (imported before the baseline)
 import torch.distributed.checkpoint  # noqa: F401
 gc.collect()
 baseline = psutil.Process().memory_info().rss

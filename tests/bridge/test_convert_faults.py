@@ -19,9 +19,10 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 
-from bridge import cli, convert_orbax
+from bridge import cli
 from bridge import convert as convert_module
 from bridge.convert import convert
+from bridge.convert import orbax as convert_orbax
 from bridge.errors import CheckFailed
 from torchside.checkpoint.checksums import ChecksummedWriter
 

@@ -28,7 +28,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from bridge.convert_plan import Box, TensorInfo, WriteJob
+from bridge.convert.plan import Box, TensorInfo, WriteJob
 from bridge.errors import CheckFailed
 from torchside.checkpoint import commit
 
@@ -148,7 +148,7 @@ def sharding_for(shape: tuple[int, ...], devices: Sequence):
     """Dim 0 split one block per device when it splits evenly (block i on devices[i]), else replicated."""
     from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-    from bridge.convert_plan import split_rows
+    from bridge.convert.plan import split_rows
 
     mesh = Mesh(np.array(devices), ("owners",))
     return NamedSharding(mesh, PartitionSpec("owners") if split_rows(shape, len(devices)) else PartitionSpec())

@@ -18,7 +18,7 @@ import os
 
 import torch
 
-from bridge.convert_plan import Box, TensorInfo, WriteJob, itemsize
+from bridge.convert.plan import Box, TensorInfo, WriteJob, itemsize
 from bridge.errors import CheckFailed
 from torchside.checkpoint import safetensors_file
 

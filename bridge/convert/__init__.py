@@ -1,9 +1,9 @@
 """Checkpoint conversion DCP <-> Orbax <-> safetensors, streamed box by box into the target's sharding.
 
-    plan      bridge.convert_plan: names and orientation (the architecture's parameter rules), and
+    plan      bridge.convert.plan: names and orientation (the architecture's parameter rules), and
               which process (or JAX device) writes which dim-0 block of each target tensor
-    read      each box is read from the source by its byte ranges only (bridge.convert_dcp /
-              convert_safetensors / convert_orbax), transposed when the names say so, then written;
+    read      each box is read from the source by its byte ranges only (bridge.convert.dcp /
+              .safetensors / .orbax: one module per format, a row in READERS and WRITERS), transposed when the names say so, then written;
               a source whose writer recorded checksums (torchside and jaxside saves, our own
               targets) is checked against them before its bytes are used (CheckFailed on a mismatch)
     stage     everything is written into `.<name>.partial/` beside the target, created exclusively
@@ -31,8 +31,8 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from bridge import convert_dcp, convert_orbax, convert_safetensors
-from bridge.convert_plan import Box, Plan, PlanEntry, WriteJob, check_against, itemsize, make_plan
+from bridge.convert import dcp, orbax, safetensors
+from bridge.convert.plan import Box, Plan, PlanEntry, WriteJob, check_against, itemsize, make_plan
 from bridge.errors import CheckFailed
 from torchside.checkpoint import commit
 from torchside.checkpoint.checksums import crc32_combine, tensor_crc32
@@ -41,14 +41,14 @@ from torchside.checkpoint.checksums import crc32_combine, tensor_crc32
 # reader(path, check=...) and has `tensors`, `skipped`, `verifiable` and `read(key, box)`; a writer
 # is writer(job: WriteJob) and records its format's checksums.
 READERS = {
-    "dcp": convert_dcp.DcpReader,
-    "safetensors": convert_safetensors.SafetensorsReader,
-    "orbax": convert_orbax.OrbaxReader,
+    "dcp": dcp.DcpReader,
+    "safetensors": safetensors.SafetensorsReader,
+    "orbax": orbax.OrbaxReader,
 }
 WRITERS: dict[str, Callable[[WriteJob], None]] = {
-    "dcp": convert_dcp.write,
-    "safetensors": convert_safetensors.write,
-    "orbax": convert_orbax.write,
+    "dcp": dcp.write,
+    "safetensors": safetensors.write,
+    "orbax": orbax.write,
 }
 ProgressCallback = Callable[[str, int], None]  # (target key, bytes written)
 

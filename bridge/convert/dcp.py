@@ -41,7 +41,7 @@ from torch.distributed.checkpoint.metadata import (
 from torch.distributed.checkpoint.planner import LoadPlan, SavePlan, WriteItem, WriteItemType
 from torch.distributed.checkpoint.planner_helpers import TensorWriteData, create_read_items_for_chunk_list
 
-from bridge.convert_plan import Box, TensorInfo, WriteJob
+from bridge.convert.plan import Box, TensorInfo, WriteJob
 from bridge.errors import CheckFailed
 from torchside.checkpoint import checksums, commit
 
