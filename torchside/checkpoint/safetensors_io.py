@@ -1,15 +1,19 @@
 """Model weights as safetensors: exported from a committed checkpoint, imported into any topology.
 
-Key scheme (also in docs/checkpoints.md). Keys are the model's parameter FQNs (`0.qkv.weight`):
+Key scheme (also in docs/checkpoints.md): the checkpoint's own keys, as `shardbridge convert`
+writes them too (one dialect): `model.<fqn>` for a parameter (`model.0.qkv.bias`), and for an FP8
+parameter its buffers under their checkpoint names.
 
-- `dtype="fp32"` / `"bf16"`: every parameter as one full tensor in that dtype. The values come from
-  FusedAdam's `master_param` where the checkpoint has one (bf16: the master rounded to nearest),
-  an FP8 parameter is dequantized (`q * scale_inv`), anything else is the saved parameter.
-- `dtype="fp8"`: an FP8 parameter is `<fqn>` = its rowwise bytes, [out, in] (`F8_E4M3` / `F8_E5M2`,
-  safetensors' float8 dtypes; `U8` for NVFP4, two E2M1 values per byte, element 2i in the low nibble), plus
-  `<fqn>.scale_inv` (fp32 per tensor or per block, `U8` E8M0 exponents for MXFP8, E4M3 for
-  NVFP4) and for NVFP4 `<fqn>.amax` (fp32, the global amax). Dequantize as docs/quantization.md
-  says for the scheme named in the header. Other parameters keep their saved dtype.
+- `dtype="fp32"` / `"bf16"`: every parameter as one full tensor `model.<fqn>` in that dtype. The
+  values come from FusedAdam's `master_param` where the checkpoint has one (bf16: the master
+  rounded to nearest), an FP8 parameter is dequantized (`q * scale_inv`), anything else is the
+  saved parameter.
+- `dtype="fp8"`: an FP8 parameter is `model.<fqn>.rowwise_data` = its rowwise bytes, [out, in]
+  (`F8_E4M3` / `F8_E5M2`, safetensors' float8 dtypes; `U8` for NVFP4, two E2M1 values per byte,
+  element 2i in the low nibble), plus `model.<fqn>.rowwise_scale_inv` (fp32 per tensor or per
+  block, `U8` E8M0 exponents for MXFP8, E4M3 for NVFP4) and for NVFP4 `model.<fqn>.tensor_amax`
+  (fp32, the global amax). Dequantize as docs/quantization.md says for the scheme named in the
+  header. Other parameters keep their saved dtype.
 - the header's `__metadata__` holds `format` = `shardbridge`, `dtype`, and per FP8 parameter
   `fp8:<fqn>` = JSON {scheme, fmt, shape, dtype, hadamard}; and the dialect's own tables
   (safetensors_file: real dtypes of `U8`-stored ones, each tensor's CRC32, checked on import).
@@ -44,7 +48,7 @@ from torchside.quantization.storage import BUFFER_FIELDS
 
 EXPORT_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp8": None}
 _DATA_DTYPES = {"e4m3": torch.float8_e4m3fn, "e5m2": torch.float8_e5m2}  # FP8 bytes (E2M1 pairs stay uint8)
-_FP8_EXPORTED = {"rowwise_data": "", "rowwise_scale_inv": ".scale_inv", "tensor_amax": ".amax"}  # buffer -> key suffix
+_FP8_EXPORTED = ("rowwise_data", "rowwise_scale_inv", "tensor_amax")  # the buffers an FP8 export holds
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
 
@@ -134,23 +138,24 @@ def _plan(saved: dict, fp8_params: dict, dtype: str) -> list[_Entry]:
         entry = saved[f"model.{key}"]
         master = f"optim.{key}.master_param"
         source = master if target is not None and master in saved else f"model.{key}"
-        entries.append(_Entry(key, (source,), target or entry.properties.dtype, tuple(entry.size)))
+        entries.append(_Entry(f"model.{key}", (source,), target or entry.properties.dtype, tuple(entry.size)))
     for fqn, facts in sorted(fp8_params.items()):
         if target is not None:
             master = f"optim.{fqn}.master_param"
             if master in saved:
-                entries.append(_Entry(fqn, (master,), target, tuple(facts["shape"])))
+                entries.append(_Entry(f"model.{fqn}", (master,), target, tuple(facts["shape"])))
                 continue
             sources = tuple(f"model.{fqn}.{b}" for b in facts["buffers"] if not b.startswith("columnwise"))
-            entries.append(_Entry(fqn, sources, target, tuple(facts["shape"]), fp8_param=fqn))
+            entries.append(_Entry(f"model.{fqn}", sources, target, tuple(facts["shape"]), fp8_param=fqn))
             continue
         if "rowwise_data" not in facts["buffers"]:
             raise ValueError(f"FP8 parameter {fqn} has no rowwise copy to export: quantize its weights rowwise")
-        for buffer, suffix in _FP8_EXPORTED.items():
+        for buffer in _FP8_EXPORTED:
             if buffer in facts["buffers"]:
                 entry = saved[f"model.{fqn}.{buffer}"]
                 dtype = _DATA_DTYPES.get(facts["fmt"]) if buffer == "rowwise_data" else None
-                entries.append(_Entry(fqn + suffix, (f"model.{fqn}.{buffer}",), dtype or entry.properties.dtype, tuple(entry.size)))
+                key = f"model.{fqn}.{buffer}"
+                entries.append(_Entry(key, (key,), dtype or entry.properties.dtype, tuple(entry.size)))
     return sorted(entries, key=lambda e: e.key)
 
 
@@ -206,17 +211,17 @@ def import_safetensors(path: str | os.PathLike, model: nn.Module) -> None:
     header = _header_metadata(files)
     fp8_facts = {k.removeprefix("fp8:"): json.loads(v) for k, v in header.items() if k.startswith("fp8:")}
     params = dict(model.named_parameters())
-    missing = sorted(set(params) - set(files))
+    missing = sorted(p for p in params if f"model.{p}" not in files and f"model.{p}.rowwise_data" not in files)
     if missing:
         raise ValueError(f"{path} lacks weights of this model: {', '.join(missing[:20])}")
     for fqn, param in params.items():
         if fqn in fp8_facts and header.get("dtype") == "fp8":
             # A sharded export may put an FP8 weight's bytes and its scales in different files.
-            keys = {buffer: fqn + suffix for buffer, suffix in _FP8_EXPORTED.items() if fqn + suffix in files}
+            keys = {buffer: f"model.{fqn}.{buffer}" for buffer in _FP8_EXPORTED if f"model.{fqn}.{buffer}" in files}
             buffers = {buffer: _file_tensor(files, key) for buffer, key in keys.items()}
             _import_fp8(model, fqn, param, fp8_facts[fqn], buffers)
         else:
-            _import_values(model, fqn, param, _file_tensor(files, fqn))
+            _import_values(model, fqn, param, _file_tensor(files, f"model.{fqn}"))
 
 
 def _file_tensor(files: dict[str, Path], key: str) -> Tensor:
