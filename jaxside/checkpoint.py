@@ -84,7 +84,9 @@ def recorded_checksums(step_dir: str | os.PathLike) -> dict[str, int] | None:
     try:
         return {str(name): int(crc, 16) for name, crc in json.loads(path.read_text())["crc32"].items()}
     except (ValueError, TypeError, KeyError, AttributeError) as error:
-        raise ValueError(f"{path} is damaged ({type(error).__name__}: {error}): restore it, or delete it to read unverified") from error
+        raise ValueError(
+            f"{path} is damaged ({type(error).__name__}: {error}): restore it, or delete it to read unverified"
+        ) from error
 
 
 def restore(directory: str | os.PathLike, step: int, target: Any) -> Any:

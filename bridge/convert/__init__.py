@@ -3,7 +3,8 @@
     plan      bridge.convert.plan: names and orientation (the architecture's parameter rules), and
               which process (or JAX device) writes which dim-0 block of each target tensor
     read      each box is read from the source by its byte ranges only (bridge.convert.dcp /
-              .safetensors / .orbax: one module per format, a row in READERS and WRITERS), transposed when the names say so, then written;
+              .safetensors / .orbax: one module per format, a row in READERS and WRITERS),
+              transposed when the names say so, then written;
               a source whose writer recorded checksums (torchside and jaxside saves, our own
               targets) is checked against them before its bytes are used (CheckFailed on a mismatch)
     stage     everything is written into `.<name>.partial/` beside the target, created exclusively

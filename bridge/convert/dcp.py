@@ -128,7 +128,10 @@ class DcpReader:
             size, crc = self._sums[name]
             actual_size, actual_crc = checksums.file_checksum(path)
             if actual_size != size:
-                raise ValueError(f"{path} is truncated or overwritten ({actual_size} bytes, {size} written; tensor {key} is in it): convert an intact copy")
+                raise ValueError(
+                    f"{path} is truncated or overwritten ({actual_size} bytes, {size} written; tensor {key} is in it): "
+                    "convert an intact copy"
+                )
             if actual_crc != crc:
                 held = sorted(self._holds.get(name, [key]))
                 listed = ", ".join(held[:10]) + (f" and {len(held) - 10} more" if len(held) > 10 else "")

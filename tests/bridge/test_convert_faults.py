@@ -51,7 +51,8 @@ def _write_source(fmt: str, root: Path) -> Path:
 
         from jaxside import checkpoint
 
-        tree = {"model": {"up": {"kernel": jnp.asarray(state["model.up.weight"].numpy().T), "bias": jnp.asarray(state["model.up.bias"].numpy())}}}
+        up = {"kernel": jnp.asarray(state["model.up.weight"].numpy().T), "bias": jnp.asarray(state["model.up.bias"].numpy())}
+        tree = {"model": {"up": up}}
         return checkpoint.save(root / "src-orbax", 1, tree)
     dcp.save(state, storage_writer=ChecksummedWriter(root / "tmp-dcp"), no_dist=True)
     convert(root / "tmp-dcp", "dcp", root / "src.safetensors", "safetensors")

@@ -22,8 +22,8 @@ parameter its buffers under their checkpoint names.
 
 Bounded memory: the layout of every file is computed from the checkpoint's metadata alone; rank 0
 writes the headers, then rank r reads, converts and writes (at its offset) the tensors r, r + W, ...,
-one at a time; rank 0 then fills in every file's CRC32 table. No rank holds more than one full tensor. Import reads one tensor at a time too and
-keeps only this rank's shard of it.
+one at a time; rank 0 then fills in every file's CRC32 table. No rank holds more than one full
+tensor. Import reads one tensor at a time too and keeps only this rank's shard of it.
 """
 
 from __future__ import annotations

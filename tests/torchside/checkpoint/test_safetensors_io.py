@@ -96,5 +96,6 @@ def test_import_refuses_a_corrupted_export(tmp_path):
     raw[start + first + 4] ^= 0xFF
     path.write_bytes(bytes(raw))
     fresh, _ = build(topology("single"), "delayed", False, seed=2)
-    with pytest.raises(ValueError, match=r"model.safetensors: tensor model.0.proj.weight has CRC32 [0-9a-f]{8}, but [0-9a-f]{8} was recorded"):
+    damaged = r"model.safetensors: tensor model.0.proj.weight has CRC32 [0-9a-f]{8}, but [0-9a-f]{8} was recorded"
+    with pytest.raises(ValueError, match=damaged):
         import_safetensors(tmp_path / "out", fresh)
