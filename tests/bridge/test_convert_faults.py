@@ -265,6 +265,13 @@ def test_unwritable_target_directory_is_refused(tmp_path, capsys, parent):
     assert not os.path.lexists(target)
 
 
+@pytest.mark.parametrize("target", FORMATS)
+def test_target_in_a_missing_directory_is_written_there(tmp_path, target):
+    source = _write_source("dcp", tmp_path)
+    assert convert(source, "dcp", tmp_path / "new" / "dir" / TARGET_NAMES[target], target).ok
+    assert os.listdir(tmp_path / "new" / "dir") == [TARGET_NAMES[target]]
+
+
 def test_concurrent_conversions_into_one_target(tmp_path):
     """The second writer of a target is refused while the first writes; the first's target stays intact."""
     source = _write_source("dcp", tmp_path)

@@ -84,9 +84,10 @@ def staging_for(final: Path) -> Path:
 
 
 def stage(final: Path) -> Path:
-    """Create `final`'s staging directory exclusively; the path to write (`final`'s name inside it)."""
+    """Create `final`'s staging directory exclusively (and missing parents); the path to write (`final`'s name inside it)."""
     staging = staging_for(final)
     try:
+        final.parent.mkdir(parents=True, exist_ok=True)
         os.mkdir(staging)
     except FileExistsError:
         raise ValueError(
