@@ -55,7 +55,7 @@ def orbax_round_trip(checkpoint: str, out: Path, step: int, reference: dict[str,
     import numpy as np
 
     from bridge.convert import convert
-    from bridge.convert_orbax import nest
+    from bridge.convert.orbax import nest
     from jaxside import checkpoint as orbax_checkpoint
 
     started = time.perf_counter()

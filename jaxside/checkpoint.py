@@ -13,19 +13,30 @@ on every array (`abstract_target` builds one). Each device reads the byte ranges
 so the mesh of the save does not constrain the mesh of the restore. Orbax would cast a stored
 array to the target's dtype without a word; `restore` refuses instead, so FP8 bytes arrive as saved.
 Saves are synchronous (this returns once the step is committed).
+
+Checksums: `save` then writes `shardbridge_checksums.json` into the step directory, the CRC32 of
+every array's row-major bytes under Orbax's name for it (the dotted tree path: dict keys, attribute
+names, list indices). `bridge.convert` checks an Orbax source against it, and writes it for its Orbax targets.
+The file is written after Orbax's commit (atomically, by rename): a save killed in between leaves
+a committed step without it, which reads as a foreign, unverifiable checkpoint.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import re
+import zlib
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 import jax
+import numpy as np
 import orbax.checkpoint as ocp
 
 _STEP_NAME = re.compile(r"step-(\d+)")
+CHECKSUM_FILE = "shardbridge_checksums.json"
 
 
 def step_path(directory: str | os.PathLike, step: int) -> Path:
@@ -44,7 +55,38 @@ def save(directory: str | os.PathLike, step: int, tree: Any) -> Path:
     with ocp.StandardCheckpointer() as checkpointer:
         checkpointer.save(path.absolute(), tree)
         checkpointer.wait_until_finished()
+    leaves = jax.tree_util.tree_leaves_with_path(tree)
+    write_checksums(path, {".".join(map(str, _plain_path(key))): _array_crc32(leaf) for key, leaf in leaves})
     return path
+
+
+def _array_crc32(leaf: Any) -> int:
+    """CRC32 of an array's row-major bytes as Orbax stores them (one array on the host at a time)."""
+    return zlib.crc32(np.ascontiguousarray(jax.device_get(leaf)).reshape(-1).view(np.uint8))
+
+
+def write_checksums(step_dir: str | os.PathLike, crcs: Mapping[str, int]) -> None:
+    """Record each array's CRC32 (by Orbax name) beside the arrays, atomically (temporary file + rename)."""
+    path = Path(step_dir) / CHECKSUM_FILE
+    temporary = path.with_name(path.name + ".tmp")
+    with open(temporary, "w") as f:
+        json.dump({"crc32": {name: f"{crc:08x}" for name, crc in crcs.items()}}, f, indent=1)
+        f.flush()
+        os.fsync(f.fileno())
+    os.rename(temporary, path)
+
+
+def recorded_checksums(step_dir: str | os.PathLike) -> dict[str, int] | None:
+    """The CRC32 of each array recorded at save time, or None for a step saved without them (foreign)."""
+    path = Path(step_dir) / CHECKSUM_FILE
+    if not path.exists():
+        return None
+    try:
+        return {str(name): int(crc, 16) for name, crc in json.loads(path.read_text())["crc32"].items()}
+    except (ValueError, TypeError, KeyError, AttributeError) as error:
+        raise ValueError(
+            f"{path} is damaged ({type(error).__name__}: {error}): restore it, or delete it to read unverified"
+        ) from error
 
 
 def restore(directory: str | os.PathLike, step: int, target: Any) -> Any:

@@ -2,8 +2,10 @@
 
 Names and orientation follow the architecture's parameter rules (a torch `weight` [out, in] is a
 Flax `kernel` [in, out]); FP8 parameters travel as their bytes and scales, never upcast. Every
-written box is read back and a per-tensor CRC32 table is printed. Under torchrun, each rank writes
-its own blocks of a DCP or safetensors target. Exit codes: 0 done, 1 a checksum differs, 2 bad input.
+written box is read back before the target is committed and a per-tensor CRC32 table is printed.
+A source we wrote is checked against the checksums recorded with it. Under torchrun, each rank writes
+its own blocks of a DCP or safetensors target. Exit codes: 0 done, 1 a checksum differs (source or
+written copy; nothing is committed), 2 bad input, 130 interrupted (nothing left behind).
 """
 
 from __future__ import annotations
@@ -38,14 +40,14 @@ def register(verbs) -> None:
 def run(args: argparse.Namespace, console: Console) -> int:
     from bridge.convert import convert
 
-    errors = Console(stderr=True, soft_wrap=True)
+    stderr = Console(stderr=True, soft_wrap=True)
     progress = Progress(
         TextColumn("{task.description}"),
         BarColumn(),
         DownloadColumn(),
         TransferSpeedColumn(),
         TimeRemainingColumn(),
-        console=errors,
+        console=stderr,
         transient=True,
     )
     task = None
@@ -54,22 +56,22 @@ def run(args: argparse.Namespace, console: Console) -> int:
         progress.update(task, advance=nbytes, description=f"writing {escape(key)}")
 
     options = dict(with_optimizer=args.with_optimizer, architecture=args.arch, verify=not args.no_verify)
-    try:
-        plan = convert(args.source, args.source_format, args.target, args.target_format, dry_run=True, **options).plan
-        if args.dry_run:
-            _print_plan(plan, console)
-            return 0
-        with progress:
-            task = progress.add_task("converting", total=sum(plan.bytes_per_owner()))
-            result = convert(args.source, args.source_format, args.target, args.target_format, on_box=on_box, **options)
-    except (ValueError, TypeError, OSError) as error:
-        errors.print(f"[bold red]error:[/] {escape(str(error))}")
-        return 2
+    plan = convert(args.source, args.source_format, args.target, args.target_format, dry_run=True, **options).plan
+    if args.dry_run:
+        _print_plan(plan, console)
+        return 0
+    with progress:
+        task = progress.add_task("converting", total=sum(plan.bytes_per_owner()))
+        result = convert(args.source, args.source_format, args.target, args.target_format, on_box=on_box, **options)
     console.print(checksum_table(result))
     for key, reason in result.skipped:
         console.print(f"not converted: {escape(key)} ({escape(reason)})", soft_wrap=True)
-    console.print(f"wrote {escape(args.target)}" if result.ok else "[bold red]checksums differ[/]")
-    return 0 if result.ok else 1
+    if not result.source_verified:
+        console.print(
+            f"source not verifiable: {escape(args.source)} has no recorded checksums (not written by shardbridge)", soft_wrap=True
+        )
+    console.print(f"wrote {escape(args.target)}", soft_wrap=True)
+    return 0
 
 
 def _print_plan(plan, console: Console) -> None:
@@ -99,15 +101,14 @@ def _print_plan(plan, console: Console) -> None:
 
 
 def checksum_table(result) -> Table:
-    """Per tensor: CRC32 of the bytes as produced from the source and as read back from the target."""
-    table = Table(title="per-tensor checksums (CRC32 over the tensor's boxes)")
+    """Per tensor: CRC32 of the bytes as produced from the source and as read back from the target (equal, or it raised)."""
+    table = Table(title="per-tensor checksums (CRC32 of each target tensor's bytes)")
     table.add_column("tensor", style="bold")
     table.add_column("shape")
     table.add_column("dtype")
     table.add_column("produced", justify="right")
-    table.add_column("written", justify="right")
-    table.add_column("", justify="center")
+    table.add_column("read back", justify="right")
     for c in result.checksums:
         written = "not verified" if c.written is None else f"{c.written:08x}"
-        table.add_row(escape(c.key), str(list(c.shape)), c.dtype, f"{c.produced:08x}", written, "ok" if c.ok else "DIFFERS")
+        table.add_row(escape(c.key), str(list(c.shape)), c.dtype, f"{c.produced:08x}", written)
     return table

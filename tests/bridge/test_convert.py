@@ -17,7 +17,8 @@ import torch
 import torch.distributed.checkpoint as dcp
 from safetensors.torch import load_file, save_file
 
-from bridge import cli, convert_plan
+from bridge import cli
+from bridge.convert import plan as convert_plan
 from bridge.convert import convert
 from tests.distributed import run_processes
 
@@ -104,7 +105,7 @@ def test_dcp_orbax_dcp_roundtrip_exact(tmp_path):
     # Placed one dim-0 block per JAX device (8 host devices in tests).
     import orbax.checkpoint as ocp
 
-    from bridge.convert_orbax import sharding_for
+    from bridge.convert.orbax import sharding_for
 
     target = {"model": {"up": {"kernel": jax.ShapeDtypeStruct((32, 64), np.float32, sharding=sharding_for((32, 64), jax.devices()))}}}
     restored = ocp.PyTreeCheckpointer().restore(
@@ -232,7 +233,7 @@ _RSS_SCRIPT = """
 import gc, json, re, sys
 import psutil
 from bridge.convert import convert
-from bridge import convert_dcp, convert_safetensors  # noqa: F401  (imported before the baseline)
+from bridge.convert import dcp, safetensors  # noqa: F401  (imported before the baseline)
 import torch.distributed.checkpoint  # noqa: F401
 gc.collect()
 baseline = psutil.Process().memory_info().rss
@@ -290,7 +291,7 @@ def test_failed_conversion_leaves_nothing(tmp_path, capsys):
     data_file = next(p for p in (tmp_path / "dcp").iterdir() if p.suffix == ".distcp")
     data_file.write_bytes(data_file.read_bytes()[:100])  # truncated: reading fails mid-conversion
     for fmt, name in (("dcp", "out"), ("safetensors", "out.safetensors"), ("orbax", "step-3")):
-        with pytest.raises(BaseException):  # whatever the reader raises (DCP: CheckpointException, a BaseException)
+        with pytest.raises(ValueError, match=f"reading model.up.bias from {data_file} failed"):
             convert(tmp_path / "dcp", "dcp", tmp_path / name, fmt)
         assert sorted(p.name for p in tmp_path.iterdir()) == ["dcp"], fmt  # no target, no .partial
 
@@ -299,6 +300,27 @@ def test_failed_conversion_leaves_nothing(tmp_path, capsys):
     os.mkdir(tmp_path / "exists")
     assert cli.main(["convert", str(tmp_path / "dcp"), str(tmp_path / "exists"), "--from", "dcp", "--to", "dcp"]) == 2
     assert "exists; pass a new path" in capsys.readouterr().err
+
+
+def test_orbax_target_records_each_arrays_crc32(tmp_path):
+    """The checksum file beside an Orbax target holds the CRC32 of each whole array, joined from 8 device boxes."""
+    import zlib
+
+    from jaxside.checkpoint import recorded_checksums
+
+    state = {k: v for k, v in app_state().items() if not k.startswith("rng.")}
+    dcp.save(state, checkpoint_id=tmp_path / "dcp", no_dist=True)
+    convert(tmp_path / "dcp", "dcp", tmp_path / "step-1", "orbax", with_optimizer=True)
+    arrays = orbax_restore(tmp_path / "step-1")
+    expected = {key: zlib.crc32(np.ascontiguousarray(a).reshape(-1).view(np.uint8).tobytes()) for key, a in arrays.items()}
+    assert recorded_checksums(tmp_path / "step-1") == expected
+
+
+def test_output_to_a_pipe_keeps_whole_tensor_names(tmp_path, capsys):
+    long_name = "model." + ".".join(f"block{i}" for i in range(12)) + ".weight"
+    dcp.save({long_name: torch.ones(4, 4)}, checkpoint_id=tmp_path / "dcp", no_dist=True)
+    assert cli.main(["convert", str(tmp_path / "dcp"), str(tmp_path / "out"), "--from", "dcp", "--to", "dcp"]) == 0
+    assert any(long_name in line for line in capsys.readouterr().out.splitlines())
 
 
 def test_dry_run_prints_plan_and_writes_nothing(tmp_path, capsys, monkeypatch):

@@ -5,6 +5,10 @@ or corrupted shard would load silently (or fail deep inside torch.load). Each ra
 files are written and synced, records `{file: [size, crc32]}` in `<prefix>checksums.json` (prefix
 `__<rank>_`, DCP's own file prefix). It happens inside `write_data`, before DCP's coordinator
 writes `.metadata`, so a checkpoint with metadata has all its checksum files.
+
+Also the CRC32 arithmetic the other checksummed formats share (safetensors header tables, Orbax
+checksum files, bridge.convert): the CRC32 of a tensor's bytes, and `crc32_combine` to join the
+CRCs of consecutive byte ranges written by different boxes or processes.
 """
 
 from __future__ import annotations
@@ -33,6 +37,50 @@ def file_checksum(path: Path) -> tuple[int, int]:
             crc = zlib.crc32(chunk, crc)
             size += len(chunk)
     return size, crc
+
+
+def tensor_crc32(tensor: torch.Tensor) -> int:
+    """CRC32 of a CPU tensor's bytes in row-major order."""
+    return zlib.crc32(tensor.contiguous().reshape(-1).view(torch.uint8).numpy())
+
+
+def _advance(register: int) -> int:
+    """The CRC32 register after one more zero bit (reflected polynomial 0xEDB88320)."""
+    return (register >> 1) ^ (0xEDB88320 if register & 1 else 0)
+
+
+def _apply(operator: list[int], register: int) -> int:
+    """A linear map on 32-bit registers (operator[i] = image of bit i) applied to `register`."""
+    out, bit = 0, 0
+    while register:
+        if register & 1:
+            out ^= operator[bit]
+        register >>= 1
+        bit += 1
+    return out
+
+
+def crc32_combine(crc_a: int, crc_b: int, length_b: int) -> int:
+    """CRC32 of A + B from CRC32(A), CRC32(B) and len(B), without the bytes.
+
+    Appending zero bytes acts linearly on the register (the initial and final inversions cancel
+    between A + B and B alone), so CRC(A + B) = Z^len(B)(CRC(A)) ^ CRC(B), with Z the one-zero-byte
+    operator; Z^n is built by repeated squaring.
+    """
+    operator = [_apply_bits(1 << bit, 8) for bit in range(32)]  # one zero byte
+    while length_b:
+        if length_b & 1:
+            crc_a = _apply(operator, crc_a)
+        length_b >>= 1
+        if length_b:
+            operator = [_apply(operator, image) for image in operator]
+    return crc_a ^ crc_b
+
+
+def _apply_bits(register: int, bits: int) -> int:
+    for _ in range(bits):
+        register = _advance(register)
+    return register
 
 
 class ChecksummedWriter(FileSystemWriter):

@@ -10,6 +10,12 @@ writes `shardbridge.json` (step, extra, world size, optimizer hyperparameters, F
 syncs it and renames the directory to `step-N/` (atomic on one filesystem), then removes the oldest
 committed steps beyond `keep_last`. `latest` is the committed step with the highest number. Only
 this file touches directory names.
+
+The same rule for any other output (`bridge.convert`'s targets, a file or a directory):
+`stage(final)` creates the directory `.<name>.partial/` beside it exclusively (a second writer of
+the same target is refused, not interleaved) and the writer fills `.<name>.partial/<name>` (with
+any temporaries of its own, as Orbax's, inside the staging directory too); `publish_staged` renames
+that to `final` (never over an existing path) and `discard` removes the staging directory.
 """
 
 from __future__ import annotations
@@ -64,6 +70,61 @@ def prepare_staging(root: Path, step: int) -> Path:
     return staging
 
 
+def is_unfinished(path: str | os.PathLike) -> bool:
+    """Whether `path` names a staging directory (`step-N.tmp`): a save that has not committed."""
+    return bool(_STAGING_DIR.match(Path(path).name))
+
+
+def refuse_unfinished(path: Path) -> None:
+    """ValueError for a save that never committed (a `step-N.tmp` here, an Orbax temporary directory)."""
+    raise ValueError(f"{path} is an unfinished save (no commit): load the root {path.parent} or a committed step")
+
+
+def staging_for(final: Path) -> Path:
+    """The staging directory of an output path: `.<name>.partial` beside it."""
+    return final.with_name(f".{final.name}.partial")
+
+
+def stage(final: Path) -> Path:
+    """Create `final`'s staging directory exclusively (and missing parents); the path to write (`final`'s name inside it)."""
+    staging = staging_for(final)
+    try:
+        final.parent.mkdir(parents=True, exist_ok=True)
+        os.mkdir(staging)
+    except FileExistsError:
+        raise ValueError(
+            f"{staging} exists: another process is writing {final}, or one was killed while writing it; "
+            f"wait for it to finish, or delete {staging} if none is running"
+        ) from None
+    except OSError as error:
+        raise OSError(
+            error.errno, f"cannot create {staging} ({error.strerror}): write {final.name} into a directory you can write to"
+        ) from error
+    if os.path.lexists(final):  # checked after the exclusive create: no other writer can publish `final` now
+        discard(final)
+        raise ValueError(f"target {final} exists; pass a new path (it is never overwritten)")
+    return staging / final.name
+
+
+def publish_staged(written: Path, final: Path) -> None:
+    """Move a complete output from its staging directory (`stage`) to `final`, then remove the staging directory."""
+    _rename_into_place(written, final)
+    os.rmdir(written.parent)
+
+
+def discard(final: Path) -> None:
+    """Remove `final`'s staging directory with whatever it holds (a failed or interrupted write)."""
+    shutil.rmtree(staging_for(final), ignore_errors=True)
+
+
+def _rename_into_place(source: Path, final: Path) -> None:
+    """Rename `source` to `final` (atomic on one filesystem, never over an existing path), durably."""
+    if os.path.lexists(final):
+        raise ValueError(f"{final} appeared while it was being written; pass a new path")
+    os.rename(source, final)
+    _fsync_dir(final.parent)
+
+
 def publish(root: Path, step: int, metadata: dict[str, Any], keep_last: int | None) -> Path:
     """Rank 0, after every rank's files are written: metadata, atomic rename, rotation."""
     staging = staging_dir(root, step)
@@ -75,8 +136,7 @@ def publish(root: Path, step: int, metadata: dict[str, Any], keep_last: int | No
         f.flush()
         os.fsync(f.fileno())
     final = step_dir(root, step)
-    os.rename(staging, final)
-    _fsync_dir(root)
+    _rename_into_place(staging, final)
     if keep_last is not None:
         for old in committed_steps(root)[:-keep_last]:
             shutil.rmtree(step_dir(root, old))
@@ -98,7 +158,7 @@ def resolve(path: str | os.PathLike) -> tuple[Path, Path]:
     if _STEP_DIR.match(path.name) and (path / METADATA_FILE).exists():
         return path.parent, path
     if _STAGING_DIR.match(path.name):
-        raise ValueError(f"{path} is an unfinished save (no commit): load the root {path.parent} or a committed step")
+        refuse_unfinished(path)
     steps = committed_steps(path)
     if not steps:
         leftovers = ", ".join(p.name for p in interrupted_saves(path)) or "none"

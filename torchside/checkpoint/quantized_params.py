@@ -3,8 +3,9 @@
 A `QuantizedTensor` parameter is never handed to DCP as it is: DCP would pickle the subclass and
 could only reshard it by slicing through the dequantize fallback. Instead each buffer becomes a
 tensor of its own, keyed `<param fqn>.<buffer name>` (`0.qkv.weight.rowwise_data`,
-`0.qkv.weight.rowwise_scale_inv`, ...), in its own dtype (float8_e4m3fn, float8_e8m0fnu, uint8
-for packed E2M1, fp32 scales):
+`0.qkv.weight.rowwise_scale_inv`, ...), in the dtype the storage holds it: FP8 and packed E2M1
+data as raw uint8 bytes (the format is in shardbridge.json's FP8 facts; `export_safetensors`
+labels E4M3/E5M2 bytes F8_E4M3/F8_E5M2), scales in their own dtype (fp32, E8M0, E4M3):
 
 - buffers that run over the matrix rows M (data, block scales) are viewed M-first (a columnwise
   [K, M] buffer is saved transposed, [M, K]) and wrapped as a DTensor with the parameter's mesh

@@ -1,24 +1,29 @@
 """Model weights as safetensors: exported from a committed checkpoint, imported into any topology.
 
-Key scheme (also in docs/checkpoints.md). Keys are the model's parameter FQNs (`0.qkv.weight`):
+Key scheme (also in docs/checkpoints.md): the checkpoint's own keys, as `shardbridge convert`
+writes them too (one dialect): `model.<fqn>` for a parameter (`model.0.qkv.bias`), and for an FP8
+parameter its buffers under their checkpoint names.
 
-- `dtype="fp32"` / `"bf16"`: every parameter as one full tensor in that dtype. The values come from
-  FusedAdam's `master_param` where the checkpoint has one (bf16: the master rounded to nearest),
-  an FP8 parameter is dequantized (`q * scale_inv`), anything else is the saved parameter.
-- `dtype="fp8"`: an FP8 parameter is `<fqn>` = its rowwise bytes, [out, in] (`F8_E4M3` / `F8_E5M2`;
-  `U8` for NVFP4, two E2M1 values per byte, element 2i in the low nibble), plus
-  `<fqn>.scale_inv` (fp32 per tensor or per block, `U8` E8M0 exponents for MXFP8, E4M3 for
-  NVFP4) and for NVFP4 `<fqn>.amax` (fp32, the global amax). Dequantize as docs/quantization.md
-  says for the scheme named in the header. Other parameters keep their saved dtype.
+- `dtype="fp32"` / `"bf16"`: every parameter as one full tensor `model.<fqn>` in that dtype. The
+  values come from FusedAdam's `master_param` where the checkpoint has one (bf16: the master
+  rounded to nearest), an FP8 parameter is dequantized (`q * scale_inv`), anything else is the
+  saved parameter.
+- `dtype="fp8"`: an FP8 parameter is `model.<fqn>.rowwise_data` = its rowwise bytes, [out, in]
+  (`F8_E4M3` / `F8_E5M2`, safetensors' float8 dtypes; `U8` for NVFP4, two E2M1 values per byte,
+  element 2i in the low nibble), plus `model.<fqn>.rowwise_scale_inv` (fp32 per tensor or per
+  block, `U8` E8M0 exponents for MXFP8, E4M3 for NVFP4) and for NVFP4 `model.<fqn>.tensor_amax`
+  (fp32, the global amax). Dequantize as docs/quantization.md says for the scheme named in the
+  header. Other parameters keep their saved dtype.
 - the header's `__metadata__` holds `format` = `shardbridge`, `dtype`, and per FP8 parameter
-  `fp8:<fqn>` = JSON {scheme, fmt, shape, dtype, hadamard}.
+  `fp8:<fqn>` = JSON {scheme, fmt, shape, dtype, hadamard}; and the dialect's own tables
+  (safetensors_file: real dtypes of `U8`-stored ones, each tensor's CRC32, checked on import).
 - one file `model.safetensors`, or with `max_shard_bytes` files `model-0000i-of-0000n.safetensors`
   and `model.safetensors.index.json` ({"metadata", "weight_map": key -> file}).
 
 Bounded memory: the layout of every file is computed from the checkpoint's metadata alone; rank 0
 writes the headers, then rank r reads, converts and writes (at its offset) the tensors r, r + W, ...,
-one at a time. No rank holds more than one full tensor. Import reads one tensor at a time too and
-keeps only this rank's shard of it.
+one at a time; rank 0 then fills in every file's CRC32 table. No rank holds more than one full
+tensor. Import reads one tensor at a time too and keeps only this rank's shard of it.
 """
 
 from __future__ import annotations
@@ -36,16 +41,14 @@ from safetensors import safe_open
 from torch import Tensor, nn
 from torch.distributed.tensor import DTensor, distribute_tensor
 
-from torchside.checkpoint import commit, quantized_params, validate
+from torchside.checkpoint import commit, quantized_params, safetensors_file, validate
+from torchside.checkpoint.checksums import tensor_crc32
 from torchside.quantization import QuantizedStorage
 from torchside.quantization.storage import BUFFER_FIELDS
 
 EXPORT_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp8": None}
-_SAFETENSORS_DTYPES = {
-    torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16", torch.int64: "I64",
-    torch.float8_e4m3fn: "F8_E4M3", torch.float8_e5m2: "F8_E5M2", torch.uint8: "U8",
-}  # fmt: skip
-_FP8_EXPORTED = {"rowwise_data": "", "rowwise_scale_inv": ".scale_inv", "tensor_amax": ".amax"}  # buffer -> key suffix
+_DATA_DTYPES = {"e4m3": torch.float8_e4m3fn, "e5m2": torch.float8_e5m2}  # FP8 bytes (E2M1 pairs stay uint8)
+_FP8_EXPORTED = ("rowwise_data", "rowwise_scale_inv", "tensor_amax")  # the buffers an FP8 export holds
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
 
@@ -62,8 +65,11 @@ class _Entry:
 
     @property
     def nbytes(self) -> int:
-        stored = torch.uint8 if self.dtype == torch.float8_e8m0fnu else self.dtype
-        return math.prod(self.shape) * torch.empty((), dtype=stored).element_size()
+        return math.prod(self.shape) * self.dtype.itemsize
+
+    @property
+    def spec(self) -> safetensors_file.TensorSpec:
+        return self.key, str(self.dtype).removeprefix("torch."), self.shape
 
 
 def export_safetensors(
@@ -89,18 +95,33 @@ def export_safetensors(
     out = Path(out)
     use_dist = dist.is_initialized()
     rank, world = (dist.get_rank(process_group), dist.get_world_size(process_group)) if use_dist else (0, 1)
-    offsets = {}
-    for name, members in files.items():
-        offsets.update(_layout(out / name, members, header_metadata, create=rank == 0))
-    if rank == 0 and len(files) > 1:
-        weight_map = {e.key: name for name, members in files.items() for e in members}
-        (out / INDEX_FILE).write_text(json.dumps({"metadata": header_metadata, "weight_map": weight_map}, indent=1))
+    layouts = {name: safetensors_file.layout([e.spec for e in members], header_metadata) for name, members in files.items()}
+    if rank == 0:
+        out.mkdir(parents=True, exist_ok=True)
+        for name, layout in layouts.items():
+            safetensors_file.create(out / name, layout)
+        if len(files) > 1:
+            weight_map = {e.key: name for name, members in files.items() for e in members}
+            (out / INDEX_FILE).write_text(json.dumps({"metadata": header_metadata, "weight_map": weight_map}, indent=1))
     if use_dist:
         dist.barrier(group=process_group)
     owner = {e.key: name for name, members in files.items() for e in members}
+    crcs = {}
     for entry in entries[rank::world]:
         values = _convert(entry, _read(step_path, entry, saved), metadata["fp8_params"])
-        _write_at(out / owner[entry.key], offsets[entry.key], values)
+        fd = os.open(out / owner[entry.key], os.O_WRONLY)
+        try:
+            crcs[entry.key] = safetensors_file.write_at(fd, layouts[owner[entry.key]].offsets[entry.key], values)
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+    if use_dist:
+        gathered: list = [None] * world
+        dist.all_gather_object(gathered, crcs, group=process_group)
+        crcs = {key: crc for part in gathered for key, crc in part.items()}
+    if rank == 0:
+        for name, layout in layouts.items():
+            safetensors_file.record_checksums(out / name, layout, crcs)
     if use_dist:
         dist.barrier(group=process_group)
     return [out / name for name in files]
@@ -117,22 +138,24 @@ def _plan(saved: dict, fp8_params: dict, dtype: str) -> list[_Entry]:
         entry = saved[f"model.{key}"]
         master = f"optim.{key}.master_param"
         source = master if target is not None and master in saved else f"model.{key}"
-        entries.append(_Entry(key, (source,), target or entry.properties.dtype, tuple(entry.size)))
+        entries.append(_Entry(f"model.{key}", (source,), target or entry.properties.dtype, tuple(entry.size)))
     for fqn, facts in sorted(fp8_params.items()):
         if target is not None:
             master = f"optim.{fqn}.master_param"
             if master in saved:
-                entries.append(_Entry(fqn, (master,), target, tuple(facts["shape"])))
+                entries.append(_Entry(f"model.{fqn}", (master,), target, tuple(facts["shape"])))
                 continue
             sources = tuple(f"model.{fqn}.{b}" for b in facts["buffers"] if not b.startswith("columnwise"))
-            entries.append(_Entry(fqn, sources, target, tuple(facts["shape"]), fp8_param=fqn))
+            entries.append(_Entry(f"model.{fqn}", sources, target, tuple(facts["shape"]), fp8_param=fqn))
             continue
         if "rowwise_data" not in facts["buffers"]:
             raise ValueError(f"FP8 parameter {fqn} has no rowwise copy to export: quantize its weights rowwise")
-        for buffer, suffix in _FP8_EXPORTED.items():
+        for buffer in _FP8_EXPORTED:
             if buffer in facts["buffers"]:
                 entry = saved[f"model.{fqn}.{buffer}"]
-                entries.append(_Entry(fqn + suffix, (f"model.{fqn}.{buffer}",), entry.properties.dtype, tuple(entry.size)))
+                dtype = _DATA_DTYPES.get(facts["fmt"]) if buffer == "rowwise_data" else None
+                key = f"model.{fqn}.{buffer}"
+                entries.append(_Entry(key, (key,), dtype or entry.properties.dtype, tuple(entry.size)))
     return sorted(entries, key=lambda e: e.key)
 
 
@@ -146,28 +169,6 @@ def _assign_files(entries: list[_Entry], max_shard_bytes: int | None) -> dict[st
     if len(groups) == 1:
         return {SINGLE_FILE: groups[0]}
     return {f"model-{i + 1:05d}-of-{len(groups):05d}.safetensors": g for i, g in enumerate(groups)}
-
-
-def _layout(path: Path, entries: list[_Entry], header_metadata: dict, create: bool) -> dict[str, int]:
-    """Byte offset of each tensor in the file; with `create`, write the header and size the file."""
-    header, offset = {"__metadata__": header_metadata}, 0
-    for entry in entries:
-        stored = torch.uint8 if entry.dtype == torch.float8_e8m0fnu else entry.dtype
-        header[entry.key] = {
-            "dtype": _SAFETENSORS_DTYPES[stored],
-            "shape": list(entry.shape),
-            "data_offsets": [offset, offset + entry.nbytes],
-        }
-        offset += entry.nbytes
-    encoded = json.dumps(header, separators=(",", ":")).encode()
-    encoded += b" " * (-len(encoded) % 8)  # the data starts 8-byte aligned
-    start = 8 + len(encoded)
-    if create:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        with open(path, "wb") as f:
-            f.write(len(encoded).to_bytes(8, "little") + encoded)
-            f.truncate(start + offset)
-    return {e.key: start + header[e.key]["data_offsets"][0] for e in entries}
 
 
 def _read(step_path: Path, entry: _Entry, saved: dict) -> dict[str, Tensor]:
@@ -191,21 +192,14 @@ def _nest(flat: dict[str, Tensor]) -> dict:
 def _convert(entry: _Entry, sources: dict[str, Tensor], fp8_params: dict) -> Tensor:
     if entry.fp8_param is None:
         (values,) = sources.values()
+        if values.dtype.itemsize == entry.dtype.itemsize == 1:
+            return values.view(entry.dtype)  # bytes kept: FP8 data saved as uint8 is labelled with its format
         return values.to(entry.dtype)
     facts = fp8_params[entry.fp8_param]
     buffers = {key.rsplit(".", 1)[-1]: t for key, t in sources.items()}
     rows, cols = facts["shape"]
     storage = QuantizedStorage(facts["scheme"], facts["fmt"], rows, cols, facts["hadamard"], **buffers)
     return storage.dequantize(torch.float32).to(entry.dtype)
-
-
-def _write_at(path: Path, offset: int, values: Tensor) -> None:
-    data = values.contiguous().view(torch.uint8).numpy().tobytes() if values.numel() else b""
-    fd = os.open(path, os.O_WRONLY)
-    try:
-        os.pwrite(fd, data, offset)
-    finally:
-        os.close(fd)
 
 
 # ---------------------------------------------------------------------------------------- import
@@ -217,22 +211,30 @@ def import_safetensors(path: str | os.PathLike, model: nn.Module) -> None:
     header = _header_metadata(files)
     fp8_facts = {k.removeprefix("fp8:"): json.loads(v) for k, v in header.items() if k.startswith("fp8:")}
     params = dict(model.named_parameters())
-    missing = sorted(set(params) - set(files))
+    missing = sorted(p for p in params if f"model.{p}" not in files and f"model.{p}.rowwise_data" not in files)
     if missing:
         raise ValueError(f"{path} lacks weights of this model: {', '.join(missing[:20])}")
     for fqn, param in params.items():
         if fqn in fp8_facts and header.get("dtype") == "fp8":
             # A sharded export may put an FP8 weight's bytes and its scales in different files.
-            keys = {buffer: fqn + suffix for buffer, suffix in _FP8_EXPORTED.items() if fqn + suffix in files}
+            keys = {buffer: f"model.{fqn}.{buffer}" for buffer in _FP8_EXPORTED if f"model.{fqn}.{buffer}" in files}
             buffers = {buffer: _file_tensor(files, key) for buffer, key in keys.items()}
             _import_fp8(model, fqn, param, fp8_facts[fqn], buffers)
         else:
-            _import_values(model, fqn, param, _file_tensor(files, fqn))
+            _import_values(model, fqn, param, _file_tensor(files, f"model.{fqn}"))
 
 
 def _file_tensor(files: dict[str, Path], key: str) -> Tensor:
+    """Tensor `key` as stored, checked against the file's CRC32 table where it has one."""
     with safe_open(files[key], framework="pt") as f:
-        return f.get_tensor(key)
+        values = f.get_tensor(key)
+    recorded = safetensors_file.read_header(files[key]).recorded_crcs()
+    if recorded is not None and tensor_crc32(values) != recorded.get(key):
+        raise ValueError(
+            f"{files[key]}: tensor {key} has CRC32 {tensor_crc32(values):08x}, but {recorded.get(key, 0):08x} was "
+            "recorded when it was written: the file is corrupted; export it again"
+        )
+    return values
 
 
 def _files_by_key(path: Path) -> dict[str, Path]:
@@ -280,6 +282,7 @@ def _import_fp8(model: nn.Module, fqn: str, param: Tensor, facts: dict, buffers:
     _check_shape(fqn, param, facts["shape"])
     if "rowwise_scale_inv" in buffers and buffers["rowwise_scale_inv"].dtype == torch.uint8 and facts["scheme"] == "mxfp8":
         buffers["rowwise_scale_inv"] = buffers["rowwise_scale_inv"].view(torch.float8_e8m0fnu)
+    buffers["rowwise_data"] = buffers["rowwise_data"].view(torch.uint8)  # F8_E4M3 / F8_E5M2 in the file: raw bytes here
     rows, cols = facts["shape"]
     full = QuantizedStorage(facts["scheme"], facts["fmt"], rows, cols, facts["hadamard"], **buffers)
     local = quantized_params.local_of(param)

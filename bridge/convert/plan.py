@@ -25,8 +25,10 @@ from __future__ import annotations
 
 import math
 import re
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
 
 from bridge import params
 
@@ -111,6 +113,26 @@ class Plan:
         return max(
             (math.prod(s) * itemsize(e.target.dtype) for e in self.entries for bs in e.boxes for _, s in bs), default=0
         )
+
+
+@dataclass(frozen=True)
+class WriteJob:
+    """What a target writer gets (the same for every format): where, what, and how to get each box."""
+
+    path: Path  # the staging path to fill (renamed to the target once complete and verified)
+    plan: Plan
+    owner: int  # this process's owner index (its rank); an Orbax target's owners are its devices
+    devices: tuple | None  # the JAX devices an Orbax target is placed on (None for the other formats)
+    produce: Callable[[str, Box], Any]  # (target key, box) -> the box's values (a CPU torch tensor)
+    tensor_crcs: Callable[[], dict[str, int]]  # every target tensor's CRC32 once all boxes are produced (collective)
+    barrier: Callable[[], None]
+
+    def boxes(self) -> list[tuple[TensorInfo, Box]]:
+        """This process's (tensor, box) pairs, in plan order."""
+        return [(e.target, box) for e in self.plan.entries for box in e.boxes[self.owner]]
+
+    def tensors(self) -> list[TensorInfo]:
+        return [e.target for e in self.plan.entries]
 
 
 def split_rows(shape: tuple[int, ...], owners: int) -> list[Box] | None:
@@ -286,6 +308,7 @@ __all__ = [
     "Plan",
     "PlanEntry",
     "TensorInfo",
+    "WriteJob",
     "check_against",
     "direction",
     "itemsize",

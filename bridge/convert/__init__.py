@@ -1,0 +1,232 @@
+"""Checkpoint conversion DCP <-> Orbax <-> safetensors, streamed box by box into the target's sharding.
+
+    plan      bridge.convert.plan: names and orientation (the architecture's parameter rules), and
+              which process (or JAX device) writes which dim-0 block of each target tensor
+    read      each box is read from the source by its byte ranges only (bridge.convert.dcp /
+              .safetensors / .orbax: one module per format, a row in READERS and WRITERS),
+              transposed when the names say so, then written;
+              a source whose writer recorded checksums (torchside and jaxside saves, our own
+              targets) is checked against them before its bytes are used (CheckFailed on a mismatch)
+    stage     everything is written into `.<name>.partial/` beside the target, created exclusively
+              (torchside.checkpoint.commit's rule): a second conversion into the same target is refused
+    verify    every written box is read back from the staging copy; a per-tensor CRC32 of the bytes as
+              produced and as read back must agree (CheckFailed if not)
+    commit    only then is the staging copy renamed to the target: a failed, refused or interrupted
+              conversion leaves no target and no temporary files
+
+Processes: with torch.distributed initialized, each rank writes its own boxes of a DCP or safetensors
+target (owners = ranks). An Orbax target is written by one process over its JAX devices (owners =
+devices). Peak host memory per process: one target box plus what the source reader holds for it (a
+DCP source: the saved chunks overlapping the box; safetensors and Orbax: the box), except for an Orbax
+target, where Orbax keeps the process's shards of the whole tree until it commits.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from bridge.convert import dcp, orbax, safetensors
+from bridge.convert.plan import Box, Plan, PlanEntry, WriteJob, check_against, itemsize, make_plan
+from bridge.errors import CheckFailed
+from torchside.checkpoint import commit
+from torchside.checkpoint.checksums import crc32_combine, tensor_crc32
+
+# One row per format: how to read a box of a source, how to write a target. A reader is built as
+# reader(path, check=...) and has `tensors`, `skipped`, `verifiable` and `read(key, box)`; a writer
+# is writer(job: WriteJob) and records its format's checksums.
+READERS = {
+    "dcp": dcp.DcpReader,
+    "safetensors": safetensors.SafetensorsReader,
+    "orbax": orbax.OrbaxReader,
+}
+WRITERS: dict[str, Callable[[WriteJob], None]] = {
+    "dcp": dcp.write,
+    "safetensors": safetensors.write,
+    "orbax": orbax.write,
+}
+ProgressCallback = Callable[[str, int], None]  # (target key, bytes written)
+
+
+@dataclass(frozen=True)
+class TensorChecksum:
+    """CRC32 of one target tensor's bytes as produced from the source and as read back from the target."""
+
+    key: str
+    shape: tuple[int, ...]
+    dtype: str
+    produced: int
+    written: int | None  # None when not verified
+
+    @property
+    def ok(self) -> bool:
+        return self.written is None or self.produced == self.written
+
+
+@dataclass(frozen=True)
+class ConvertResult:
+    plan: Plan
+    skipped: tuple[tuple[str, str], ...]  # (source key, reason): the plan's, plus non-tensor entries
+    checksums: tuple[TensorChecksum, ...]  # empty for a dry run
+    source_verified: bool  # False: the source has no recorded checksums (written elsewhere)
+
+    @property
+    def ok(self) -> bool:
+        return all(c.ok for c in self.checksums)
+
+
+def open_reader(fmt: str, path: str | os.PathLike, *, check: bool = True):
+    """A reader of a checkpoint in format `fmt`; `check=False` skips the recorded checksums."""
+    if fmt not in READERS:
+        raise ValueError(f"unknown checkpoint format {fmt!r}: use one of {', '.join(READERS)}")
+    if not os.path.exists(path):
+        raise ValueError(f"source {os.fspath(path)} does not exist")
+    return READERS[fmt](path, check=check)
+
+
+def _process() -> tuple[int, int]:
+    return (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
+
+
+def _barrier() -> None:
+    if dist.is_initialized():
+        dist.barrier()
+
+
+def _on_rank0(action: Callable[[], object]) -> object:
+    """`action()` on rank 0; an exception it raises is raised on every rank (none waits for it forever)."""
+    rank, world = _process()
+    result, error = None, None
+    if rank == 0:
+        try:
+            result = action()
+        except (ValueError, OSError) as failure:
+            error = failure
+    if world > 1:
+        box = [(result, error)]
+        dist.broadcast_object_list(box, src=0)
+        result, error = box[0]
+    if error is not None:
+        raise error
+    return result
+
+
+def convert(
+    source: str | os.PathLike,
+    source_format: str,
+    target: str | os.PathLike,
+    target_format: str,
+    *,
+    with_optimizer: bool = False,
+    architecture: str = "shardbridge",
+    expected: Mapping[str, tuple[int, ...]] | None = None,
+    dry_run: bool = False,
+    verify: bool = True,
+    on_box: ProgressCallback | None = None,
+) -> ConvertResult:
+    """Convert a checkpoint (see the module docstring); ValueError before anything is written if it cannot."""
+    target = Path(target).absolute()
+    if target_format not in WRITERS:
+        raise ValueError(f"unknown checkpoint format {target_format!r}: use one of {', '.join(WRITERS)}")
+    rank, world = _process()
+    devices = _devices(target_format, world)
+    reader = open_reader(source_format, source)
+    owners = len(devices) if devices is not None else world
+    plan = make_plan(reader.tensors, source_format, target_format, owners, with_optimizer=with_optimizer, architecture=architecture)
+    if expected is not None:
+        check_against(plan, expected)
+    skipped = plan.skipped + tuple(reader.skipped)
+    if dry_run:
+        return ConvertResult(plan, skipped, (), reader.verifiable)
+    produced: dict[tuple[str, Box], int] = {}
+    by_target = {e.target.key: e for e in plan.entries}
+
+    def produce(key: str, box: Box) -> torch.Tensor:
+        entry = by_target[key]
+        values = reader.read(entry.source.key, entry.source_box(box))
+        values = values.t().contiguous() if entry.transpose else values
+        produced[(key, box)] = tensor_crc32(values)
+        if on_box is not None:
+            on_box(key, values.nbytes)
+        return values
+
+    written_path = _on_rank0(lambda: commit.stage(target))
+    try:
+        job = WriteJob(written_path, plan, rank, devices, produce, lambda: _tensor_crcs(plan.entries, produced), _barrier)
+        WRITERS[target_format](job)
+        _barrier()
+        written = _read_back(written_path, target_format, produced) if verify else {}
+        checksums = _checksums(plan.entries, produced, written)
+        differ = [c for c in checksums if not c.ok]
+        if differ:
+            listed = "; ".join(f"{c.key}: produced {c.produced:08x}, read back {c.written:08x}" for c in differ)
+            raise CheckFailed(f"{target}: the written copy differs from what was produced ({listed}); nothing was committed")
+        _barrier()
+        _on_rank0(lambda: commit.publish_staged(written_path, target))
+    except BaseException:
+        if rank == 0:
+            commit.discard(target)
+        raise
+    return ConvertResult(plan, skipped, checksums, reader.verifiable)
+
+
+def _devices(target_format: str, world: int):
+    """The JAX devices an Orbax target is placed on (None for the other formats)."""
+    if target_format != "orbax":
+        return None
+    if world > 1:
+        raise ValueError("an Orbax target is written by one process (over its JAX devices); run without torch.distributed")
+    import jax
+
+    return tuple(jax.local_devices())
+
+
+def _read_back(path: Path, target_format: str, produced: Mapping[tuple[str, Box], int]) -> dict[tuple[str, Box], int]:
+    reader = open_reader(target_format, path, check=False)  # compared with what was produced instead
+    return {(key, box): tensor_crc32(reader.read(key, box)) for key, box in produced}
+
+
+def _gather(crcs: dict[tuple[str, Box], int]) -> dict[tuple[str, Box], int]:
+    """Every rank's box CRCs (each rank produced and read back its own boxes)."""
+    if not dist.is_initialized():
+        return crcs
+    gathered: list = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, crcs)
+    return {k: v for part in gathered for k, v in part.items()}
+
+
+def _tensor_crc(entry: PlanEntry, crcs: Mapping[tuple[str, Box], int]) -> int | None:
+    """CRC32 of a whole target tensor's bytes from its boxes' (dim-0 blocks, joined in row order)."""
+    boxes = sorted(box for owner in entry.boxes for box in owner)
+    if any((entry.target.key, box) not in crcs for box in boxes):
+        return None
+    crc = crcs[(entry.target.key, boxes[0])]
+    for offsets, sizes in boxes[1:]:
+        nbytes = math.prod(sizes) * itemsize(entry.target.dtype)
+        crc = crc32_combine(crc, crcs[(entry.target.key, (offsets, sizes))], nbytes)
+    return crc
+
+
+def _tensor_crcs(entries, produced: dict) -> dict[str, int]:
+    everything = _gather(produced)
+    return {e.target.key: _tensor_crc(e, everything) for e in entries}
+
+
+def _checksums(entries, produced: dict, written: dict) -> tuple[TensorChecksum, ...]:
+    produced, written = _gather(produced), _gather(written)
+    verified = bool(written)
+    return tuple(
+        TensorChecksum(
+            e.target.key, e.target.shape, e.target.dtype, _tensor_crc(e, produced), _tensor_crc(e, written) if verified else None
+        )
+        for e in entries
+    )
+
+
+__all__ = ["READERS", "WRITERS", "ConvertResult", "TensorChecksum", "convert", "open_reader"]
