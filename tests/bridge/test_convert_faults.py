@@ -128,7 +128,7 @@ def _damage(case: str, root: Path) -> tuple[Path, str, str]:
             return source, "dcp", f"{data} is missing"
         if case == "checksums-garbled":
             (source / "__0_checksums.json").write_text('{"__0_0.distcp": [12, ')
-            return source, "dcp", f"{source / '__0_checksums.json'} is not a checksum file"
+            return source, "dcp", f"{source / '__0_checksums.json'} is damaged"
         metadata = source / ".metadata"
         if case == "metadata-truncated":
             _truncate(metadata)
@@ -136,7 +136,7 @@ def _damage(case: str, root: Path) -> tuple[Path, str, str]:
             raw = bytearray(metadata.read_bytes())
             raw[: len(raw) // 2] = bytes(b ^ 0x5A for b in raw[: len(raw) // 2])
             metadata.write_bytes(bytes(raw))
-        return source, "dcp", f"{metadata} cannot be read"
+        return source, "dcp", f"{metadata} is damaged"
     if case == "foreign-dcp-truncated":
         dcp.save(_state(), checkpoint_id=root / "src", no_dist=True)
         data = next((root / "src").glob("*.distcp"))
