@@ -8,6 +8,7 @@ standalone rendezvous on this node); for several nodes call torchrun with its re
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
 
 from rich.console import Console
 
@@ -28,7 +29,8 @@ def run(args: argparse.Namespace, console: Console) -> int:
     from torch.distributed import run as torchrun
 
     if args.nproc < 1:
-        Console(stderr=True).print(f"[bold red]error:[/] -n {args.nproc}: start at least one process")
-        return 2
+        raise ValueError(f"-n {args.nproc}: start at least one process")
+    if not Path(args.script).is_file():
+        raise ValueError(f"{args.script}: no such script; pass the path of a Python file")
     torchrun.main(["--standalone", "--nproc-per-node", str(args.nproc), args.script, *args.script_args])
     return 0
