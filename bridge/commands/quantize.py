@@ -50,7 +50,9 @@ def register(verbs) -> None:
     parser.add_argument(
         "--recipe", required=True, choices=RECIPES, help="delayed casts with its first scale, 1 (no amax history yet)"
     )
-    parser.add_argument("--role", default="input", choices=("input", "weight", "grad"))
+    parser.add_argument(
+        "--role", default="input", choices=("input", "weight", "grad"), help="the tensor's role (default input)"
+    )
     parser.add_argument("--out", required=True, metavar="OUT.npz", help="written exactly at this path (no suffix added)")
     parser.add_argument("--format", choices=("e4m3", "e5m2"), help="FP8 format (default: the recipe's)")
     parser.add_argument("--scale-rounding", choices=("up", "floor"), help="MXFP8 E8M0 scale rounding (default up)")

@@ -25,14 +25,16 @@ def register(verbs) -> None:
         help="run a model in torch and JAX on the same devices and name the first tensor that diverges",
         description=__doc__.split("\n\n")[1],
     )
-    parser.add_argument("--model", default="mlp", help="linear, mlp or transformer (bridge/twins.py)")
-    parser.add_argument("--layers", type=int, default=2)
-    parser.add_argument("--hidden", type=int, default=256, help="hidden size (ffn = 4x)")
+    parser.add_argument("--model", default="mlp", help="linear, mlp (default) or transformer (bridge/twins.py)")
+    parser.add_argument("--layers", type=int, default=2, help="blocks in the stack (default 2)")
+    parser.add_argument(
+        "--hidden", type=int, default=256, help="hidden size (default 256; ffn = 4x; TP must divide the ffn and heads)"
+    )
     parser.add_argument("--recipe", default="current", help=RECIPE_CHOICES)
     parser.add_argument(
         "--mesh", action="append", help="mesh axes, e.g. dp=2,tp=2 (FSDP x TP) or rep=2,dp=2 (HSDP); repeatable"
     )
-    parser.add_argument("--steps", type=int, default=5)
+    parser.add_argument("--steps", type=int, default=5, help="optimizer steps compared (default 5)")
     parser.add_argument(
         "--device", choices=("cpu", "cuda"), help="default: cuda where torch sees a GPU per process, else the CPU"
     )
