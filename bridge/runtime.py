@@ -18,13 +18,15 @@ with bridge.layout that both place a probe tensor identically.
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import os
 import re
+import signal
 import socket
 import tempfile
 import uuid
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -92,8 +94,22 @@ def launch(
             start_method="spawn",
             logs_specs=DefaultLogsSpecs(log_dir=logs, redirects=Std.OUT),  # workers' stdout (gloo's chatter)
         )
-        results = elastic_launch(config, _worker)(fn, args, device_type, timeout_s)
+        with ctrl_c_as_keyboard_interrupt():
+            results = elastic_launch(config, _worker)(fn, args, device_type, timeout_s)
     return [results[rank] for rank in range(nprocs)]
+
+
+@contextlib.contextmanager
+def ctrl_c_as_keyboard_interrupt() -> Iterator[None]:
+    """torchrun's agent turns Ctrl-C into SignalException after stopping its workers: make it KeyboardInterrupt again."""
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+
+    try:
+        yield
+    except SignalException as received:
+        if received.sigval != signal.SIGINT:
+            raise
+        raise KeyboardInterrupt from received
 
 
 @record

@@ -100,3 +100,25 @@ def test_output_to_a_pipe_is_not_wrapped(monkeypatch, capsys):
     monkeypatch.setattr(runtime, "launch", lambda *args, **kwargs: [[report.to_json()]])
     assert cli.main(["verify", "--device", "cpu"]) == 0
     assert f"{name} (step 0)" in capsys.readouterr().out
+
+
+def test_ctrl_c_under_torchrun_exits_130(monkeypatch, capsys, tmp_path):
+    """torchrun's agent reports Ctrl-C as SignalException(SIGINT); the CLI still says `interrupted`, exit 130."""
+    import signal
+
+    from torch.distributed import run as torchrun
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+
+    def interrupted(argv):
+        raise SignalException("Process 1 got signal: 2", signal.SIGINT)
+
+    script = tmp_path / "script.py"
+    script.write_text("")
+    monkeypatch.setattr(torchrun, "main", interrupted)
+    assert cli.main(["run", "-n", "2", str(script)]) == 130
+    assert capsys.readouterr().err == "error: interrupted\n"
+
+
+def test_run_names_a_missing_script(capsys):
+    assert cli.main(["run", "-n", "2", "/nonexistent/train.py"]) == 2
+    assert capsys.readouterr().err == "error: /nonexistent/train.py: no such script; pass the path of a Python file\n"
