@@ -23,7 +23,7 @@ ZIP_MAGIC = b"PK\x03\x04"  # a .npz is a zip archive
 # What a NaN or Inf element changes beyond itself, per recipe (the amax it enters scales this much).
 NON_FINITE_REACH = {
     "current": "the whole tensor (its one amax is not finite)",
-    "delayed": "only their own elements (delayed scaling casts with its stored scale)",
+    "delayed": "their own elements in this cast (it uses the stored scale) and the amax history of later scales",
     "block": "their 1x128 (128x128 for weights) blocks' scales",
     "mxfp8": "their 32-element blocks' E8M0 scales",
     "nvfp4": "the whole tensor (the global amax is not finite) and their 16-element blocks",
