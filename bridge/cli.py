@@ -84,7 +84,8 @@ def check_output_path(option: str, path: str, *, directory: bool = False) -> Pat
         try:
             target.mkdir(parents=True, exist_ok=True)
         except OSError as error:
-            raise ValueError(f"{option} {path}: cannot create the directory ({error.strerror}); pick another path") from error
+            reason = f"cannot create the directory ({error.strerror})"
+            raise ValueError(f"{option} {path}: {reason}; pick another path") from error
         folder = target
     else:
         folder = target.parent

@@ -39,10 +39,10 @@ def placements_to_pspec(
 ) -> PartitionSpec:
     """The PartitionSpec putting the same elements on the same devices (`transpose`: for the [in, out] twin).
 
-    The verdict comes from shard maps: the spec read off the placements' form is tried first (it is the
-    readable one), then every spec of the mesh; the first whose map equals DTensor's wins. `torch.chunk`
-    can make a split factor no axis product explains give a JAX layout all the same (4 rows, sf=3: chunks
-    of 2, 2, 0 rows).
+    The spec read off the placements' form comes first: where its dims divide evenly it gives DTensor's
+    map (the tests check this against live DTensors). Where it does not exist, the verdict comes from shard
+    maps: every spec of the mesh is tried and the first whose map equals DTensor's wins, since
+    `torch.chunk` can make an uneven split JAX reproduces (4 rows, sf=3: chunks of 2, 2 and 0 rows).
     """
     from jax.sharding import PartitionSpec
     from torch.distributed.tensor import Partial
@@ -50,7 +50,7 @@ def placements_to_pspec(
     shape = tuple(int(n) for n in global_shape)
     if transpose:
         _require_2d(len(shape))
-    torch_map = from_placements(mesh, placements, shape)
+    check_placements(mesh, placements)
     for name, placement in zip(mesh.axis_names, placements):
         if isinstance(placement, Partial):
             raise ValueError(
@@ -58,17 +58,13 @@ def placements_to_pspec(
                 f"finished values, not summands of a pending reduction; redistribute to Replicate() first"
             )
     try:
-        candidates = [_spec_of_the_form(mesh, placements, shape)]
-        why_not = None
-    except ValueError as reason:
-        candidates, why_not = [], reason
-    for entries in [*candidates, *_every_spec(mesh, len(shape))]:
-        if _gives_map(mesh, entries, shape, torch_map):
-            return PartitionSpec(*(entries[::-1] if transpose else entries))
-    raise why_not or ValueError(
-        f"no JAX equivalent: no PartitionSpec over mesh axes {mesh.axis_names} puts the elements where "
-        f"{list(placements)} does"
-    )
+        entries = _spec_of_the_form(mesh, placements, shape)
+    except ValueError as why_not:
+        torch_map = from_placements(mesh, placements, shape)
+        entries = next((e for e in _every_spec(mesh, len(shape)) if _gives_map(mesh, e, shape, torch_map)), None)
+        if entries is None:
+            raise why_not
+    return PartitionSpec(*(entries[::-1] if transpose else entries))
 
 
 def _spec_of_the_form(mesh: MeshSpec, placements: Sequence[Placement], shape: tuple[int, ...]) -> list[Any]:

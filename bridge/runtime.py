@@ -101,7 +101,7 @@ def launch(
 
 @contextlib.contextmanager
 def ctrl_c_as_keyboard_interrupt() -> Iterator[None]:
-    """torchrun's agent turns Ctrl-C into SignalException after stopping its workers: make it KeyboardInterrupt again."""
+    """torchrun's agent turns Ctrl-C into SignalException after stopping its workers: back to KeyboardInterrupt."""
     from torch.distributed.elastic.multiprocessing.api import SignalException
 
     try:
@@ -173,7 +173,8 @@ def choose_device_type(requested: str | None, processes: int, gpus: int) -> tupl
         return "cuda", None
     if requested == "cuda":
         raise ValueError(_too_few_gpus(processes, gpus))
-    return "cpu", f"{processes} processes need {processes} GPUs but torch sees {gpus}: running {processes} CPU processes"
+    note = f"{processes} processes need {processes} GPUs but torch sees {gpus}: running {processes} CPU processes"
+    return "cpu", note
 
 
 def _too_few_gpus(processes: int, gpus: int) -> str:

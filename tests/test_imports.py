@@ -30,7 +30,8 @@ TOP_LEVEL = {
     ),
     "torchside.autocast": ("fp8_autocast", "quantized_model_init"),
     "torchside.recipe": (
-        "DelayedScaling", "Float8CurrentScaling", "Float8BlockScaling", "MXFP8BlockScaling", "NVFP4BlockScaling", "Format",
+        "DelayedScaling", "Float8CurrentScaling", "Float8BlockScaling", "MXFP8BlockScaling", "NVFP4BlockScaling",
+        "Format",
     ),
 }  # fmt: skip
 

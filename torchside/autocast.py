@@ -1,8 +1,9 @@
 """FP8 regions (`fp8_autocast`) and FP8 parameter creation (`quantized_model_init`).
 
 `fp8_autocast(enabled, recipe, amax_reduction_group)` (TransformerEngine's `fp8_recipe=` and
-`fp8_group=` work too): the modules called inside run their GEMMs in FP8 under `recipe`. Regions nest; the innermost one decides, and a `None` recipe or group
-inherits the enclosing region's (`DelayedScaling()` at the top, as in TransformerEngine).
+`fp8_group=` work too): the modules called inside run their GEMMs in FP8 under `recipe`. Regions
+nest; the innermost one decides, and a `None` recipe or group inherits the enclosing region's
+(`DelayedScaling()` at the top, as in TransformerEngine).
 
 DelayedScaling keeps state between steps; its bookkeeping happens here, once per region:
 

@@ -53,7 +53,7 @@ def register(verbs) -> None:
     parser.add_argument(
         "--role", default="input", choices=("input", "weight", "grad"), help="the tensor's role (default input)"
     )
-    parser.add_argument("--out", required=True, metavar="OUT.npz", help="written exactly at this path (no suffix added)")
+    parser.add_argument("--out", required=True, metavar="OUT.npz", help="written at exactly this path")
     parser.add_argument("--format", choices=("e4m3", "e5m2"), help="FP8 format (default: the recipe's)")
     parser.add_argument("--scale-rounding", choices=("up", "floor"), help="MXFP8 E8M0 scale rounding (default up)")
     parser.add_argument("--dtype", choices=tuple(DTYPES), help="cast the input to this dtype before quantizing")
