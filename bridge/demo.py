@@ -32,14 +32,19 @@ LOSS_DROP = 0.95  # the last step's loss must be at most this fraction of the fi
 
 def run_demo(options: DemoOptions, status: Callable[[str], Any] = print) -> DemoReport:
     """All stages (module docstring); the report, also written to out/report.json."""
+    import torch
+
     from bridge import runtime
 
+    processes = max(options.world_size, options.reload_dp)
+    device, fallback = runtime.choose_device_type(options.device, processes, torch.cuda.device_count())
+    if fallback:
+        status(fallback)
     out = Path(options.out).absolute()
     for stale in (demo_train.CHECKPOINT_DIR, "orbax"):  # the demo's own checkpoints of an earlier run
         shutil.rmtree(out / stale, ignore_errors=True)
     out.mkdir(parents=True, exist_ok=True)
     report = DemoReport(options=dataclasses.asdict(options))
-    device = options.device
 
     status(f"training on {options.world_size} processes (FSDP2 dp={options.dp} x TP tp={options.tp}), then JAX")
     started = time.perf_counter()

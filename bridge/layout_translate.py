@@ -1,5 +1,7 @@
 """DTensor placements <-> JAX PartitionSpec: the exact equivalent, or the reason there is none.
 
+"Equivalent" means equal shard maps (bridge.layout): every device holds the same elements.
+
 Both sides name mesh axes alike and build the mesh in rank order. A JAX spec entry lists
 the axes splitting a dim, most significant first. DTensor splits left to right over
 mesh dims, each `Shard` taking the most significant part still free, so a dim whose
@@ -10,12 +12,22 @@ of the sizes of the later mesh axes that JAX puts before it:
 
 from __future__ import annotations
 
+import itertools
 import math
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
 from bridge import _torch_compat
-from bridge.layout import MeshSpec, check_placements, pspec_axes, sharded_dim
+from bridge.layout import (
+    MeshSpec,
+    ShardMap,
+    check_placements,
+    compare,
+    from_placements,
+    from_pspec,
+    pspec_axes,
+    sharded_dim,
+)
 
 if TYPE_CHECKING:
     from jax.sharding import PartitionSpec
@@ -25,20 +37,39 @@ if TYPE_CHECKING:
 def placements_to_pspec(
     mesh: MeshSpec, placements: Sequence[Placement], global_shape: Sequence[int], *, transpose: bool = False
 ) -> PartitionSpec:
-    """The PartitionSpec putting the same elements on the same devices (`transpose`: for the [in, out] twin)."""
+    """The PartitionSpec putting the same elements on the same devices (`transpose`: for the [in, out] twin).
+
+    The spec read off the placements' form comes first: where its dims divide evenly it gives DTensor's
+    map (the tests check this against live DTensors). Where it does not exist, the verdict comes from shard
+    maps: every spec of the mesh is tried and the first whose map equals DTensor's wins, since
+    `torch.chunk` can make an uneven split JAX reproduces (4 rows, sf=3: chunks of 2, 2 and 0 rows).
+    """
     from jax.sharding import PartitionSpec
     from torch.distributed.tensor import Partial
 
     shape = tuple(int(n) for n in global_shape)
     if transpose:
         _require_2d(len(shape))
-    splits = _splits_per_dim(mesh, placements, shape)
+    check_placements(mesh, placements)
     for name, placement in zip(mesh.axis_names, placements):
         if isinstance(placement, Partial):
             raise ValueError(
                 f"{placement!r} on mesh axis {name!r} has no PartitionSpec equivalent: a NamedSharding places "
                 f"finished values, not summands of a pending reduction; redistribute to Replicate() first"
             )
+    try:
+        entries = _spec_of_the_form(mesh, placements, shape)
+    except ValueError as why_not:
+        torch_map = from_placements(mesh, placements, shape)
+        entries = next((e for e in _every_spec(mesh, len(shape)) if _gives_map(mesh, e, shape, torch_map)), None)
+        if entries is None:
+            raise why_not
+    return PartitionSpec(*(entries[::-1] if transpose else entries))
+
+
+def _spec_of_the_form(mesh: MeshSpec, placements: Sequence[Placement], shape: tuple[int, ...]) -> list[Any]:
+    """The spec entries read off the placements: each split factor must be a product of later axes' sizes."""
+    splits = _splits_per_dim(mesh, placements, shape)
     entries: list[Any] = []
     for dim, splits_of_dim in enumerate(splits):
         order: list[int] = []  # mesh dims splitting `dim`, most significant first
@@ -52,7 +83,23 @@ def placements_to_pspec(
                 f"dims that do not divide evenly (pad dim {dim} to {-(-shape[dim] // parts) * parts})"
             )
         entries.append(None if not names else names[0] if len(names) == 1 else names)
-    return PartitionSpec(*(entries[::-1] if transpose else entries))
+    return entries
+
+
+def _every_spec(mesh: MeshSpec, ndim: int) -> Iterator[list[Any]]:
+    """Spec entries of every PartitionSpec: each mesh axis of size > 1 unused or on one dim, in every order."""
+    axes = [name for name, size in zip(mesh.axis_names, mesh.shape) if size > 1]
+    for assignment in itertools.product(range(-1, ndim), repeat=len(axes)):
+        per_dim = [[name for name, d in zip(axes, assignment) if d == dim] for dim in range(ndim)]
+        for orders in itertools.product(*(itertools.permutations(names) for names in per_dim)):
+            yield [None if not names else names[0] if len(names) == 1 else names for names in orders]
+
+
+def _gives_map(mesh: MeshSpec, entries: list[Any], shape: tuple[int, ...], expected: ShardMap) -> bool:
+    try:
+        return compare(from_pspec(mesh, entries, shape), expected).equal
+    except ValueError:  # JAX rejects this spec for this shape (a dim does not divide)
+        return False
 
 
 def pspec_to_placements(

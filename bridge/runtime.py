@@ -18,13 +18,15 @@ with bridge.layout that both place a probe tensor identically.
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import os
 import re
+import signal
 import socket
 import tempfile
 import uuid
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -92,8 +94,22 @@ def launch(
             start_method="spawn",
             logs_specs=DefaultLogsSpecs(log_dir=logs, redirects=Std.OUT),  # workers' stdout (gloo's chatter)
         )
-        results = elastic_launch(config, _worker)(fn, args, device_type, timeout_s)
+        with ctrl_c_as_keyboard_interrupt():
+            results = elastic_launch(config, _worker)(fn, args, device_type, timeout_s)
     return [results[rank] for rank in range(nprocs)]
+
+
+@contextlib.contextmanager
+def ctrl_c_as_keyboard_interrupt() -> Iterator[None]:
+    """torchrun's agent turns Ctrl-C into SignalException after stopping its workers: back to KeyboardInterrupt."""
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+
+    try:
+        yield
+    except SignalException as received:
+        if received.sigval != signal.SIGINT:
+            raise
+        raise KeyboardInterrupt from received
 
 
 @record
@@ -143,6 +159,31 @@ def shutdown() -> None:
         dist.destroy_process_group()
 
 
+def choose_device_type(requested: str | None, processes: int, gpus: int) -> tuple[str, str | None]:
+    """The device type for `processes` co-located processes on a node with `gpus` GPUs, and a note if it fell back.
+
+    The default (None) is a process per GPU where there are enough GPUs, else CPU processes (the note says
+    so); an explicit "cuda" with too few GPUs is a ValueError naming the fix.
+    """
+    if requested not in (None, *DEVICES):
+        raise ValueError(f"device type {requested!r}: use one of {DEVICES}")
+    if requested == "cpu" or (requested is None and gpus == 0):
+        return "cpu", None
+    if gpus >= processes:
+        return "cuda", None
+    if requested == "cuda":
+        raise ValueError(_too_few_gpus(processes, gpus))
+    note = f"{processes} processes need {processes} GPUs but torch sees {gpus}: running {processes} CPU processes"
+    return "cpu", note
+
+
+def _too_few_gpus(processes: int, gpus: int) -> str:
+    return (
+        f"{processes} processes per node need {processes} GPUs but torch sees {gpus}: "
+        "start fewer processes, or run on the CPU (device type 'cpu')"
+    )
+
+
 def _check_device_type(device_type: str, local_processes: int) -> None:
     if device_type not in DEVICES:
         raise ValueError(f"device type {device_type!r}: use one of {DEVICES}")
@@ -151,10 +192,7 @@ def _check_device_type(device_type: str, local_processes: int) -> None:
 
         available = torch.cuda.device_count()
         if local_processes > available:
-            raise ValueError(
-                f"{local_processes} processes per node need {local_processes} GPUs but torch sees {available}: "
-                "start fewer processes, or run on the CPU (device type 'cpu')"
-            )
+            raise ValueError(_too_few_gpus(local_processes, available))
 
 
 def _prepare_jax_environment(device_type: str) -> None:

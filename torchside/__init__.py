@@ -1,7 +1,12 @@
 """The PyTorch frontend: FP8 recipes, quantized tensors and TransformerEngine-style modules.
 
-Never imports jax.
+As in TransformerEngine, the modules (`torchside.Linear`, `LayerNormMLP`, `TransformerLayer`, ...),
+`fp8_autocast` and `quantized_model_init` are importable from here; they load on first use, so
+`import torchside` stays as cheap as the recipes. Never imports jax.
 """
+
+import importlib
+from typing import Any
 
 from torch import Tensor
 
@@ -17,6 +22,39 @@ from torchside.recipe import (
     Recipe,
     check_role,
 )
+
+# Loaded on first access (module __getattr__): name -> the module defining it.
+_LAZY = {
+    **dict.fromkeys(("fp8_autocast", "quantized_model_init"), "torchside.autocast"),
+    **dict.fromkeys(
+        (
+            "DotProductAttention",
+            "GroupedLinear",
+            "LayerNorm",
+            "LayerNormLinear",
+            "LayerNormMLP",
+            "Linear",
+            "ModuleConfig",
+            "MultiheadAttention",
+            "RMSNorm",
+            "TransformerConfig",
+            "TransformerLayer",
+        ),
+        "torchside.modules",
+    ),
+}
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _LAZY:
+        raise AttributeError(f"module 'torchside' has no attribute {name!r}")
+    value = getattr(importlib.import_module(_LAZY[name]), name)
+    globals()[name] = value  # the next access skips this function
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted([*globals(), *_LAZY])
 
 
 def quantize(tensor: Tensor, recipe: Recipe, role: str = "input") -> QuantizedTensor:
@@ -41,4 +79,5 @@ __all__ = [
     "QuantizedTensor",
     "Quantizer",
     "quantize",
+    *sorted(_LAZY),
 ]

@@ -1,8 +1,9 @@
 """FP8 regions (`fp8_autocast`) and FP8 parameter creation (`quantized_model_init`).
 
-`fp8_autocast(enabled, recipe, amax_reduction_group)`: the modules called inside run their GEMMs
-in FP8 under `recipe`. Regions nest; the innermost one decides, and a `None` recipe or group
-inherits the enclosing region's (`DelayedScaling()` at the top, as in TransformerEngine).
+`fp8_autocast(enabled, recipe, amax_reduction_group)` (TransformerEngine's `fp8_recipe=` and
+`fp8_group=` work too): the modules called inside run their GEMMs in FP8 under `recipe`. Regions
+nest; the innermost one decides, and a `None` recipe or group inherits the enclosing region's
+(`DelayedScaling()` at the top, as in TransformerEngine).
 
 DelayedScaling keeps state between steps; its bookkeeping happens here, once per region:
 
@@ -120,11 +121,30 @@ def _check_bool(owner: str, name: str, value: object) -> None:
         raise TypeError(f"{owner}({name}={value!r}): pass True or False")
 
 
+def _one_spelling(owner: str, name: str, value: object, te_name: str, te_value: object) -> object:
+    """The value given under our name or TransformerEngine's; TypeError if both are given."""
+    if value is not None and te_value is not None:
+        raise TypeError(f"{owner}: pass {name}= or {te_name}= (TransformerEngine's spelling), not both")
+    return te_value if value is None else value
+
+
 @contextlib.contextmanager
 def fp8_autocast(
-    enabled: bool = True, recipe: Recipe | None = None, amax_reduction_group: dist.ProcessGroup | None = None
+    enabled: bool = True,
+    recipe: Recipe | None = None,
+    amax_reduction_group: dist.ProcessGroup | None = None,
+    *,
+    fp8_recipe: Recipe | None = None,
+    fp8_group: dist.ProcessGroup | None = None,
 ) -> Iterator[None]:
-    """Run the GEMMs of the modules called inside in FP8 under `recipe` (see the module docstring)."""
+    """Run the GEMMs of the modules called inside in FP8 under `recipe` (see the module docstring).
+
+    `fp8_recipe=` and `fp8_group=` are TransformerEngine's keywords for `recipe` and `amax_reduction_group`.
+    """
+    recipe = _one_spelling("fp8_autocast", "recipe", recipe, "fp8_recipe", fp8_recipe)
+    amax_reduction_group = _one_spelling(
+        "fp8_autocast", "amax_reduction_group", amax_reduction_group, "fp8_group", fp8_group
+    )
     _check_bool("fp8_autocast", "enabled", enabled)
     _check_recipe("fp8_autocast", recipe)
     if amax_reduction_group is not None and not isinstance(amax_reduction_group, dist.ProcessGroup):

@@ -46,26 +46,25 @@ def register(verbs) -> None:
         help="where report.json, layouts.png, loss.png and the checkpoints dcp/ and orbax/ go; an earlier demo's "
         "dcp/ and orbax/ there are replaced (default ./shardbridge-demo)",
     )  # fmt: skip
-    parser.add_argument("--device", choices=("cpu", "cuda"), help="default: cuda (a process per GPU) if torch sees one")
+    parser.add_argument(
+        "--device", choices=("cpu", "cuda"),
+        help="default: cuda (a process per GPU) where torch sees enough GPUs for the mesh, else CPU processes",
+    )  # fmt: skip
     parser.add_argument("--json", action="store_true", help="print the report as JSON instead of the table")
-    parser.set_defaults(run=run, parser=parser)
+    parser.set_defaults(run=run)
 
 
 def run(args: argparse.Namespace, console: Console) -> int:
+    from bridge.cli import check_output_path
+
     fields = ("steps", "recipe", "dp", "tp", "reload_dp", "batch_size", "seq_len", "lr", "out", "device")
-    try:
-        options = DemoOptions(**{name: getattr(args, name) for name in fields})
-    except ValueError as error:
-        args.parser.error(str(error))  # usage + message on stderr, exit 2
+    options = DemoOptions(**{name: getattr(args, name) for name in fields})
+    check_output_path("--out", options.out, directory=True)
     from bridge.demo import run_demo
     from bridge.demo_report import table
 
     errors = Console(stderr=True, soft_wrap=True)
-    try:
-        report = run_demo(options, status=lambda text: errors.print(f"[bold]>[/] {escape(text)}"))
-    except ValueError as error:  # e.g. more processes than GPUs
-        errors.print(f"[bold red]error:[/] {escape(str(error))}")
-        return 2
+    report = run_demo(options, status=lambda text: errors.print(f"[bold]>[/] {escape(text)}"))
     if args.json:
         console.out(json.dumps(report.to_json()), highlight=False)
     else:

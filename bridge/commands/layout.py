@@ -57,20 +57,19 @@ class _Layouts:
 
 
 def run(args: argparse.Namespace, console: Console) -> int:
-    errors = Console(stderr=True)
-    try:
-        layouts = _layouts(args)
-        if args.png:
-            _save_png(args.png, layouts)
-    except (ValueError, TypeError, OSError) as error:
-        errors.print(f"[bold red]error:[/] {escape(str(error))}")
-        return 2
+    from bridge.cli import check_output_path
+
+    if args.png:
+        check_output_path("--png", args.png)
+    layouts = _layouts(args)
+    if args.png:
+        _save_png(args.png, layouts)
     if args.json:
         console.out(json.dumps(_as_json(args.mesh, layouts)), highlight=False)
     else:
         _render(console, args.mesh, layouts)
     if args.png:
-        errors.print(f"wrote {escape(args.png)}")
+        Console(stderr=True, soft_wrap=True).print(f"wrote {escape(args.png)}")
     return 0 if layouts.equal else 1
 
 

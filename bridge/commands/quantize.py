@@ -18,6 +18,16 @@ from rich.table import Table
 
 RECIPES = ("current", "delayed", "block", "mxfp8", "nvfp4")
 DTYPES = {"fp32": "float32", "fp16": "float16", "bf16": "bfloat16"}
+NPY_MAGIC = b"\x93NUMPY"
+ZIP_MAGIC = b"PK\x03\x04"  # a .npz is a zip archive
+# What a NaN or Inf element changes beyond itself, per recipe (the amax it enters scales this much).
+NON_FINITE_REACH = {
+    "current": "the whole tensor (its one amax is not finite)",
+    "delayed": "their own elements in this cast (it uses the stored scale) and the amax history of later scales",
+    "block": "their 1x128 (128x128 for weights) blocks' scales",
+    "mxfp8": "their 32-element blocks' E8M0 scales",
+    "nvfp4": "the whole tensor (the global amax is not finite) and their 16-element blocks",
+}
 USAGES = {"both": (True, True), "rowwise": (True, False), "columnwise": (False, True)}
 # .npz key -> field of kernels.reference.Quantized (the global scales are derived from amaxes)
 NPZ_KEYS = {
@@ -40,8 +50,10 @@ def register(verbs) -> None:
     parser.add_argument(
         "--recipe", required=True, choices=RECIPES, help="delayed casts with its first scale, 1 (no amax history yet)"
     )
-    parser.add_argument("--role", default="input", choices=("input", "weight", "grad"))
-    parser.add_argument("--out", required=True, metavar="OUT.npz")
+    parser.add_argument(
+        "--role", default="input", choices=("input", "weight", "grad"), help="the tensor's role (default input)"
+    )
+    parser.add_argument("--out", required=True, metavar="OUT.npz", help="written at exactly this path")
     parser.add_argument("--format", choices=("e4m3", "e5m2"), help="FP8 format (default: the recipe's)")
     parser.add_argument("--scale-rounding", choices=("up", "floor"), help="MXFP8 E8M0 scale rounding (default up)")
     parser.add_argument("--dtype", choices=tuple(DTYPES), help="cast the input to this dtype before quantizing")
@@ -51,19 +63,21 @@ def register(verbs) -> None:
 
 
 def run(args: argparse.Namespace, console: Console) -> int:
-    errors = Console(stderr=True, soft_wrap=True)  # one error line, unwrapped
-    try:
-        x = _load(Path(args.input), args.dtype)
-        results, unavailable = _quantize_everywhere(x, _recipe(args), args.role, USAGES[args.usage], args.compare)
-    except (ValueError, TypeError, OSError) as error:
-        errors.print(f"[bold red]error:[/] {escape(str(error))}")
-        return 2
+    from bridge.cli import check_output_path
+
+    out = check_output_path("--out", args.out)
+    recipe = _recipe(args)
+    x = _load(Path(args.input), args.dtype)
+    _warn_non_finite(x, args.input, args.recipe)
+    results, unavailable = _quantize_everywhere(x, recipe, args.role, USAGES[args.usage], args.compare)
+
     import numpy as np
 
     written = next(iter(results.values()))
-    np.savez(args.out, **written)
+    with open(out, "wb") as file:  # a file object: numpy appends no .npz, the path is exactly --out
+        np.savez(file, **written)
     summary = ", ".join(f"{k} {tuple(v.shape)} {v.dtype}" for k, v in written.items())
-    console.print(f"wrote {escape(args.out)}: {summary}", soft_wrap=True)
+    console.print(f"wrote {escape(str(out))}: {summary}", soft_wrap=True)
     if not args.compare:
         return 0
     mismatches = _compare_table(results, console)
@@ -79,13 +93,35 @@ def _load(path: Path, dtype: str | None):
 
     if not path.is_file():
         raise ValueError(f"{path}: no such file; pass a .npy array saved with numpy.save")
-    array = np.load(path, allow_pickle=False)
+    with open(path, "rb") as file:
+        magic = file.read(len(NPY_MAGIC))
+    if magic.startswith(ZIP_MAGIC):
+        raise ValueError(f"{path} is a .npz archive of arrays; save the one array to quantize with numpy.save as .npy")
+    if magic != NPY_MAGIC:
+        raise ValueError(f"{path} is not a .npy array (no numpy header); save the array with numpy.save")
+    try:
+        array = np.load(path, allow_pickle=False)
+    except (ValueError, EOFError, OSError) as error:  # truncated or damaged header/data
+        raise ValueError(f"{path} is a damaged .npy array ({error}); save it again with numpy.save") from error
     if array.dtype not in (np.float32, np.float16):
         raise ValueError(f"{path} holds {array.dtype}; save it as float32 or float16 (cast bf16 with --dtype bf16)")
     if array.ndim == 0:
         raise ValueError(f"{path} holds a 0-d array; save it with at least one dim")
     x = torch.from_numpy(np.ascontiguousarray(array))
     return x.to(getattr(torch, DTYPES[dtype])) if dtype else x
+
+
+def _warn_non_finite(x, path: str, recipe: str) -> None:
+    """One stderr line when the input holds NaN or Inf: how many, and how far their effect reaches."""
+    import torch
+
+    nan = int(torch.isnan(x).sum())
+    inf = int(torch.isinf(x).sum())
+    if nan + inf:
+        Console(stderr=True, soft_wrap=True, highlight=False).print(
+            f"[bold yellow]warning:[/] {nan + inf} non-finite values ({nan} NaN, {inf} Inf) in {escape(path)}; "
+            f"under {recipe} they reach {NON_FINITE_REACH[recipe]}: docs/quantization.md says which bytes are written"
+        )
 
 
 def _recipe(args: argparse.Namespace):

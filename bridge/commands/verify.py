@@ -25,32 +25,41 @@ def register(verbs) -> None:
         help="run a model in torch and JAX on the same devices and name the first tensor that diverges",
         description=__doc__.split("\n\n")[1],
     )
-    parser.add_argument("--model", default="mlp", help="linear, mlp or transformer (bridge/twins.py)")
-    parser.add_argument("--layers", type=int, default=2)
-    parser.add_argument("--hidden", type=int, default=256, help="hidden size (ffn = 4x)")
+    parser.add_argument("--model", default="mlp", help="linear, mlp (default) or transformer (bridge/twins.py)")
+    parser.add_argument("--layers", type=int, default=2, help="blocks in the stack (default 2)")
+    parser.add_argument(
+        "--hidden", type=int, default=256, help="hidden size (default 256; ffn = 4x; TP must divide the ffn and heads)"
+    )
     parser.add_argument("--recipe", default="current", help=RECIPE_CHOICES)
     parser.add_argument(
         "--mesh", action="append", help="mesh axes, e.g. dp=2,tp=2 (FSDP x TP) or rep=2,dp=2 (HSDP); repeatable"
     )
-    parser.add_argument("--steps", type=int, default=5)
-    parser.add_argument("--device", choices=("cpu", "cuda"), help="default: cuda where torch sees a GPU")
+    parser.add_argument("--steps", type=int, default=5, help="optimizer steps compared (default 5)")
+    parser.add_argument(
+        "--device", choices=("cpu", "cuda"), help="default: cuda where torch sees a GPU per process, else the CPU"
+    )
     parser.add_argument("--json", action="store_true", help="print every check as JSON")
     parser.add_argument("--report", metavar="FILE", help="also write the JSON report here")
     parser.set_defaults(run=run)
 
 
 def run(args: argparse.Namespace, console: Console) -> int:
-    errors = Console(stderr=True, soft_wrap=True)
-    try:
-        cases = _cases(args)
-    except ValueError as error:
-        errors.print(f"[bold red]error:[/] {escape(str(error))}")
-        return 2
+    cases = _cases(args)
+    if args.report:
+        from bridge.cli import check_output_path
+
+        check_output_path("--report", args.report)  # before the run, whose results would be lost
+    import torch
+
     from bridge import crosscheck, runtime
 
     processes = cases[0].mesh.size
+    errors = Console(stderr=True, soft_wrap=True)
+    device, fallback = runtime.choose_device_type(args.device, processes, torch.cuda.device_count())
+    if fallback:
+        errors.print(escape(fallback))
     with errors.status(f"verifying in {processes} co-located torch+JAX processes"):
-        reports = runtime.launch(crosscheck.verify, processes, cases, device_type=args.device)[0]
+        reports = runtime.launch(crosscheck.verify, processes, cases, device_type=device)[0]
     if args.report:
         with open(args.report, "w") as file:
             json.dump(reports, file, indent=1)
@@ -70,7 +79,25 @@ def _cases(args: argparse.Namespace) -> list:
     meshes = [parse_mesh(text) for text in (args.mesh or ["dp=2,tp=2"])]
     if len({mesh.size for mesh in meshes}) > 1:
         raise ValueError(f"meshes {[str(m) for m in meshes]} need different process counts; verify them one by one")
-    return [VerifyCase(args.model, args.layers, args.hidden, mesh, recipes, args.steps) for mesh in meshes]
+    cases = [VerifyCase(args.model, args.layers, args.hidden, mesh, recipes, args.steps) for mesh in meshes]
+    for case in cases:
+        _check_tp_divides(case)
+    return cases
+
+
+def _check_tp_divides(case) -> None:
+    """TP splits the ffn (column fc1, row fc2) and a transformer's heads: check here, before processes start."""
+    from bridge.twins import HEAD_DIM
+
+    tp = case.mesh.tp
+    split = {f"the ffn size 4 x --hidden = {case.spec.ffn}": case.spec.ffn}
+    if case.model == "transformer":
+        split[f"the {case.hidden // HEAD_DIM} heads (--hidden / {HEAD_DIM})"] = case.hidden // HEAD_DIM
+    for what, size in split.items():
+        if size % tp:
+            raise ValueError(
+                f"--mesh {case.mesh}: tp={tp} does not divide {what}; pick a tp that divides it or another --hidden"
+            )
 
 
 def render(console: Console, report: dict) -> None:

@@ -2,9 +2,11 @@ import io
 import subprocess
 import sys
 
+import pytest
 from rich.console import Console
 
 from bridge import cli, environment
+from bridge.errors import CheckFailed
 
 
 def test_env_reports_every_framework_and_where_kernels_run():
@@ -33,3 +35,90 @@ def test_env_renders_a_table(monkeypatch):
 def test_no_command_prints_help_and_fails(capsys):
     assert cli.main([]) == 2
     assert "usage: shardbridge" in capsys.readouterr().out
+
+
+def _env_raising(monkeypatch, error: BaseException) -> None:
+    """`shardbridge env` raising `error`, as any verb's library code would."""
+    from bridge.commands import env
+
+    def raising(args, console):
+        raise error
+
+    monkeypatch.setattr(env, "run", raising)
+
+
+@pytest.mark.parametrize(
+    "error, code, message",
+    [
+        (CheckFailed("checksums differ: w.safetensors"), 1, "error: checksums differ: w.safetensors"),
+        (ValueError("--out x: pick another path"), 2, "error: --out x: pick another path"),
+        (TypeError("shape must be ints"), 2, "error: shape must be ints"),
+        (PermissionError(13, "Permission denied", "/ro/target"), 2, "Permission denied: '/ro/target'"),
+        (FileNotFoundError(2, "No such file or directory", "/gone"), 2, "No such file or directory: '/gone'"),
+        (OSError("disk full\nwhile writing /t"), 2, "error: disk full while writing /t"),
+        (KeyboardInterrupt(), 130, "error: interrupted"),
+    ],
+)
+def test_exceptions_map_to_exit_codes_and_one_error_line(monkeypatch, capsys, error, code, message):
+    _env_raising(monkeypatch, error)
+    assert cli.main(["env"]) == code
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("error: ") and message in err
+    assert "Traceback" not in err
+
+
+def test_debug_prints_the_traceback_too(monkeypatch, capsys):
+    _env_raising(monkeypatch, ValueError("bad input"))
+    assert cli.main(["--debug", "env"]) == 2
+    err = capsys.readouterr().err
+    assert "Traceback (most recent call last)" in err and err.rstrip().splitlines()[-1] == "error: bad input"
+
+
+def test_a_long_error_is_not_wrapped(monkeypatch, capsys):
+    long_path = "/data/" + "x" * 150 + "/checkpoint.safetensors"
+    _env_raising(monkeypatch, ValueError(f"{long_path}: truncated; write it again"))
+    assert cli.main(["env"]) == 2
+    assert capsys.readouterr().err == f"error: {long_path}: truncated; write it again\n"
+
+
+def test_help_states_the_exit_codes_and_debug():
+    out = subprocess.run([sys.executable, "-m", "bridge", "--help"], capture_output=True, text=True, check=True).stdout
+    assert "--debug" in out
+    for line in ("0    done", "1    a check or verification failed", "2    bad input", "130  interrupted"):
+        assert line in out
+
+
+def test_output_to_a_pipe_is_not_wrapped(monkeypatch, capsys):
+    """No terminal (a pipe, a file): tables take the width they need; a long parameter name stays on one line."""
+    from bridge import runtime
+    from bridge.numerics import TensorCheck, Tolerance, VerifyReport
+
+    name = "model.layers.11.self_attention.layernorm_qkv.layer_norm_weight"
+    report = VerifyReport("mlp", "dp_shard=2,tp=2", "current", 1)
+    report.checks.append(TensorCheck(0, "weight_grad", name, 0.01, 0.02, False, Tolerance(0.125), True))
+    monkeypatch.delenv("COLUMNS", raising=False)
+    monkeypatch.setattr(runtime, "launch", lambda *args, **kwargs: [[report.to_json()]])
+    assert cli.main(["verify", "--device", "cpu"]) == 0
+    assert f"{name} (step 0)" in capsys.readouterr().out
+
+
+def test_ctrl_c_under_torchrun_exits_130(monkeypatch, capsys, tmp_path):
+    """torchrun's agent reports Ctrl-C as SignalException(SIGINT); the CLI still says `interrupted`, exit 130."""
+    import signal
+
+    from torch.distributed import run as torchrun
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+
+    def interrupted(argv):
+        raise SignalException("Process 1 got signal: 2", signal.SIGINT)
+
+    script = tmp_path / "script.py"
+    script.write_text("")
+    monkeypatch.setattr(torchrun, "main", interrupted)
+    assert cli.main(["run", "-n", "2", str(script)]) == 130
+    assert capsys.readouterr().err == "error: interrupted\n"
+
+
+def test_run_names_a_missing_script(capsys):
+    assert cli.main(["run", "-n", "2", "/nonexistent/train.py"]) == 2
+    assert capsys.readouterr().err == "error: /nonexistent/train.py: no such script; pass the path of a Python file\n"

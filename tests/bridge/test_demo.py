@@ -59,9 +59,12 @@ def test_demo_end_to_end(tmp_path):
     ],
 )
 def test_demo_refuses_bad_options(argv, message, capsys):
-    with pytest.raises(SystemExit) as exit_info:
-        cli.main(["demo", *argv])
-    assert exit_info.value.code == 2
+    if argv == ["--steps", "many"]:  # argparse's own type check: usage and exit 2
+        with pytest.raises(SystemExit) as exit_info:
+            cli.main(["demo", *argv])
+        assert exit_info.value.code == 2
+    else:  # the options' check: the CLI contract's one error line
+        assert cli.main(["demo", *argv]) == 2
     assert message in capsys.readouterr().err
 
 
@@ -91,3 +94,63 @@ def test_scaling_state_is_the_state_the_next_forward_quantizes_with(monkeypatch)
     assert snapshot.keys() == before.keys()
     for name, value in before.items():
         assert torch.equal(snapshot[name], value), name
+
+
+@pytest.mark.parametrize(
+    "requested, processes, gpus, device, says",
+    [
+        (None, 4, 8, "cuda", None),
+        (None, 4, 4, "cuda", None),
+        (None, 4, 1, "cpu", "4 processes need 4 GPUs but torch sees 1: running 4 CPU processes"),
+        (None, 4, 0, "cpu", None),
+        ("cpu", 4, 8, "cpu", None),
+        ("cuda", 2, 2, "cuda", None),
+    ],
+)
+def test_default_device_runs_cpu_processes_where_gpus_are_too_few(requested, processes, gpus, device, says):
+    from bridge.runtime import choose_device_type
+
+    assert choose_device_type(requested, processes, gpus) == (device, says)
+
+
+def test_explicit_cuda_with_too_few_gpus_is_an_error():
+    from bridge.runtime import choose_device_type
+
+    with pytest.raises(ValueError, match="4 processes per node need 4 GPUs but torch sees 1"):
+        choose_device_type("cuda", 4, 1)
+
+
+def test_demo_on_one_gpu_says_it_runs_on_the_cpu(monkeypatch, tmp_path):
+    """Finding 11: the default device with one GPU for a 2 x 2 mesh: CPU processes, announced in one line."""
+    from bridge import demo, runtime
+    from bridge.demo_options import DemoOptions
+
+    launched = []
+
+    def first_launch(fn, nprocs, *args, device_type=None, **kwargs):
+        launched.append(device_type)
+        raise KeyboardInterrupt  # stop before the work: only the decision is under test
+
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setattr(runtime, "launch", first_launch)
+    said = []
+    with pytest.raises(KeyboardInterrupt):
+        demo.run_demo(DemoOptions(out=str(tmp_path)), status=said.append)
+    assert launched == ["cpu"]
+    assert said[0] == "4 processes need 4 GPUs but torch sees 1: running 4 CPU processes"
+
+
+def test_demo_out_that_cannot_be_created_is_refused_before_any_work(monkeypatch, capsys):
+    from bridge import demo
+
+    monkeypatch.setattr(demo, "run_demo", lambda *args, **kwargs: pytest.fail("ran before checking --out"))
+    assert cli.main(["demo", "--out", "/proc/x"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("error: --out /proc/x: cannot create the directory")
+
+
+def test_demo_with_explicit_cuda_and_too_few_gpus_exits_2(monkeypatch, tmp_path, capsys):
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    assert cli.main(["demo", "--device", "cuda", "--out", str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "4 processes per node need 4 GPUs but torch sees 1" in err

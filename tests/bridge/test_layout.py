@@ -14,6 +14,7 @@ from pathlib import Path
 import jax
 import numpy as np
 import pytest
+import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from jax.sharding import Mesh, NamedSharding
@@ -193,6 +194,70 @@ def test_partial_has_no_jax_equivalent():
 def test_split_factor_no_mesh_axis_explains_has_no_jax_equivalent():
     with pytest.raises(ValueError, match=r"split factor must be one of \[1, 2\]"):
         layout_translate.placements_to_pspec(DP4_TP2, (make_strided_shard(0, 3), Shard(0)), (24, 16))
+
+
+def _live_rows(rank, world_size, mesh_shape, cases):
+    """Per (split factor, rows) case: the rows this rank's real DTensor shard holds."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import distribute_tensor
+
+    device_mesh = init_device_mesh("cpu", mesh_shape, mesh_dim_names=("dp", "tp"))
+    rows_held = []
+    for split_factor, rows in cases:
+        global_tensor = torch.arange(rows * 6).reshape(rows, 6)
+        placements = (make_strided_shard(0, split_factor), Shard(0))
+        local = distribute_tensor(global_tensor, device_mesh, placements, src_data_rank=None).to_local()
+        rows_held.append((local[:, 0] // 6).tolist())
+    return rows_held
+
+
+# (mesh, [(split factor, rows)]): factors no product of later axes explains, some of which torch.chunk
+# turns into a JAX layout anyway (4 rows, sf=3 on 2 x 2: chunks of 2, 2, 0 rows), some not.
+STRIDED_CASES = [
+    ((2, 2), [(3, 4), (3, 6), (5, 8), (6, 8), (2, 8), (3, 24)]),
+    ((2, 4), [(5, 8), (6, 8), (5, 16), (6, 16), (3, 8), (4, 16)]),
+]
+
+
+@pytest.mark.parametrize("mesh_shape, cases", STRIDED_CASES, ids=lambda value: str(value))
+def test_verdict_comes_from_live_dtensor_and_jax_shard_maps(mesh_shape, cases):
+    """Finding 9: an equivalent exactly when JAX's devices_indices_map of some spec equals DTensor's real shards."""
+    from tests.distributed import run_threads
+
+    mesh = MeshSpec(mesh_shape, ("dp", "tp"))
+    per_rank = run_threads(_live_rows, mesh.size, mesh_shape, cases)
+    for case, (split_factor, rows) in enumerate(cases):
+        live = {coordinate: per_rank[mesh.rank_of(coordinate)][case] for coordinate in mesh.coordinates()}
+        placements = (make_strided_shard(0, split_factor), Shard(0))
+        matching = [spec for spec in every_pspec(mesh, 2) if _jax_rows(mesh, spec, (rows, 6)) == live]
+        try:
+            pspec = layout_translate.placements_to_pspec(mesh, placements, (rows, 6))
+        except ValueError as no_equivalent:
+            assert not matching, f"sf={split_factor}, {rows} rows: {no_equivalent}, but {matching[0]} matches"
+            continue
+        assert matching, f"sf={split_factor}, {rows} rows: {pspec} claimed, but no spec gives DTensor's shards"
+        assert _jax_rows(mesh, pspec, (rows, 6)) == live, (split_factor, rows, pspec)
+
+
+def test_strided_shard_of_four_rows_over_three_is_p_tp_dp():
+    """The issue's case: (_StridedShard(0, sf=3), Shard(0)) on (4, 6), mesh 2 x 2 is P(('tp', 'dp'), None)."""
+    mesh = MeshSpec((2, 2), ("dp", "tp"))
+    pspec = layout_translate.placements_to_pspec(mesh, (make_strided_shard(0, 3), Shard(0)), (4, 6))
+    assert format_pspec(pspec) == "P(('tp', 'dp'), None)"
+
+
+def _jax_rows(mesh: MeshSpec, pspec: P, shape: tuple[int, ...]) -> dict | None:
+    """Per coordinate, the rows JAX's own devices_indices_map gives; None where JAX rejects the spec."""
+    sharding = NamedSharding(jax_mesh(mesh), pspec)
+    try:
+        per_device = sharding.devices_indices_map(shape)
+    except ValueError:
+        return None
+    devices = jax.devices("cpu")
+    return {
+        coordinate: list(range(shape[0]))[per_device[devices[mesh.rank_of(coordinate)]][0]]
+        for coordinate in mesh.coordinates()
+    }
 
 
 @DETERMINISTIC

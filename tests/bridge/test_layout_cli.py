@@ -97,9 +97,19 @@ def test_layout_without_a_jax_equivalent_says_why_and_exits_1(stdout):
     assert "JAX rejects dims that do not divide evenly (pad dim 0 to 8)" in text
 
 
+def test_layout_finds_the_jax_equivalent_torch_chunk_makes(stdout):
+    """Finding 9: torch.chunk(4 rows, 3) gives 2, 2, 0 rows, which P(('tp','dp'), None) reproduces exactly."""
+    args = ["layout", "--mesh", "dp=2,tp=2", "--shape", "4,6", "--placements", "_StridedShard(0,sf=3),Shard(0)"]
+    assert cli.main(args) == 0
+    text = " ".join(stdout.getvalue().split())
+    assert "JAX PartitionSpec P(('tp', 'dp'), None)" in text and "same layout" in text
+
+
 @pytest.mark.parametrize(
     "args, message",
     [
+        (["--mesh", "dp=4,tp=2", "--shape", "8,16", "--pspec", "('dp',None)", "--png", "/nonexistent/l.png"],
+         "--png /nonexistent/l.png: directory /nonexistent does not exist"),  # fmt: skip
         (["--mesh", "dp=4,tq=2", "--shape", "8,16", "--pspec", "(('tp','dp'),None)"], "'tp' is not in the mesh"),
         (["--mesh", "dp=4,tp=2", "--shape", "8", "--placements", "Shard(1),Shard(0)"], "has 1 dims"),
         (["--mesh", "dp=4,tp=2", "--shape", "8,16", "--placements", "Shard(0),Sharp(1)"], "not a placement"),

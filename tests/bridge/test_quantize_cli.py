@@ -148,3 +148,76 @@ def test_bad_input_is_one_error_line_and_exit_code_2(make_input, args, message, 
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and err.startswith("error:") and message in err
     assert not (tmp_path / "q.npz").exists()
+
+
+@pytest.mark.parametrize("recipe", ["current", "delayed", "block", "mxfp8", "nvfp4"])
+def test_compare_works_for_every_recipe(recipe, tmp_path, console, monkeypatch):
+    """Finding 4: the JAX twin quantizes under every recipe, byte for byte with the reference.
+
+    Rowwise only and without the Triton interpreter (TRITON_INTERPRET=0), because JAX's compile of each
+    copy dominates the time: the MXFP8 test above runs the interpreter, and test_quantize_cross.py
+    compares both copies of every recipe bit for bit.
+    """
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    path = tmp_path / "x.npy"
+    np.save(path, np.random.default_rng(1).standard_normal((32, 32)).astype(np.float32))
+    out = str(tmp_path / "q.npz")
+    code = cli.main(["quantize", str(path), "--recipe", recipe, "--out", out, "--usage", "rowwise", "--compare"])
+    text = console.getvalue()
+    assert code == 0, text
+    header = next(line for line in text.splitlines() if "buffer" in line)
+    assert header.split("┃")[-2].strip() == "jax"
+    assert "data " in text and "scale_inv " in text
+
+
+@pytest.mark.parametrize(
+    "write, message",
+    [
+        (lambda file: np.savez(file, x=np.zeros((4, 32), np.float32)), "is a .npz archive"),
+        (lambda file: file.write(b"1.0, 2.0\n3.0, 4.0\n"), "is not a .npy array"),
+        (lambda file: file.write(b"\x93NUMPY\x01\x00v\x00{'descr': '<f4'"), "damaged .npy"),
+    ],
+)
+def test_input_that_is_not_a_npy_array_is_named(write, message, tmp_path, console, capsys):
+    path = tmp_path / "in.npy"
+    with open(path, "wb") as file:
+        write(file)
+    assert cli.main(["quantize", str(path), "--recipe", "current", "--out", str(tmp_path / "q.npz")]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith(f"error: {path}") and message in err
+    assert "allow_pickle" not in err
+
+
+def test_missing_out_directory_is_refused_before_quantizing(array_path, tmp_path, console, capsys, monkeypatch):
+    from bridge.commands import quantize as command
+
+    monkeypatch.setattr(command, "_quantize_everywhere", lambda *args: pytest.fail("quantized before checking --out"))
+    out = tmp_path / "missing" / "q.npz"
+    assert cli.main(["quantize", str(array_path), "--recipe", "current", "--out", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and f"--out {out}: directory {out.parent} does not exist" in err
+
+
+def test_out_is_written_exactly_at_the_path_given(array_path, tmp_path, console):
+    out = tmp_path / "noext"
+    assert cli.main(["quantize", str(array_path), "--recipe", "current", "--out", str(out)]) == 0
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["noext", "x.npy"]
+    assert f"wrote {out}:" in console.getvalue()
+    assert set(np.load(out)) == {"data", "scale_inv", "columnwise_data", "columnwise_scale_inv"}
+
+
+@pytest.mark.parametrize("recipe", ["current", "delayed", "block", "mxfp8", "nvfp4"])
+def test_non_finite_input_is_counted_in_a_warning(recipe, tmp_path, console, capsys):
+    x = np.ones((32, 32), np.float32)
+    x[0, 0], x[1, 1], x[2, 2] = np.nan, np.inf, -np.inf
+    path = tmp_path / "x.npy"
+    np.save(path, x)
+    assert cli.main(["quantize", str(path), "--recipe", recipe, "--out", str(tmp_path / "q.npz")]) == 0
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1
+    assert err.startswith(f"warning: 3 non-finite values (1 NaN, 2 Inf) in {path}; under {recipe} they ")
+
+
+def test_finite_input_warns_nothing(array_path, tmp_path, console, capsys):
+    assert cli.main(["quantize", str(array_path), "--recipe", "current", "--out", str(tmp_path / "q.npz")]) == 0
+    assert capsys.readouterr().err == ""

@@ -39,6 +39,29 @@ def test_bad_input_exits_2_with_the_fix(capsys, arguments, message):
     assert message in capsys.readouterr().err
 
 
+def _no_launch(monkeypatch) -> None:
+    from bridge import runtime
+
+    monkeypatch.setattr(runtime, "launch", lambda *args, **kwargs: pytest.fail("processes started before the check"))
+
+
+@pytest.mark.parametrize(
+    "arguments, message",
+    [
+        (["--mesh", "tp=3"], "--mesh tp=3: tp=3 does not divide the ffn size 4 x --hidden = 1024"),
+        (["--mesh", "tp=2", "--hidden", "96"], "tp=2 does not divide the 3 heads (--hidden / 32)"),
+        (["--report", "/nonexistent/r.json"], "--report /nonexistent/r.json: directory /nonexistent does not exist"),
+    ],
+)
+def test_bad_mesh_or_report_path_is_one_line_before_any_process_starts(monkeypatch, capsys, arguments, message):
+    _no_launch(monkeypatch)
+    if "--hidden" in arguments:
+        arguments = ["--model", "transformer", *arguments]
+    assert main(["verify", "--device", "cpu", *arguments]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("error: ") and message in err
+
+
 def _report() -> dict:
     report = VerifyReport("mlp", "dp_shard=2,tp=2", "current", 1)
     limit = Tolerance(0.125)

@@ -203,3 +203,31 @@ def test_no_group_means_no_all_reduce(monkeypatch):
     assert all(per_step == [(0, 0, 0), (0, 0, 0)] for per_step, _ in results)
     (_, state0), (_, state1) = results
     assert not torch.equal(state0["0.fp8_forward_amax_history"], state1["0.fp8_forward_amax_history"])
+
+
+def _frame_under_te_keywords(rank, world_size):
+    recipe, group = Float8CurrentScaling(), dist.group.WORLD
+    with fp8_autocast(enabled=True, fp8_recipe=recipe, fp8_group=group):
+        frame = fp8_frame()
+        return frame.recipe is recipe, frame.amax_reduction_group is group
+
+
+def test_transformer_engine_keywords_fp8_recipe_and_fp8_group():
+    assert run_threads(_frame_under_te_keywords, 1) == [(True, True)]
+
+
+def test_enabled_false_by_keyword_turns_fp8_off():
+    with fp8_autocast(enabled=False, fp8_recipe=Float8CurrentScaling()):
+        assert fp8_frame() is None
+
+
+@pytest.mark.parametrize(
+    "kwargs, names",
+    [
+        ({"recipe": DelayedScaling(), "fp8_recipe": Float8CurrentScaling()}, "recipe= or fp8_recipe="),
+        ({"amax_reduction_group": "g", "fp8_group": "g"}, "amax_reduction_group= or fp8_group="),
+    ],
+)
+def test_both_spellings_at_once_are_refused(kwargs, names):
+    with pytest.raises(TypeError, match=names), fp8_autocast(**kwargs):
+        pass
