@@ -6,7 +6,6 @@ from dataclasses import dataclass
 
 from bridge.numerics import RECIPES
 
-MESH_AXES = ("dp_replicate", "dp_shard", "tp")  # jaxside.sharding's mesh axes; the torch meshes use the same names
 
 
 @dataclass(frozen=True)
@@ -51,4 +50,4 @@ class DemoOptions:
         return self.dp * self.tp
 
 
-__all__ = ["MESH_AXES", "DemoOptions"]
+__all__ = ["DemoOptions"]

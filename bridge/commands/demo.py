@@ -16,6 +16,7 @@ from rich.console import Console
 from rich.markup import escape
 
 from bridge.demo_options import DemoOptions
+from bridge.numerics import RECIPES
 
 DEFAULTS = DemoOptions()
 
@@ -28,7 +29,7 @@ def register(verbs) -> None:
     )
     parser.add_argument("--steps", type=int, default=DEFAULTS.steps, help=f"training steps (default {DEFAULTS.steps})")
     parser.add_argument(
-        "--recipe", default=DEFAULTS.recipe, help="FP8 recipe: off, current (default), delayed, block, mxfp8, nvfp4"
+        "--recipe", default=DEFAULTS.recipe, help=f"FP8 recipe: {', '.join(RECIPES)} (default {DEFAULTS.recipe})"
     )
     parser.add_argument("--dp", type=int, default=DEFAULTS.dp, help="FSDP2 ranks of the training mesh (default 2)")
     parser.add_argument("--tp", type=int, default=DEFAULTS.tp, help="TP ranks of the training mesh (default 2)")

@@ -16,7 +16,8 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
-RECIPES = ("current", "delayed", "block", "mxfp8", "nvfp4")
+from jaxside.recipe import recipe_names
+
 DTYPES = {"fp32": "float32", "fp16": "float16", "bf16": "bfloat16"}
 NPY_MAGIC = b"\x93NUMPY"
 ZIP_MAGIC = b"PK\x03\x04"  # a .npz is a zip archive
@@ -48,7 +49,7 @@ def register(verbs) -> None:
     )
     parser.add_argument("input", metavar="IN.npy", help="a float32 or float16 array (cast it with --dtype)")
     parser.add_argument(
-        "--recipe", required=True, choices=RECIPES, help="delayed casts with its first scale, 1 (no amax history yet)"
+        "--recipe", required=True, choices=recipe_names(fp8_off=False), help="delayed casts with its first scale, 1 (no amax history yet)"
     )
     parser.add_argument(
         "--role", default="input", choices=("input", "weight", "grad"), help="the tensor's role (default input)"
@@ -125,28 +126,16 @@ def _warn_non_finite(x, path: str, recipe: str) -> None:
 
 
 def _recipe(args: argparse.Namespace):
-    from torchside.recipe import (
-        DelayedScaling,
-        Float8BlockScaling,
-        Float8CurrentScaling,
-        Format,
-        MXFP8BlockScaling,
-        NVFP4BlockScaling,
-    )
+    from torchside.recipe import Format, recipe_from_name
 
     if args.scale_rounding and args.recipe != "mxfp8":
         raise ValueError(f"--scale-rounding applies to --recipe mxfp8 only, not {args.recipe}; drop it")
     if args.format and args.recipe == "nvfp4":
         raise ValueError("--recipe nvfp4 stores E2M1 values with E4M3 scales; drop --format")
-    fmt = {"fp8_format": Format(args.format)} if args.format else {}
-    build = {
-        "current": lambda: Float8CurrentScaling(**fmt),
-        "delayed": lambda: DelayedScaling(**fmt),
-        "block": lambda: Float8BlockScaling(**fmt),
-        "mxfp8": lambda: MXFP8BlockScaling(**fmt, scale_rounding=args.scale_rounding or "up"),
-        "nvfp4": lambda: NVFP4BlockScaling(),
-    }
-    return build[args.recipe]()
+    options = {"fp8_format": Format(args.format)} if args.format else {}
+    if args.recipe == "mxfp8":
+        options["scale_rounding"] = args.scale_rounding or "up"
+    return recipe_from_name(args.recipe, **options)
 
 
 def _quantize_everywhere(x, recipe, role: str, usage: tuple[bool, bool], compare: bool):

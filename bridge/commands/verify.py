@@ -16,7 +16,9 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
-RECIPE_CHOICES = "off, current, delayed, block, mxfp8, nvfp4 (comma-separated) or all"
+from bridge.numerics import RECIPES
+
+RECIPE_CHOICES = f"{', '.join(RECIPES)} (comma-separated) or all"
 
 
 def register(verbs) -> None:
@@ -73,7 +75,6 @@ def run(args: argparse.Namespace, console: Console) -> int:
 
 def _cases(args: argparse.Namespace) -> list:
     from bridge.crosscheck import VerifyCase, parse_mesh
-    from bridge.numerics import RECIPES
 
     recipes = RECIPES if args.recipe == "all" else tuple(r.strip() for r in args.recipe.split(",") if r.strip())
     meshes = [parse_mesh(text) for text in (args.mesh or ["dp=2,tp=2"])]
