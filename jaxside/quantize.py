@@ -274,7 +274,9 @@ def quantize_nvfp4(
         check_divisible(x2d.shape[1], 16, "nvfp4", "rowwise")
     if columnwise:
         check_divisible(x2d.shape[0], 16, "nvfp4", "columnwise")
-    buffers = _nvfp4_core(x2d, seed, global_amax, block=block, hadamard=hadamard, rowwise=rowwise, columnwise=columnwise)
+    buffers = _nvfp4_core(
+        x2d, seed, global_amax, block=block, hadamard=hadamard, rowwise=rowwise, columnwise=columnwise
+    )
     return Quantized(f"nvfp4_{block[0]}x{block[1]}", "e2m1", shape, *buffers, hadamard=hadamard)
 
 

@@ -63,10 +63,11 @@ def test_signatures_match_the_torch_spec(function):
 )
 def test_tensorwise_with_a_given_amax_gives_the_reference_bytes(kwargs):
     x = _input()
-    kwargs = {**kwargs, "amax": torch.tensor([kwargs["amax"]])}
-    expected = R.quantize_tensorwise(x, **kwargs, columnwise=True)
-    got = JQ.quantize_numpy(x.numpy(), "quantize_tensorwise", **{**kwargs, "amax": kwargs["amax"].numpy()}, columnwise=True)
-    _assert_reference_bytes(got, expected, str(kwargs))  # amax included: x's own, whatever the given one
+    kwargs = dict(kwargs)
+    amax = np.array([kwargs.pop("amax")], np.float32)
+    expected = R.quantize_tensorwise(x, **kwargs, amax=torch.from_numpy(amax), columnwise=True)
+    got = JQ.quantize_numpy(x.numpy(), "quantize_tensorwise", **kwargs, amax=amax, columnwise=True)
+    _assert_reference_bytes(got, expected, f"{kwargs} amax {amax}")  # amax included: x's own, not the given one
 
 
 @pytest.mark.parametrize("block", [(1, 16), (16, 16)], ids=["1x16", "16x16"])
