@@ -69,6 +69,36 @@ def check_scale(scale) -> Array:
     return jnp.asarray(scale).reshape(1)
 
 
+def _one_fp32(value, name: str, meaning: str) -> Array:
+    if not isinstance(value, (jax.Array, np.ndarray)) or value.dtype != np.float32 or value.size != 1:
+        raise TypeError(f"{name} must be an fp32 array of one element ({meaning}), got {value!r}")
+    return jnp.asarray(value).reshape(1)
+
+
+def check_scale_or_amax(scale, amax, power_2_scale: bool, amax_epsilon: float) -> tuple[Array | None, Array | None]:
+    """Tensorwise: a given delayed-scaling scale, or a given amax to scale from (current scaling), or neither."""
+    if scale is not None and amax is not None:
+        raise ValueError("pass scale (delayed scaling) or amax (current scaling from a given amax), not both")
+    if scale is not None and (power_2_scale or amax_epsilon):
+        raise ValueError("power_2_scale and amax_epsilon shape a current scale; with a given scale leave them unset")
+    if amax is not None:
+        amax = _one_fp32(amax, "amax", "the amax to scale from, e.g. reduced over the shards of x")
+    return (None if scale is None else check_scale(scale)), amax
+
+
+def check_global_amax(global_amax, rotated_columnwise: bool) -> Array | None:
+    """An NVFP4 global amax given for a shard: fp32, one element, for unrotated copies."""
+    if global_amax is None:
+        return None
+    global_amax = _one_fp32(global_amax, "global_amax", "the whole tensor's amax")
+    if rotated_columnwise:
+        raise ValueError(
+            "global_amax stands for x's amax, not for that of the Hadamard-rotated columnwise copy: "
+            "pass hadamard=False, or columnwise=False, or leave global_amax None"
+        )
+    return global_amax
+
+
 def check_seed(seed) -> Array | None:
     """A stochastic-rounding seed as uint32 (None: round to nearest)."""
     if seed is None:

@@ -30,6 +30,7 @@ from jaxside._fp32 import (
     add,
     divide,
     from_bits,
+    is_finite,
     is_nan,
     magnitude_bits,
     multiply,
@@ -64,15 +65,18 @@ class FloatFormat:
 
 
 FORMATS: dict[str, FloatFormat] = {
+    # e4m3 and e5m2 write their NaN code for every non-finite value (+-inf too): a cast never hides one.
     "e4m3": FloatFormat("e4m3", 4, 3, 448.0, 0x7F, np.dtype(ml_dtypes.float8_e4m3fn)),
     "e5m2": FloatFormat("e5m2", 5, 2, 57344.0, 0x7F, np.dtype(ml_dtypes.float8_e5m2)),
-    # e2m1 has no NaN: a NaN element becomes code 0 and its block's e4m3 scale is NaN.
+    # e2m1 has no NaN: a NaN element becomes code 0 and its block's e4m3 scale is NaN (an infinite
+    # block amax makes that scale NaN too), so the block dequantizes to NaN.
     "e2m1": FloatFormat("e2m1", 2, 1, 6.0, 0x00, None),
     # e8m0 holds MXFP8 block scales: a biased exponent (bias 127), 0xFF is NaN.
     "e8m0": FloatFormat("e8m0", 8, 0, 2.0**127, 0xFF, np.dtype(ml_dtypes.float8_e8m0fnu)),
 }
 FP8_FORMATS = ("e4m3", "e5m2")
 E8M0_INF_CODE = 0xFE  # the e8m0 code of an infinite amax (the largest finite exponent)
+E8M0_UP_ZERO_BITS = np.uint32(0x00400000)  # "up" gives code 0 to an amax / fmax ratio at most 2^-127 (these bits)
 NVFP4_GLOBAL_MAX = FORMATS["e4m3"].max * FORMATS["e2m1"].max  # 448 * 6: the global encode's fmax
 
 # The 8 magnitudes of e2m1 by code (bit 3 is the sign): [0, 0.5] subnormal, then 1.0 * 2^(e-1).
@@ -93,12 +97,13 @@ SCHEME_BLOCKS: dict[str, tuple[int, int] | None] = {
 
 
 def encode_fp8(values, fmt: str) -> Array:
-    """fp32 values -> uint8 codes of e4m3/e5m2: canonical NaN, saturate to +-max, round to nearest even."""
+    """fp32 values -> uint8 codes of e4m3/e5m2: NaN and +-inf -> the canonical NaN, finite values saturate
+    to +-max, round to nearest even."""
     f = FORMATS[fmt]
     values = jnp.asarray(values, jnp.float32)
     # JAX's cast overflows to NaN instead of saturating: clip first (a subnormal input rounds to +-0 either way).
     codes = lax.bitcast_convert_type(jnp.clip(values, -f.max, f.max).astype(f.dtype), jnp.uint8)
-    return jnp.where(is_nan(values), jnp.uint8(f.nan_code), codes)
+    return jnp.where(is_finite(values), codes, jnp.uint8(f.nan_code))
 
 
 def decode_fp8(codes, fmt: str) -> Array:
@@ -179,9 +184,10 @@ def e8m0_from_amax(amax, fmt: str, rounding: str = "up") -> Array:
     """MXFP8 block scale as a biased exponent (uint8): 2^(e - 127) >= amax / fmax ("up") or OCP "floor"."""
     f = FORMATS[fmt]
     amax = jnp.asarray(amax, jnp.float32)
-    if rounding == "up":
+    if rounding == "up":  # TransformerEngine's float_to_e8m0: a ratio <= 2^-127 gives 0
         ratio_bits = to_bits(multiply(amax, np.float32(1.0 / f.max)))  # exact even when subnormal
         exponent = ((ratio_bits >> 23) & 0xFF).astype(jnp.int32) + ((ratio_bits & 0x7FFFFF) != 0)
+        exponent = jnp.where(ratio_bits <= E8M0_UP_ZERO_BITS, 0, exponent)
     elif rounding == "floor":  # floor(log2(amax)) - emax_elem, biased; subnormal amax -> 0
         exponent = jnp.clip(((to_bits(amax) >> 23) & 0xFF).astype(jnp.int32) - f.max_exponent, 0, 254)
     else:
@@ -198,9 +204,15 @@ def _power_of_two_bits(exponent_of_two) -> Array:
     return jnp.where((k < -127) | (k > 127), np.uint32(0x7FC00000), bits)
 
 
-def e8m0_encode_multiplier(exponent) -> Array:
-    """The exact fp32 factor 2^(127 - e) that maps a block onto the element grid (NaN for code 0xFF)."""
-    return from_bits(_power_of_two_bits(127 - jnp.asarray(exponent, jnp.uint8).astype(jnp.int32)))
+def e8m0_encode_multiplier(exponent, rounding: str = "up") -> Array:
+    """The exact fp32 factor 2^(127 - e) that maps a block onto the element grid (NaN for code 0xFF).
+
+    "up" leaves a block of code 0 unscaled (factor 1), as TransformerEngine does: its amax is at most
+    2^-127 * fmax, so its elements cast to +-0 either way, without a 2^127 that could reach fmax.
+    """
+    e = jnp.asarray(exponent, jnp.uint8).astype(jnp.int32)
+    multiplier = from_bits(_power_of_two_bits(127 - e))
+    return jnp.where(e == 0, jnp.float32(1.0), multiplier) if rounding == "up" else multiplier
 
 
 # ----------------------------------------------------------------------------- randomness, Hadamard

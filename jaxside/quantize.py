@@ -22,13 +22,14 @@ from jax import Array
 from jaxside._checks import (
     check_block,
     check_divisible,
+    check_global_amax,
     check_roles,
-    check_scale,
+    check_scale_or_amax,
     check_seed,
     element_format,
     matrix_view,
 )
-from jaxside._fp32 import INF_BITS, divide, max_magnitude, multiply, to_bits
+from jaxside._fp32 import INF_BITS, divide, is_finite, max_magnitude, multiply, to_bits
 from jaxside.formats import (
     FORMATS,
     FP8_FORMATS,
@@ -108,10 +109,11 @@ def _roles(rowwise: bool, columnwise: bool, rowwise_pair, columnwise_pair) -> tu
 
 
 @partial(jax.jit, static_argnames=("fmt", "power_2_scale", "amax_epsilon", "rowwise", "columnwise"))
-def _tensorwise_core(x2d, scale, *, fmt, power_2_scale, amax_epsilon, rowwise, columnwise):
-    amax = tensor_amax(x2d)  # measured in both modes: delayed scaling records it in the history
+def _tensorwise_core(x2d, scale, given_amax, *, fmt, power_2_scale, amax_epsilon, rowwise, columnwise):
+    amax = tensor_amax(x2d)  # measured in every mode: delayed scaling records it in the history
     if scale is None:
-        scale = scale_from_amax(amax, FORMATS[fmt].max, power_2_scale=power_2_scale, amax_epsilon=amax_epsilon)
+        from_amax = amax if given_amax is None else given_amax
+        scale = scale_from_amax(from_amax, FORMATS[fmt].max, power_2_scale=power_2_scale, amax_epsilon=amax_epsilon)
     scale_inv = divide(1.0, scale)
     codes = encode_fp8(multiply(x2d, scale), fmt)  # elementwise, so the columnwise copy is its transpose
     return *_roles(rowwise, columnwise, (codes, scale_inv), (codes.T, scale_inv)), amax
@@ -134,7 +136,7 @@ def _blockwise_core(x2d, *, fmt, block, power_2_scale, rowwise, columnwise):
 def _mxfp8_operand(operand, fmt: str, scale_rounding: str) -> tuple[Array, Array]:
     """(codes, e8m0 scale per 32 elements) of one operand."""
     exponent = e8m0_from_amax(block_amax(operand, (1, 32)), fmt, scale_rounding)
-    multiplier = e8m0_encode_multiplier(exponent)
+    multiplier = e8m0_encode_multiplier(exponent, scale_rounding)
     return encode_fp8(multiply(operand, expand_blocks(multiplier, (1, 32), operand.shape)), fmt), exponent
 
 
@@ -162,13 +164,13 @@ def _nvfp4_operand(operand, global_amax, block: tuple[int, int], seed) -> tuple[
 
 
 @partial(jax.jit, static_argnames=("block", "hadamard", "rowwise", "columnwise"))
-def _nvfp4_core(x2d, seed, *, block, hadamard, rowwise, columnwise):
-    amax = tensor_amax(x2d)
+def _nvfp4_core(x2d, seed, global_amax, *, block, hadamard, rowwise, columnwise):
+    amax = tensor_amax(x2d) if global_amax is None else global_amax
     rowwise_pair = _nvfp4_operand(x2d, amax, block, seed) if rowwise else None
     columnwise_pair, columnwise_amax = None, None
     if columnwise:
         operand = random_hadamard_transform(x2d.T) if hadamard else x2d.T
-        columnwise_amax = tensor_amax(operand)
+        columnwise_amax = tensor_amax(operand) if hadamard else amax  # x.T's amax is x's (or the given one)
         columnwise_pair = _nvfp4_operand(operand, columnwise_amax, block, seed)
     return *_roles(rowwise, columnwise, rowwise_pair, columnwise_pair), amax, columnwise_amax
 
@@ -181,24 +183,25 @@ def quantize_tensorwise(
     fmt: str = "e4m3",
     scale=None,
     *,
+    amax=None,
     power_2_scale: bool = False,
     amax_epsilon: float = 0.0,
     rowwise: bool = True,
     columnwise: bool = False,
 ) -> Quantized:
-    """One fp32 scale for the tensor: current scaling (scale=None) or a given delayed-scaling scale."""
+    """One fp32 scale for the tensor: current scaling (scale=None) or a given delayed-scaling scale.
+
+    Current scaling scales from x's amax, or from a given `amax` (fp32, one element: that of all the
+    shards x is one of, so that each casts as the whole tensor would). The result's amax is x's own.
+    """
     element_format(fmt, FP8_FORMATS)
     check_roles(rowwise, columnwise)
     x2d, shape = matrix_view(x)
-    if scale is not None:
-        if power_2_scale or amax_epsilon:
-            raise ValueError(
-                "power_2_scale and amax_epsilon shape a current scale; with a given scale leave them unset"
-            )
-        scale = check_scale(scale)
+    scale, amax = check_scale_or_amax(scale, amax, power_2_scale, amax_epsilon)
     buffers = _tensorwise_core(
         x2d,
         scale,
+        amax,
         fmt=fmt,
         power_2_scale=power_2_scale,
         amax_epsilon=float(amax_epsilon),
@@ -253,20 +256,27 @@ def quantize_nvfp4(
     stochastic_seed=None,
     rowwise: bool = True,
     columnwise: bool = False,
+    global_amax=None,
 ) -> Quantized:
     """E2M1 values, an e4m3 scale per 1x16 or 16x16 block and an fp32 global scale from the operand's amax.
 
     stochastic_seed: an int, or an integer jax scalar (traced seeds do not recompile).
+    `global_amax` (fp32, one element) replaces x's own amax: that of the whole tensor when x is one
+    shard of it, so every shard casts as the whole tensor would. It cannot stand for the amax of a
+    Hadamard-rotated columnwise copy.
     """
     block = check_block(block, ((1, 16), (16, 16)), "quantize_nvfp4")
     check_roles(rowwise, columnwise)
     seed = check_seed(stochastic_seed)
+    global_amax = check_global_amax(global_amax, hadamard and columnwise)
     x2d, shape = matrix_view(x)
     if rowwise:
         check_divisible(x2d.shape[1], 16, "nvfp4", "rowwise")
     if columnwise:
         check_divisible(x2d.shape[0], 16, "nvfp4", "columnwise")
-    buffers = _nvfp4_core(x2d, seed, block=block, hadamard=hadamard, rowwise=rowwise, columnwise=columnwise)
+    buffers = _nvfp4_core(
+        x2d, seed, global_amax, block=block, hadamard=hadamard, rowwise=rowwise, columnwise=columnwise
+    )
     return Quantized(f"nvfp4_{block[0]}x{block[1]}", "e2m1", shape, *buffers, hadamard=hadamard)
 
 
@@ -282,12 +292,14 @@ def quantize_numpy(x: np.ndarray, function: str, **kwargs) -> dict[str, np.ndarr
     """Run one quantizer (by name, with its keyword arguments) on a numpy array; its buffers as numpy.
 
     For `shardbridge quantize --compare`: the keys are the torch Quantized's buffer names, present
-    where produced. x may be float32, float16 or ml_dtypes.bfloat16; `scale` any fp32 array-like.
+    where produced. x may be float32, float16 or ml_dtypes.bfloat16; `scale`, `amax` and `global_amax`
+    any fp32 array-like.
     """
     if function not in QUANTIZERS:
         raise ValueError(f"function={function!r} is not a quantizer; use one of {sorted(QUANTIZERS)}")
-    if kwargs.get("scale") is not None:
-        kwargs["scale"] = np.asarray(kwargs["scale"])
+    for given in ("scale", "amax", "global_amax"):
+        if kwargs.get(given) is not None:
+            kwargs[given] = np.asarray(kwargs[given])
     q = QUANTIZERS[function](np.asarray(x), **kwargs)
     return {name: np.asarray(getattr(q, name)) for name in BUFFERS if getattr(q, name) is not None}
 
@@ -330,13 +342,15 @@ def dequantize(q: Quantized, dtype=jnp.float32, *, columnwise: bool = False) -> 
 
 @partial(jax.jit, static_argnames=("fmax", "margin", "algo"))
 def _delayed_scaling_core(amax_history, scale, *, fmax, margin, algo):
-    amax = max_magnitude(amax_history, axis=0) if algo == "max" else amax_history[0]
+    accepted = is_finite(amax_history[0])  # a non-finite step amax is refused: recorded as 0, the scale kept
+    history = amax_history.at[0].set(jnp.where(accepted, amax_history[0], 0.0))
+    amax = max_magnitude(history, axis=0) if algo == "max" else history[0]
     new_scale = divide(divide(fmax, amax), np.float32(2.0**margin))
     new_scale = jnp.where(jnp.isinf(new_scale), jnp.float32(FP32_MAX), new_scale)
     amax_bits = to_bits(amax)
-    positive_and_finite = (amax_bits != 0) & (amax_bits < INF_BITS)  # sign bit clear, not NaN
-    new_scale = jnp.where(positive_and_finite, new_scale, scale)
-    new_history = jnp.roll(amax_history, -1, axis=0).at[0].set(0.0)
+    positive_and_finite = (amax_bits != 0) & (amax_bits < INF_BITS)  # on the bits: XLA CPU reads subnormals as 0
+    new_scale = jnp.where(positive_and_finite & accepted, new_scale, scale)
+    new_history = jnp.roll(history, -1, axis=0).at[0].set(0.0)
     return new_history, new_scale
 
 
@@ -346,7 +360,8 @@ def delayed_scaling_update(
     """One delayed-scaling step: a new scale from the history, then the history rolled (row 0 zeroed).
 
     amax_history is fp32 [history_len, ...] of amaxes (>= 0) with row 0 the slot the next
-    quantizations write; scale is fp32 [...]. Returns new arrays.
+    quantizations write; scale is fp32 [...]. Returns new arrays. A non-finite amax in row 0 is
+    refused: the scale stays and the history records 0 in its place (kernels.reference's rule).
     """
     if algo not in ("max", "most_recent"):
         raise ValueError(f"amax_compute_algo={algo!r}: use 'max' or 'most_recent'")

@@ -50,7 +50,8 @@ def f32_to_code(
     x, EXPONENT_BITS: tl.constexpr, MANTISSA_BITS: tl.constexpr, MAX_BITS: tl.constexpr, NAN_CODE: tl.constexpr,
     IN_RANGE: tl.constexpr = False, TOP: tl.constexpr = False, HARDWARE: tl.constexpr = False,
 ):
-    """fp32 -> code (int32): canonical NaN, saturate to +-max (inf too), round to nearest even.
+    """fp32 -> code (int32): NaN_CODE for NaN (and for +-inf in the fp8 formats), saturate finite values to
+    +-max (e2m1, which has no NaN: inf too), round to nearest even.
 
     Rounding with float ops rather than integer ones: on Hopper the integer pipe is half as wide as
     the fp32 one and the casts were bound by it. Scaling by 2^(BIAS - 127) puts the format's exponent
@@ -94,7 +95,9 @@ def f32_to_code(
         if not TOP:
             code = (code.to(tl.uint32, bitcast=True) >> SIGN_SHIFT).to(tl.int32)
         if not IN_RANGE:
-            code = tl.where(magnitude > 0x7F800000, NAN_CODE << (SIGN_SHIFT if TOP else 0), code)
+            # fp8 (EXPONENT_BITS >= 4): a non-finite value is never hidden by saturation
+            NON_FINITE_BITS: tl.constexpr = 0x7F800000 if EXPONENT_BITS >= 4 else 0x7F800001
+            code = tl.where(magnitude >= NON_FINITE_BITS, NAN_CODE << (SIGN_SHIFT if TOP else 0), code)
     return code
 
 
@@ -135,11 +138,12 @@ def code_to_f32(code, EXPONENT_BITS: tl.constexpr, MANTISSA_BITS: tl.constexpr, 
 def f32_to_e4m3_code(x, HARDWARE: tl.constexpr = False):
     """e4m3 (max 448 = 0x43E00000, NaN 0x7F): the NVFP4 block scales.
 
-    HARDWARE (compiled kernels): the GPU's cvt.rn.satfinite, which saturates past max and inf as
-    f32_to_code does; only NaN is set apart, for the canonical code (its sign).
+    HARDWARE (compiled kernels): the GPU's cvt.rn.satfinite, which saturates past max as f32_to_code
+    does; NaN and inf (which it would saturate) are set apart, for the canonical code.
     """
     if HARDWARE:
-        return tl.where(x != x, 0x7F, _hardware_fp8_code(x, 4, False))
+        non_finite = (x.to(tl.int32, bitcast=True) & 0x7FFFFFFF) >= _FP32_INF_BITS
+        return tl.where(non_finite, 0x7F, _hardware_fp8_code(x, 4, False))
     return f32_to_code(x, 4, 3, 0x43E00000, 0x7F)
 
 
@@ -235,10 +239,12 @@ def scale_from_amax(amax, FMAX: tl.constexpr, POWER_2: tl.constexpr, EPSILON: tl
 
 @triton.jit
 def e8m0_from_amax_bits(amax_bits, INV_FMAX: tl.constexpr, MAX_EXPONENT: tl.constexpr, ROUND_UP: tl.constexpr):
-    """MXFP8 biased block exponent from |amax| bits: round up of amax * fp32(1/fmax), or OCP floor."""
+    """MXFP8 biased block exponent from |amax| bits: round up of amax * fp32(1/fmax) (0 for a ratio at
+    most 2^-127, as TransformerEngine), or OCP floor."""
     if ROUND_UP:
         ratio = (amax_bits.to(tl.float32, bitcast=True) * INV_FMAX).to(tl.int32, bitcast=True)
         exponent = ((ratio >> 23) & 0xFF) + ((ratio & 0x7FFFFF) != 0).to(tl.int32)
+        exponent = tl.where(ratio <= 0x00400000, 0, exponent)
     else:
         exponent = tl.minimum(tl.maximum(((amax_bits >> 23) & 0xFF) - MAX_EXPONENT, 0), 254)
     exponent = tl.where(amax_bits == 0x7F800000, 0xFE, exponent)
@@ -246,9 +252,11 @@ def e8m0_from_amax_bits(amax_bits, INV_FMAX: tl.constexpr, MAX_EXPONENT: tl.cons
 
 
 @triton.jit
-def e8m0_encode_multiplier(exponent):
-    """2^(127 - e) exactly in fp32 (2^-127 is subnormal); NaN for e = 0xFF."""
+def e8m0_encode_multiplier(exponent, ROUND_UP: tl.constexpr):
+    """2^(127 - e) exactly in fp32 (2^-127 is subnormal); NaN for e = 0xFF; ROUND_UP: 1 for e = 0 (unscaled)."""
     bits = tl.where(exponent == 254, 0x00400000, (254 - exponent) << 23)
+    if ROUND_UP:
+        bits = tl.where(exponent == 0, 0x3F800000, bits)
     multiplier = bits.to(tl.float32, bitcast=True)
     return tl.where(exponent == 0xFF, _bits_f32(multiplier, _FP32_NAN_BITS), multiplier)
 

@@ -388,7 +388,7 @@ def _mxfp8_operand(
     HALVES: tl.constexpr = tile.shape[1] // 16
     amax = tl.max(tl.reshape(runs_amax_bits(runs), [ROWS, HALVES // 2, 2]), axis=2)
     exponent = e8m0_from_amax_bits(amax, INV_FMAX, MAX_EXPONENT, ROUND_UP)
-    multiplier = e8m0_encode_multiplier(exponent)
+    multiplier = e8m0_encode_multiplier(exponent, ROUND_UP)
     in_range = _all_below(amax.to(tl.float32, bitcast=True) * multiplier, rounding_limit(MAX_BITS, MANTISSA_BITS))
     multiplier = tl.reshape(tl.broadcast_to(multiplier[:, :, None], [ROWS, HALVES // 2, 2]), [ROWS, HALVES])
     _fp8_operand(

@@ -39,15 +39,19 @@ class FloatFormat:
 
 
 FORMATS: dict[str, FloatFormat] = {
+    # e4m3 and e5m2 write their NaN code for every non-finite value (+-inf too): a cast never hides one.
     "e4m3": FloatFormat("e4m3", 4, 3, 448.0, 0x7F, torch.float8_e4m3fn),
     "e5m2": FloatFormat("e5m2", 5, 2, 57344.0, 0x7F, torch.float8_e5m2),
-    # e2m1 has no NaN: a NaN element becomes code 0 and its block's e4m3 scale is NaN.
+    # e2m1 has no NaN: a NaN element becomes code 0 and its block's e4m3 scale is NaN (an infinite
+    # block amax makes that scale NaN too), so the block dequantizes to NaN.
     "e2m1": FloatFormat("e2m1", 2, 1, 6.0, 0x00, None),
     # e8m0 holds MXFP8 block scales: a biased exponent (bias 127), 0xFF is NaN.
     "e8m0": FloatFormat("e8m0", 8, 0, 2.0**127, 0xFF, torch.float8_e8m0fnu),
 }
 FP8_FORMATS = ("e4m3", "e5m2")
 E8M0_INF_CODE = 0xFE  # the e8m0 code of an infinite amax (the largest finite exponent)
+E8M0_UP_ZERO_BITS = 0x00400000  # "up" gives code 0 to an amax / fmax ratio at most 2^-127 (these fp32 bits)
+ONE_BITS = 0x3F800000  # fp32 1.0
 NVFP4_GLOBAL_MAX = FORMATS["e4m3"].max * FORMATS["e2m1"].max  # 448 * 6: the global encode's fmax
 
 # The 8 magnitudes of e2m1 by code (bit 3 is the sign): 0 and 0.5 subnormal, then (1 + m/2) * 2^(e-1).
@@ -68,10 +72,11 @@ SCHEME_BLOCKS: dict[str, tuple[int, int] | None] = {
 
 
 def encode_fp8(values: Tensor, fmt: str) -> Tensor:
-    """fp32 values -> uint8 codes of e4m3/e5m2: canonical NaN, saturate to +-max, round to nearest even."""
+    """fp32 values -> uint8 codes of e4m3/e5m2: NaN and +-inf -> the canonical NaN, finite values saturate
+    to +-max, round to nearest even."""
     f = FORMATS[fmt]
     codes = values.float().clamp(-f.max, f.max).to(f.torch_dtype).view(torch.uint8)
-    return torch.where(values.isnan(), f.nan_code, codes)
+    return torch.where(values.isfinite(), codes, f.nan_code)
 
 
 def decode_fp8(codes: Tensor, fmt: str) -> Tensor:
@@ -139,10 +144,11 @@ def e8m0_from_amax(amax: Tensor, fmt: str, rounding: str = "up") -> Tensor:
     """MXFP8 block scale as a biased exponent (uint8): 2^(e - 127) >= amax / fmax ("up") or OCP "floor"."""
     f = FORMATS[fmt]
     amax = amax.float()
-    if rounding == "up":
+    if rounding == "up":  # TransformerEngine's float_to_e8m0: a ratio <= 2^-127 (bits <= 0x400000) gives 0
         ratio = amax * torch.tensor(1.0 / f.max, dtype=torch.float32)
         bits = ratio.view(torch.int32)
         exponent = ((bits >> 23) & 0xFF) + ((bits & 0x7FFFFF) != 0).int()
+        exponent = torch.where(bits <= E8M0_UP_ZERO_BITS, 0, exponent)
     elif rounding == "floor":  # floor(log2(amax)) - emax_elem, biased; subnormal amax -> 0
         exponent = (((amax.view(torch.int32) >> 23) & 0xFF) - f.max_exponent).clamp(0, 254)
     else:
@@ -152,10 +158,16 @@ def e8m0_from_amax(amax: Tensor, fmt: str, rounding: str = "up") -> Tensor:
     return exponent.to(torch.uint8)
 
 
-def e8m0_encode_multiplier(exponent: Tensor) -> Tensor:
-    """The exact fp32 factor 2^(127 - e) that maps a block onto the element grid (NaN for code 0xFF)."""
+def e8m0_encode_multiplier(exponent: Tensor, rounding: str = "up") -> Tensor:
+    """The exact fp32 factor 2^(127 - e) that maps a block onto the element grid (NaN for code 0xFF).
+
+    "up" leaves a block of code 0 unscaled (factor 1), as TransformerEngine does: its amax is at most
+    2^-127 * fmax, so its elements cast to +-0 either way, without a 2^127 that could reach fmax.
+    """
     e = exponent.to(torch.int32)
     bits = torch.where(e == 254, 0x00400000, (254 - e) << 23)  # 2^-127 is an fp32 subnormal
+    if rounding == "up":
+        bits = torch.where(e == 0, ONE_BITS, bits)
     return torch.where(e == 0xFF, math.nan, bits.view(torch.float32))
 
 

@@ -206,7 +206,7 @@ def quantize_blockwise(
 def _mxfp8_operand(operand: Tensor, fmt: str, scale_rounding: str) -> tuple[Tensor, Tensor]:
     """(codes, e8m0 scale per 32 elements) of one operand."""
     exponent = e8m0_from_amax(block_amax(operand, (1, 32)), fmt, scale_rounding)
-    multiplier = e8m0_encode_multiplier(exponent)
+    multiplier = e8m0_encode_multiplier(exponent, scale_rounding)
     return encode_fp8(operand * expand_blocks(multiplier, (1, 32), operand.shape), fmt), exponent
 
 
@@ -328,18 +328,20 @@ def delayed_scaling_update(
     """One delayed-scaling step: a new scale from the history, then the history rolled (row 0 zeroed).
 
     amax_history is [history_len, ...] with row 0 the slot the next quantizations write;
-    scale is [...]. Returns new tensors; the inputs are not modified.
+    scale is [...]. Returns new tensors; the inputs are not modified. A non-finite amax in row 0
+    (a step whose tensors held inf or NaN: GradScaler skips it) is refused: the scale stays and
+    the history records 0 in its place, so it does not freeze the scale for history_len steps.
     """
-    if algo == "max":
-        amax = amax_history.amax(dim=0)
-    elif algo == "most_recent":
-        amax = amax_history[0]
-    else:
+    if algo not in ("max", "most_recent"):
         raise ValueError(f"amax_compute_algo={algo!r}: use 'max' or 'most_recent'")
+    refused = ~amax_history[0].isfinite()
+    history = amax_history.clone()
+    history[0] = torch.where(refused, 0.0, amax_history[0])
+    amax = history.amax(dim=0) if algo == "max" else history[0]
     new_scale = torch.full_like(amax, fmax) / amax / (2.0**margin)
     new_scale = torch.where(new_scale.isinf(), FP32_MAX, new_scale)
-    new_scale = torch.where((amax > 0) & amax.isfinite(), new_scale, scale)
-    new_history = torch.roll(amax_history, -1, dims=0)
+    new_scale = torch.where((amax > 0) & amax.isfinite() & ~refused, new_scale, scale)
+    new_history = torch.roll(history, -1, dims=0)
     new_history[0] = 0
     return new_history, new_scale
 

@@ -31,12 +31,14 @@ def _same_floats(got, expected) -> np.ndarray:
 
 
 def _clip_cast_model(values: np.ndarray, fmt: str) -> np.ndarray:
-    """ml_dtypes' cast after clipping to +-max, NaN -> the canonical code (the contract's rule)."""
+    """ml_dtypes' cast after clipping to +-max; NaN (and, but in e2m1, +-inf) -> the canonical code (the
+    contract's rule: a cast never hides a non-finite value)."""
     fmax = F.FORMATS[fmt].max
     dtype = ML_DTYPES.get(fmt, ml_dtypes.float4_e2m1fn)
     with np.errstate(invalid="ignore"):
         codes = np.clip(values, -fmax, fmax).astype(dtype).view(np.uint8)
-    return np.where(np.isnan(values), F.FORMATS[fmt].nan_code, codes).astype(np.uint8)
+    non_finite = np.isnan(values) | (np.isinf(values) & (fmt != "e2m1"))
+    return np.where(non_finite, F.FORMATS[fmt].nan_code, codes).astype(np.uint8)
 
 
 def _edge_values(fmt: str) -> np.ndarray:
@@ -86,14 +88,15 @@ def test_all_256_codes_and_edges_encode_like_ml_dtypes_after_the_clip(fmt):
     values = np.concatenate([decoded, _edge_values(fmt), every_bf16])
     got = np.asarray(jax.jit(partial(F.encode_fp8, fmt=fmt))(values))
     np.testing.assert_array_equal(got, _clip_cast_model(values, fmt))
-    # Each finite code comes back as itself; NaN codes as the canonical byte; e5m2 inf as +-max.
+    # Each finite code comes back as itself; NaN codes and e5m2's inf codes as the canonical NaN byte.
     finite = np.isfinite(decoded)
     np.testing.assert_array_equal(got[:256][finite], np.arange(256)[finite])
-    assert set(got[:256][np.isnan(decoded)]) == {0x7F}
+    assert set(got[:256][~finite]) == {0x7F}
 
 
 def _e8m0_model(amax: np.ndarray, fmt: str, rounding: str) -> np.ndarray:
-    """float64 log2 model: up = ceil(log2(fp32(amax * fp32(1 / fmax)))), floor = floor(log2(amax)) - emax."""
+    """float64 log2 model: up = ceil(log2(fp32(amax * fp32(1 / fmax)))), 0 for a ratio <= 2^-127 (TransformerEngine's
+    float_to_e8m0), floor = floor(log2(amax)) - emax."""
     f = F.FORMATS[fmt]
     codes = []
     for a in amax.astype(np.float32):
@@ -105,7 +108,7 @@ def _e8m0_model(amax: np.ndarray, fmt: str, rounding: str) -> np.ndarray:
             codes.append(0)
         elif rounding == "up":
             ratio = a * np.float32(1.0 / f.max)  # numpy keeps subnormals: the IEEE product
-            codes.append(0 if ratio == 0 else max(1, math.ceil(math.log2(ratio)) + 127))
+            codes.append(0 if ratio <= 2.0**-127 else max(1, math.ceil(math.log2(ratio)) + 127))
         else:
             codes.append(min(max(math.floor(math.log2(a)) - f.max_exponent + 127, 0), 254))
     return np.array(codes, np.uint8)
@@ -123,11 +126,45 @@ def test_e8m0_scales_both_roundings_match_the_log2_model(fmt):
         np.testing.assert_array_equal(got, _e8m0_model(amax, fmt, rounding), err_msg=rounding)
 
 
-def test_e8m0_multiplier_is_the_exact_power_of_two():
+@pytest.mark.parametrize("rounding", ["up", "floor"])
+def test_e8m0_multiplier_is_the_exact_power_of_two(rounding):
     exponent = np.arange(256, dtype=np.uint8)
-    got = np.asarray(F.e8m0_encode_multiplier(exponent))
+    got = np.asarray(F.e8m0_encode_multiplier(exponent, rounding))
     expected = np.array([2.0 ** (127 - e) if e < 255 else np.nan for e in range(256)], np.float64).astype(np.float32)
+    expected[0] = 1.0 if rounding == "up" else expected[0]  # "up" leaves code-0 blocks unscaled, as TE does
     assert _same_floats(got, expected).all()
+
+
+def _transformer_engine_e8m0(amax: float, fmax: float) -> int:
+    """TransformerEngine's float_to_e8m0 (non-Blackwell path) of the fp32 ratio amax * fp32(1/fmax), in float64."""
+    ratio = float(np.float32(amax) * np.float32(1.0 / fmax))
+    if math.isnan(ratio):
+        return 0xFF
+    if math.isinf(ratio):
+        return 0xFE
+    if ratio <= 2.0**-127:  # zero, or a subnormal ratio with at most the top mantissa bit set
+        return 0
+    return max(1, math.ceil(math.log2(ratio)) + 127)
+
+
+@pytest.mark.parametrize("fmt", ["e4m3", "e5m2"])
+def test_mxfp8_up_gives_a_tiny_block_code_0_and_leaves_it_unscaled(fmt):
+    """Issue 29, finding 10: a block whose amax / fmax is at most 2^-127 gets E8M0 code 0 (not 1) and its
+    elements are cast unscaled, so they are +-0, as TransformerEngine's MXFP8 cast writes them."""
+    fmax = F.FORMATS[fmt].max
+    boundary = np.float32(fmax * 2.0**-127)  # amax * fp32(1/fmax) lands near 2^-127 around here
+    amaxes = [1e-45, 1e-40, 2.0**-126, boundary * np.float32(0.5), boundary, boundary * np.float32(1.01), 2.0**-110]
+    x = np.zeros((len(amaxes), 32), np.float32)
+    for row, amax in enumerate(amaxes):
+        x[row] = np.float32(amax) * np.linspace(-1, 1, 32, dtype=np.float32)
+        x[row, 7] = np.float32(amax)
+    q = Q.quantize_mxfp8(x, fmt)
+    expected = [_transformer_engine_e8m0(float(np.float32(a)), fmax) for a in amaxes]
+    np.testing.assert_array_equal(np.asarray(q.scale_inv)[:, 0], expected)
+    assert expected[:4] == [0, 0, 0, 0] and expected[-1] > 1  # the test spans both sides of the rule
+    zero_rows = np.asarray(expected) == 0
+    np.testing.assert_array_equal(np.asarray(q.data)[zero_rows] & 0x7F, 0)  # +-0: signs kept
+    np.testing.assert_array_equal(np.asarray(q.data)[zero_rows] >> 7, np.signbit(x[zero_rows]))
 
 
 # ----------------------------------------------------------------------------- e2m1, packing
@@ -379,17 +416,20 @@ def test_delayed_scaling_over_50_steps_matches_a_float64_model():
     amaxes = (rng.uniform(0.1, 10, (50, 3)) * 2.0 ** rng.integers(-30, 30, (50, 3))).astype(np.float32)
     amaxes[9] = [0.0, np.inf, np.nan]
     amaxes[20] = [1e-40, 3e38, 2.0**-126]
+    amaxes[21] = [np.nan, 0.0, -np.inf]
     for algo, margin, length in (("max", 0, 16), ("most_recent", 3, 4)):
         history, scale = jnp.zeros((length, 3)), jnp.ones(3)
         model_history, model_scale = np.zeros((length, 3)), np.ones(3, np.float32)
         for step, amax in enumerate(amaxes):
-            history, model_history[0] = history.at[0].set(amax), amax
+            history = history.at[0].set(amax)
+            refused = ~np.isfinite(amax)  # a non-finite step amax is recorded as 0 and keeps the scale
+            model_history[0] = np.where(refused, 0.0, amax)
             history, scale = Q.delayed_scaling_update(history, scale, 448.0, margin=margin, algo=algo)
             current = model_history.max(axis=0) if algo == "max" else model_history[0]
             with np.errstate(all="ignore"):
                 candidate = (448.0 / current / 2.0**margin).astype(np.float32)
             candidate = np.where(np.isinf(candidate), np.finfo(np.float32).max, candidate)
-            model_scale = np.where((current > 0) & np.isfinite(current), candidate, model_scale)
+            model_scale = np.where((current > 0) & np.isfinite(current) & ~refused, candidate, model_scale)
             model_history = np.roll(model_history, -1, axis=0)
             model_history[0] = 0
             np.testing.assert_array_equal(np.asarray(scale), model_scale, f"{algo} step {step}")

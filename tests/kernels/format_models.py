@@ -45,7 +45,8 @@ def format_max(fmt: str) -> float:
 
 
 def rne_model(values: np.ndarray, fmt: str) -> np.ndarray:
-    """Codes by nearest-even on the exact grid: NaN -> canonical code, saturate at +-max, sign kept."""
+    """Codes by nearest-even on the exact grid: NaN -> canonical code, saturate at +-max, sign kept;
+    +-inf -> the canonical NaN code in the fp8 formats (a cast never hides a non-finite), +-max in e2m1."""
     exponent_bits, mantissa_bits, nan_code = LAYOUTS[fmt]
     grid = finite_magnitudes(fmt)
     values = np.asarray(values, dtype=np.float64)
@@ -57,7 +58,8 @@ def rne_model(values: np.ndarray, fmt: str) -> np.ndarray:
     up = (twice > midpoint_sum) | ((twice == midpoint_sum) & (lower % 2 == 1))
     code = np.where(up & (upper > lower), upper, lower)
     code = code | (np.signbit(values).astype(np.int64) << (exponent_bits + mantissa_bits))
-    return np.where(np.isnan(values), nan_code, code).astype(np.uint8)
+    non_finite = np.isnan(values) | (np.isinf(values) & (fmt != "e2m1"))
+    return np.where(non_finite, nan_code, code).astype(np.uint8)
 
 
 def edge_values(fmt: str) -> torch.Tensor:

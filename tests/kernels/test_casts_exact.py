@@ -47,6 +47,14 @@ def _elementwise_kernel(
         out = _casts.e8m0_from_amax_bits(_casts.abs_bits(x), 1.0 / 448.0, 8, True)
     elif OP == "e8m0_floor":
         out = _casts.e8m0_from_amax_bits(_casts.abs_bits(x), 1.0 / 448.0, 8, False)
+    elif OP == "e8m0_multiplier_up":  # x holds e8m0 codes as fp32 integers
+        out = _casts.e8m0_encode_multiplier(x.to(tl.int32), True).to(tl.int32, bitcast=True)
+    elif OP == "e8m0_multiplier_floor":
+        out = _casts.e8m0_encode_multiplier(x.to(tl.int32), False).to(tl.int32, bitcast=True)
+    elif OP == "e4m3_scale":  # the NVFP4 block-scale cast
+        out = _casts.f32_to_e4m3_code(x)
+    elif OP == "e4m3_scale_hardware":  # the same with the GPU's cvt (compiled kernels)
+        out = _casts.f32_to_e4m3_code(x, True)
     else:  # "decode": x holds e4m3 codes as fp32 integers
         out = _casts.e4m3_code_to_f32(x.to(tl.int32)).to(tl.int32, bitcast=True)
     tl.store(out_ptr + offsets, out, mask=mask)
@@ -153,9 +161,40 @@ def test_stochastic_e2m1_and_hash_equal_reference(device):
 def test_e8m0_equals_reference(device, rounding):
     powers = torch.exp2(torch.arange(-126, 128, dtype=torch.float32))
     special = torch.tensor([0.0, 1e-45, 1e-40, 3.4e38, math.inf, math.nan, 448.0])
-    x = torch.cat([powers, powers * (1 + 2**-23), powers * (1 - 2**-24), special])
+    # amaxes whose ratio amax * fp32(1/448) lands on, just above and just below 2^-127 ("up" gives 0 up to it)
+    boundary = torch.tensor(448.0 * 2.0**-127) * (1 + torch.arange(-4, 5) * 2.0**-23)
+    x = torch.cat([powers, powers * (1 + 2**-23), powers * (1 - 2**-24), special, boundary])
     got = _run(f"e8m0_{rounding}", x.to(device)).cpu()
     assert torch.equal(got, formats.e8m0_from_amax(x, "e4m3", rounding).int())
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("rounding", ["up", "floor"])
+def test_e8m0_multiplier_equals_reference(device, rounding):
+    codes = torch.arange(256, dtype=torch.float32)
+    got = _run(f"e8m0_multiplier_{rounding}", codes.to(device)).cpu()
+    expected = formats.e8m0_encode_multiplier(codes.to(torch.uint8), rounding)
+    assert torch.equal(got[:255], expected[:255].view(torch.int32)) and got[255].view(torch.float32).isnan()
+
+
+def _check_block_scale_cast(device: str, op: str) -> None:
+    generator = torch.Generator().manual_seed(7)
+    x = torch.cat([edge_values("e4m3"), torch.rand(3000, generator=generator) * 500])
+    expected = formats.encode_fp8(x, "e4m3").int()
+    got = _run(op, x.to(device)).cpu()
+    assert torch.equal(got, expected), _first_difference(x, got, expected)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_nvfp4_block_scale_cast_equals_reference(device):
+    """The e4m3 cast of NVFP4 block scales: an infinite block amax gives the NaN code, as NaN does."""
+    _check_block_scale_cast(device, "e4m3_scale")
+
+
+@pytest.mark.parametrize("device", [d for d in DEVICES if d.values[0] == "cuda"])
+def test_nvfp4_block_scale_hardware_cast_equals_reference(device):
+    """Compiled NVFP4 kernels cast block scales with the GPU's cvt, which saturates inf: set apart."""
+    _check_block_scale_cast(device, "e4m3_scale_hardware")
 
 
 @pytest.mark.parametrize("device", DEVICES)

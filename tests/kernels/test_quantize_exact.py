@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
 import pytest
 import torch
 
@@ -158,6 +159,38 @@ def test_edge_values_give_identical_bytes(device, dtype, name):
     x = edge_matrix(fmt, cols=128, rows_multiple=32).to(dtype).to(device)
     got, expected = _quantize_both(name, x, rowwise=True, columnwise=True)
     assert_same_bytes(got, expected, x)
+
+
+def _transformer_engine_e8m0(amax: float, fmax: float) -> int:
+    """TransformerEngine's float_to_e8m0 (non-Blackwell path) of the fp32 ratio amax * fp32(1/fmax), in float64."""
+    ratio = float(np.float32(amax) * np.float32(1.0 / fmax))
+    if math.isnan(ratio):
+        return 0xFF
+    if math.isinf(ratio):
+        return 0xFE
+    if ratio <= 2.0**-127:  # zero, or a subnormal ratio with at most the top mantissa bit set
+        return 0
+    return max(1, math.ceil(math.log2(ratio)) + 127)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("fmt", ["e4m3", "e5m2"])
+def test_mxfp8_up_gives_a_tiny_block_code_0_and_leaves_it_unscaled(device, fmt):
+    """Issue 29, finding 10: a block whose amax / fmax is at most 2^-127 gets E8M0 code 0 (not 1) and its
+    elements are cast unscaled, so they are +-0, as TransformerEngine's MXFP8 cast writes them."""
+    fmax = reference.FORMATS[fmt].max
+    boundary = float(np.float32(fmax * 2.0**-127))  # amax * fp32(1/fmax) lands near 2^-127 around here
+    amaxes = [1e-45, 1e-40, 2.0**-126, boundary * 0.5, boundary, boundary * 1.01, 2.0**-110]
+    x = torch.linspace(-1, 1, 32).repeat(len(amaxes), 1) * torch.tensor(amaxes)[:, None]
+    x[:, 7] = torch.tensor(amaxes)
+    expected = [_transformer_engine_e8m0(float(a), fmax) for a in x[:, 7]]
+    assert expected[:4] == [0, 0, 0, 0] and expected[-1] > 1  # the test spans both sides of the rule
+    zero_rows = torch.tensor(expected) == 0
+    for implementation in (reference, triton_quantize):
+        q = implementation.quantize_mxfp8(x.to(device), fmt)
+        assert q.scale_inv[:, 0].tolist() == expected, implementation.__name__
+        data = q.data.cpu()[zero_rows]
+        assert not (data & 0x7F).any() and torch.equal(data >> 7, x[zero_rows].signbit().to(torch.uint8))
 
 
 # Each tile checks its own amaxes and casts on the short path when nothing in it is NaN or past the

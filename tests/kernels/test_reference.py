@@ -206,13 +206,16 @@ def test_bad_arguments_say_what_to_do(call, error, match):
 
 
 def _delayed_model(history: list[list[float]], scale: list[float], fmax: float, margin: int, algo: str):
-    """One step in float64 with explicit fp32 roundings, as TransformerEngine's formula reads."""
+    """One step in float64 with explicit fp32 roundings, as TransformerEngine's formula reads; a non-finite
+    step amax (row 0) is refused: recorded as 0, the scale kept."""
     columns = range(len(scale))
+    refused = [not math.isfinite(history[0][j]) for j in columns]
+    history = [[0.0 if refused[j] else a for j, a in enumerate(history[0])]] + history[1:]
     new_scale = []
     for j in columns:
         column = [row[j] for row in history]
         amax = (math.nan if any(map(math.isnan, column)) else max(column)) if algo == "max" else column[0]
-        if amax > 0 and math.isfinite(amax):
+        if amax > 0 and math.isfinite(amax) and not refused[j]:
             with np.errstate(over="ignore"):
                 value = float(np.float32(float(np.float32(fmax / amax)) / 2.0**margin))
             new_scale.append(min(value, FP32_MAX))

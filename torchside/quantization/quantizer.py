@@ -176,7 +176,7 @@ class Quantizer:
         q = getattr(implementation(backend or backend_for(x.device)), name)(x, **kwargs)
         if self.amax_history is not None:  # row 0 collects the max of this step's amaxes
             current = self.amax_history[:1]
-            torch.maximum(current, q.amax, out=current)
+            torch.maximum(current, _nan_as_inf(q.amax), out=current)
         return from_quantized(q)
 
     @property
@@ -262,8 +262,14 @@ def quantize_split(
     split_quantize = implementation(backend or backend_for(x.device)).quantize_tensorwise_split
     results = split_quantize(x2d, splits, **kwargs)
     if first.amax_history is not None:  # row 0 collects the max of this step's amaxes
-        torch._foreach_maximum_([q.amax_history[:1] for q in quantizers], [r.amax for r in results])
+        torch._foreach_maximum_([q.amax_history[:1] for q in quantizers], [_nan_as_inf(r.amax) for r in results])
     return [from_quantized(r) for r in results]
+
+
+def _nan_as_inf(amax: Tensor) -> Tensor:
+    """A NaN amax recorded as +inf: a MAX all-reduce keeps inf on every rank, where a NaN may be dropped on
+    some; the update then refuses the non-finite step (kernels.reference.delayed_scaling_update)."""
+    return torch.where(amax.isnan(), math.inf, amax)
 
 
 def local_amax(x: Tensor) -> Tensor:
