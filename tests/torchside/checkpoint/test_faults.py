@@ -279,13 +279,13 @@ def test_another_fp8_format_with_the_same_buffers_is_refused_and_unchanged(tmp_p
 
 
 def _interrupt_optimizer_swap(*args, **kwargs):
-    raise KeyboardInterrupt  # after the model and the FP8 buffers were overwritten
+    raise KeyboardInterrupt("Ctrl-C in the swap")  # after the model and the FP8 buffers were overwritten
 
 
 def test_an_interrupt_in_the_middle_of_the_swap_changes_nothing(tmp_path, monkeypatch):
     save(tmp_path, *_trained(), step=1)
     monkeypatch.setattr(app_state, "set_optimizer_state_dict", _interrupt_optimizer_swap)
-    _load_fails(tmp_path, *_trained(seed=2), KeyboardInterrupt, "")
+    _load_fails(tmp_path, *_trained(seed=2), KeyboardInterrupt, "Ctrl-C in the swap")
 
 
 def _fail_swap_on_two_ranks(rank, world_size, root, failing_ranks):
