@@ -16,7 +16,6 @@ import pytest
 
 from tests.distributed import RankError, run_processes
 from tests.torchside.checkpoint.training import ADAM, build, gathered_state, local, topology, train
-from tests.torchside.test_tensor_parallel import reference_kernels  # noqa: F401  (autouse)
 from torchside.checkpoint import commit, load, save
 from torchside.optim import FusedAdam
 from torchside.quantization import QuantizedTensor

@@ -45,8 +45,7 @@ from torch.distributed.device_mesh import init_device_mesh
 
 from tests.distributed import run_processes, run_threads
 from tests.torchside.checkpoint.training import Topology, build, gathered_state, topology, train
-from tests.torchside.test_tensor_parallel import F, H
-from tests.torchside.test_tensor_parallel import reference_kernels  # noqa: F401  (autouse)
+from tests.torchside.tp_stack import F, H
 from torchside.checkpoint import load, save
 from torchside.checkpoint.safetensors_io import export_safetensors, import_safetensors
 from torchside.quantization import FALLBACK_CALLS
