@@ -183,6 +183,10 @@ def _load_then_train_fp8(rank, world_size, path):
     return _load(rank, world_size, path), train_fp8_sharded(rank, world_size)
 
 
+# In CI the same functions run on threads (test_dcp_saved_on_4_ranks_reloads_on_2_ranks_exactly, and
+# test_fused_adam_fp8's test_sharded_fp8_weights_equal_one_process_bit_for_bit); FusedAdam states with FP8
+# weights resharded by DCP on gloo processes: checkpoint/test_resharding's launch.
+@pytest.mark.grid
 @pytest.mark.multiprocess
 def test_gloo_processes_reshard_dcp_4_to_2_and_train_fp8_weights(tmp_path, fp8_adam_one_process):
     """The DCP test, then test_fused_adam_fp8's sharded FP8 training (FSDP(2) x TP(2), then FSDP(2)) in the
