@@ -3,6 +3,7 @@
 - JAX gets 8 host CPU devices (this only affects JAX's CPU platform; a GPU run keeps its GPUs).
 - Without CUDA, Triton kernels run in the interpreter (TRITON_INTERPRET=1).
 - `gpu` tests are skipped without CUDA.
+- `reference_kernels`: the fixture for tests that run kernels through their pure-torch reference.
 - With PYTEST_INSTAFAIL=1 a failure's traceback prints when it happens (GPU runs under a time limit
   would otherwise lose it with the end-of-run summary).
 """
@@ -17,6 +18,21 @@ import torch  # noqa: E402
 HAS_CUDA = torch.cuda.is_available()
 if not HAS_CUDA:
     os.environ.setdefault("TRITON_INTERPRET", "1")
+
+
+@pytest.fixture
+def reference_kernels(monkeypatch):
+    """Every kernel through its pure-torch reference (kernels._backend reads TRITON_INTERPRET when called):
+    thread-safe, unlike the Triton interpreter, so threaded ranks can run it, and fast on small shapes.
+    One intra-op thread: tensors this small only spin a second one on a shared 2-core machine."""
+    from kernels._backend import Backend, backend_for
+
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    assert backend_for("cpu") is Backend.REFERENCE
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
 
 
 def pytest_collection_modifyitems(config, items):

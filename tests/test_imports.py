@@ -1,11 +1,26 @@
-"""Dependency direction: torchside never loads jax, jaxside never loads torch (DESIGN.md)."""
+"""Dependency direction (DESIGN.md): kernels <- torchside <- bridge -> jaxside, torch and JAX apart; tests apart.
 
+Two checks: at run time, importing a package and all its submodules loads no module of the other
+framework; statically, no import statement anywhere in a package (lazy ones inside functions
+included) names a package it must not use. And no file under tests/ imports a test module: shared
+helpers live in conftest.py files and helper modules (names without the `test_` prefix).
+"""
+
+import ast
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
+REPO = Path(__file__).resolve().parents[1]
 FORBIDDEN = {"torchside": "jax", "kernels": "jax", "jaxside": "torch"}
+# package -> top-level modules no import in it may name
+FORBIDDEN_IMPORTS = {
+    "kernels": {"torchside", "jaxside", "bridge", "jax"},
+    "torchside": {"bridge", "jax", "jaxside", "flax"},
+    "jaxside": {"torch", "torchside", "kernels", "bridge"},
+}
 
 
 @pytest.mark.parametrize("package", sorted(FORBIDDEN))
@@ -75,3 +90,82 @@ def test_the_readme_python_example_runs(capsys):
         "torch.Size([64, 512]) torch.Size([64, 256]) torch.Size([512, 256])",
         "QuantizedTensor",
     ]
+
+
+def imported_modules(path: Path) -> list[tuple[int, str]]:
+    """(line, dotted name) of every module `path` imports: import statements at any depth (relative ones
+    resolved against the file's package) and importlib.import_module calls with a literal name."""
+    package = ".".join(path.relative_to(REPO).with_suffix("").parts[:-1])
+    found = []
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            found += [(node.lineno, alias.name) for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                parent = package.split(".")[: len(package.split(".")) - node.level + 1]
+                base = ".".join([*parent, *([base] if base else [])])
+            found.append((node.lineno, base))  # `from a import b` may also import module a.b:
+            found += [(node.lineno, f"{base}.{alias.name}") for alias in node.names if alias.name != "*"]
+        elif isinstance(node, ast.Call) and getattr(node.func, "attr", None) == "import_module" and node.args:
+            argument = node.args[0]
+            options = [argument.body, argument.orelse] if isinstance(argument, ast.IfExp) else [argument]
+            found += [(node.lineno, o.value) for o in options if isinstance(o, ast.Constant) and isinstance(o.value, str)]
+    return found
+
+
+def python_files(folder: str) -> list[Path]:
+    return sorted(p for p in (REPO / folder).rglob("*.py") if "__pycache__" not in p.parts)
+
+
+@pytest.mark.parametrize("package", sorted(FORBIDDEN_IMPORTS))
+def test_no_import_in_a_package_goes_against_the_direction(package):
+    files = python_files(package)
+    assert files, f"no Python files under {package}/"
+    wrong = [
+        f"{path.relative_to(REPO)}:{line}: {name}"
+        for path in files
+        for line, name in imported_modules(path)
+        if name.split(".")[0] in FORBIDDEN_IMPORTS[package]
+    ]
+    assert not wrong, f"{package} must not import {sorted(FORBIDDEN_IMPORTS[package])}:\n" + "\n".join(wrong)
+
+
+def is_test_module(name: str) -> bool:
+    return name.split(".")[0] == "tests" and name.split(".")[-1].startswith("test_")
+
+
+def test_no_file_under_tests_imports_a_test_module():
+    wrong = [
+        f"{path.relative_to(REPO)}:{line}: {name}"
+        for path in python_files("tests")
+        for line, name in imported_modules(path)
+        if is_test_module(name)
+    ]
+    assert not wrong, (
+        "move what these share into a conftest.py (fixtures) or a helper module without the test_ prefix:\n"
+        + "\n".join(wrong)
+    )
+
+
+def test_the_static_checks_see_every_kind_of_import(tmp_path, monkeypatch):
+    """A file with each form the checks must catch (a wrong direction and a test-module import)."""
+    folder = tmp_path / "tests" / "torchside"
+    folder.mkdir(parents=True)
+    source = folder / "helpers.py"
+    source.write_text(
+        "import tests.kernels.test_gemm\n"
+        "from tests.torchside import test_attention\n"
+        "from . import test_modules\n"
+        "def lazy():\n"
+        "    from bridge.layout import from_dtensor\n"
+        "    importlib.import_module('jax.numpy' if x else 'numpy')\n"
+    )
+    monkeypatch.setattr(sys.modules[__name__], "REPO", tmp_path)
+    names = [name for _, name in imported_modules(source)]
+    assert [n for n in names if is_test_module(n)] == [
+        "tests.kernels.test_gemm",
+        "tests.torchside.test_attention",
+        "tests.torchside.test_modules",
+    ]
+    assert "bridge.layout" in names and "jax.numpy" in names

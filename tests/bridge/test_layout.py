@@ -1,7 +1,7 @@
 """Shard maps against closed forms, golden files and JAX itself (8 host CPU devices).
 
 Live DTensor and FSDP2 checks are in test_layout_live.py; the CLI in test_layout_cli.py.
-The Hypothesis strategies here are shared with test_layout_live.py.
+Helpers shared with them are in layout_cases.py.
 """
 
 from __future__ import annotations
@@ -9,7 +9,6 @@ from __future__ import annotations
 import itertools
 import json
 import math
-from pathlib import Path
 
 import jax
 import numpy as np
@@ -33,15 +32,10 @@ from bridge.layout_text import (
     parse_pspec,
     parse_shape,
 )
+from tests.bridge.layout_cases import GOLDEN_NAMES, arange_global, assert_same, load_golden, placement_cases
 
-GOLDEN_DIR = Path(__file__).parents[1] / "assets" / "shardmaps"
-GOLDEN_NAMES = sorted(path.stem for path in GOLDEN_DIR.glob("*.json"))
 DETERMINISTIC = settings(derandomize=True, database=None, deadline=None, max_examples=50)
 DP4_TP2 = MeshSpec((4, 2), ("dp", "tp"))
-
-
-def load_golden(name: str) -> dict:
-    return json.loads((GOLDEN_DIR / f"{name}.json").read_text())
 
 
 def jax_mesh(mesh: MeshSpec) -> Mesh:
@@ -49,17 +43,7 @@ def jax_mesh(mesh: MeshSpec) -> Mesh:
     return Mesh(np.array(jax.devices("cpu")[: mesh.size]).reshape(mesh.shape), mesh.axis_names)
 
 
-def arange_global(shape: tuple[int, ...]) -> np.ndarray:
-    """Every element carries its own flat index, so a shard's values say where it came from."""
-    return np.arange(math.prod(shape), dtype=np.float64).reshape(shape)
-
-
-def assert_same(left: ShardMap, right: ShardMap) -> None:
-    comparison = layout.compare(left, right)
-    assert comparison.equal, comparison.reason
-
-
-# --- strategies (also used by test_layout_live.py) ---------------------------------------------
+# --- strategies ---------------------------------------------------------------------
 
 
 @st.composite
@@ -69,30 +53,6 @@ def meshes(draw, max_devices: int = 8) -> MeshSpec:
     for _ in range(draw(st.integers(1, 3))):
         sizes.append(draw(st.integers(1, min(4, max_devices // math.prod(sizes)))))
     return MeshSpec(tuple(sizes), ("x", "y", "z")[: len(sizes)])
-
-
-@st.composite
-def placement_cases(draw, mesh: MeshSpec, partial: bool = True) -> tuple[tuple, tuple[int, ...]]:
-    """(placements, global shape): Shard/_StridedShard/Replicate/Partial, dims divisible or not."""
-    sizes = st.one_of(st.integers(1, 12), st.sampled_from([8, 16, 24]))
-    shape = tuple(draw(sizes) for _ in range(draw(st.integers(1, 2))))
-    # Weighted so that sharded and strided cases dominate; Partial alone is answered with an error.
-    kinds = ["replicate"] * 2 + ["shard"] * 3 + ["strided"] * 3 + (["partial"] if partial else [])
-    placements = []
-    for mesh_dim in range(mesh.ndim):
-        kind = draw(st.sampled_from(kinds))
-        dim = draw(st.integers(0, len(shape) - 1))
-        if kind == "shard":
-            placements.append(Shard(dim))
-        elif kind == "strided":
-            # Often the factor FSDP2 uses (the later axes' sizes), sometimes one no mesh axis explains.
-            later = math.prod(mesh.shape[mesh_dim + 1 :])
-            placements.append(make_strided_shard(dim, draw(st.sampled_from(sorted({2, 3, 4, max(later, 2)})))))
-        elif kind == "partial":
-            placements.append(Partial())
-        else:
-            placements.append(Replicate())
-    return tuple(placements), shape
 
 
 @st.composite

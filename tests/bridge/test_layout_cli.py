@@ -12,7 +12,7 @@ from rich.console import Console
 from bridge import cli, draw, layout
 from bridge.layout import MeshSpec, ShardMap
 from bridge.layout_text import parse_placements
-from tests.bridge.test_layout import load_golden
+from tests.bridge.layout_cases import load_golden
 
 SEED_ARGS = ["layout", "--mesh", "dp=4,tp=2", "--shape", "8,16"]
 

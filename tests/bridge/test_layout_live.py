@@ -18,11 +18,12 @@ from hypothesis import strategies as st
 from bridge import layout
 from torchside.parallel import _torch_compat
 from bridge.layout import MeshSpec, ShardMap
-from tests.bridge.test_layout import GOLDEN_NAMES, arange_global, assert_same, load_golden, placement_cases
+from tests.bridge.layout_cases import GOLDEN_NAMES, arange_global, assert_same, load_golden, placement_cases
 from tests.distributed import run_threads
-from tests.torchside.test_tensor_parallel import reference_kernels  # noqa: F401 (a fixture)
 
 CASES_PER_LAUNCH = 30
+
+pytestmark = pytest.mark.usefixtures("reference_kernels")  # tests/conftest.py: what threaded ranks run
 
 
 def _distribute_cases(rank, world_size, mesh_shape, axis_names, cases):

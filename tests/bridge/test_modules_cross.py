@@ -35,8 +35,8 @@ import torchside.modules.grouped_linear as torch_grouped_linear
 import torchside.recipe as torch_recipe
 from jaxside.quantize import BUFFERS
 from kernels._backend import Backend, backend_for
-from tests.bridge.test_quantize_cross import _as_jax, assert_same_bytes
-from tests.jaxside.test_modules_numerics import mismatches
+from tests.bridge.byte_compare import as_jax, assert_same_bytes
+from tests.jaxside.quantized_math64 import mismatches
 from torchside.autocast import fp8_autocast as torch_fp8_autocast
 
 HISTORY = 8
@@ -121,7 +121,7 @@ def _twins(name: str, dtype: torch.dtype):
     with torch.no_grad():
         for name, param in torch_module.named_parameters():
             param.copy_((0.1 * torch.randn(param.shape, generator=generator) + (param.dim() == 1)).to(dtype))
-            _jax_variable(jax_module, name, param.dim())[...] = _as_jax(param.T if param.dim() == 2 else param)
+            _jax_variable(jax_module, name, param.dim())[...] = as_jax(param.T if param.dim() == 2 else param)
     return torch_module, jax_module
 
 
@@ -227,12 +227,12 @@ def test_jax_module_matches_torch_module(reference_kernels, monkeypatch, module_
     casts = jax_r is not None and jax_module.num_gemms > 0
     for _ in range(2 if recipe_name == "delayed" else 1):  # DelayedScaling: the second step has real scales
         gemm_operands.clear()
-        jax_operands = _jax_operands(jax_module, jax_r, _as_jax(x), _as_jax(dy)) if casts else None
+        jax_operands = _jax_operands(jax_module, jax_r, as_jax(x), as_jax(dy)) if casts else None
         expected = _torch_step(torch_module, torch_r, x, dy)
-        got = _jax_step(jax_module, jax_r, _as_jax(x), _as_jax(dy))
+        got = _jax_step(jax_module, jax_r, as_jax(x), as_jax(dy))
     if casts:
         _check_operand_bytes(gemm_operands, jax_operands, torch_module, x, dy, label)
-    expected = {name: _as_jax(value.detach()) for name, value in expected.items()}
+    expected = {name: as_jax(value.detach()) for name, value in expected.items()}
     assert set(got) == set(expected), f"{label}: gradients {sorted(got)} vs torch's {sorted(expected)}"
     failed = mismatches(got, expected, JAX_DTYPES[dtype], jax_r, slack=2.0)
     assert not failed, f"{label}: {failed}"
@@ -295,13 +295,13 @@ def _block_twins(name: str):
     with torch.no_grad():
         for param_name, param in torch_module.named_parameters():
             param.copy_(0.1 * torch.randn(param.shape, generator=generator) + (param.dim() == 1))
-            _jax_variable(jax_module, param_name, param.dim())[...] = _as_jax(param.T if param.dim() == 2 else param)
+            _jax_variable(jax_module, param_name, param.dim())[...] = as_jax(param.T if param.dim() == 2 else param)
     if cls == "GroupedLinear":
         return torch_module, jax_module, {"m_splits": M_SPLITS}, {"m_splits": M_SPLITS}
     if config_fields.get("qkv_format") != "bshd":
         return torch_module, jax_module, {}, {}
     freqs = TM.RotaryPositionEmbedding(64 // HEADS)(SEQ)  # the same angles on both sides
-    return torch_module, jax_module, {"rotary_pos_emb": freqs}, {"rotary_pos_emb": _as_jax(freqs)}
+    return torch_module, jax_module, {"rotary_pos_emb": freqs}, {"rotary_pos_emb": as_jax(freqs)}
 
 
 def _submodule(module, path: str):
@@ -351,13 +351,13 @@ def test_jax_blocks_match_torch_blocks(reference_kernels, monkeypatch, block_nam
         weight_operands.clear()
         jax_weights = _jax_weight_operands(jax_module, jax_r, gemm_weights) if jax_r is not None else []
         expected = _torch_step(torch_module, torch_r, x, dy, **torch_call)
-        got = _jax_step(jax_module, jax_r, _as_jax(x), _as_jax(dy), **jax_call)
+        got = _jax_step(jax_module, jax_r, as_jax(x), as_jax(dy), **jax_call)
     if jax_r is not None:
         assert len(weight_operands) == len(gemm_weights), f"{label}: {len(weight_operands)} forward GEMMs"
         for (path, kernel, _), torch_q, jax_q in zip(gemm_weights, weight_operands, jax_weights):
             weight = _submodule(torch_module, path).get_parameter(_torch_name(kernel, 2)).detach()
             assert_same_bytes(torch_q, _as_held(jax_q, torch_q), weight, f"{label}: {path}.{kernel} in fprop")
-    expected = {name: _as_jax(value.detach()) for name, value in expected.items()}
+    expected = {name: as_jax(value.detach()) for name, value in expected.items()}
     assert set(got) == set(expected), f"{label}: gradients {sorted(got)} vs torch's {sorted(expected)}"
     failed = mismatches(got, expected, jnp.float32, jax_r, slack=2.0)
     assert not failed, f"{label}: {failed}"

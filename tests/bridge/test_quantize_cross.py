@@ -15,7 +15,6 @@ from functools import partial
 
 import jax
 import jax.numpy as jnp
-import ml_dtypes
 import numpy as np
 import pytest
 import torch
@@ -26,6 +25,7 @@ import jaxside.recipe as jax_recipe
 import kernels.formats as TF
 import torchside.recipe as torch_recipe
 from kernels import reference as R
+from tests.bridge.byte_compare import as_jax, assert_same_bytes, byte_view
 from tests.kernels.format_models import edge_values
 
 SHAPES = ((64, 160), (3, 32, 64))  # partial 128-blocks; 3-D; every dim tiles 32 (MXFP8) and 16 (NVFP4)
@@ -42,13 +42,6 @@ SEEDS = (12345, 2**40 + 7)
 
 
 # ----------------------------------------------------------------------------- inputs, as the same bits on both sides
-
-
-def _as_jax(x: torch.Tensor) -> jnp.ndarray:
-    """The same bit patterns as a jnp array (bf16 travels as uint16)."""
-    if x.dtype == torch.bfloat16:
-        return jnp.asarray(x.view(torch.int16).numpy().view(ml_dtypes.bfloat16))
-    return jnp.asarray(x.numpy())
 
 
 def _random(shape, dtype, seed=0) -> torch.Tensor:
@@ -119,66 +112,6 @@ def _inputs(fmt: str, shape):
             yield f"{name}_bf16", torch.from_numpy(x).to(torch.bfloat16)
 
 
-# ----------------------------------------------------------------------------- comparison
-
-
-def _bytes(array) -> np.ndarray:
-    """uint8 [..., itemsize]: each element's bytes along a new last axis."""
-    array = array.contiguous().numpy() if isinstance(array, torch.Tensor) else np.asarray(array)
-    return array[..., None].view(np.uint8)
-
-
-def _element_bytes(array, index) -> str:
-    value = np.asarray(array.numpy() if isinstance(array, torch.Tensor) else array)[index]
-    return f"{value.tobytes().hex()} ({value})"
-
-
-def _input_window(x2d: np.ndarray, name: str, index: tuple, q: R.Quantized) -> str:
-    """The input elements behind one entry of a buffer (the block behind a scale: its amax)."""
-    columnwise = name.startswith("columnwise")
-    operand = x2d.T if columnwise else x2d
-    if name.endswith("amax"):
-        return f"operand amax {np.nanmax(np.abs(operand)) if operand.size else 0.0}"
-    i, j = index if len(index) == 2 else (0, 0)
-    if name.endswith("scale_inv"):
-        block = R.SCHEME_BLOCKS[q.scheme] or operand.shape
-        window = operand[i * block[0] : (i + 1) * block[0], j * block[1] : (j + 1) * block[1]]
-        return f"block amax {np.abs(window).max()} (NaN: {np.isnan(window).any()})"
-    if q.fmt == "e2m1":
-        return f"inputs {operand[i, 2 * j : 2 * j + 2]}" + (
-            " (before the Hadamard transform)" if columnwise and q.hadamard else ""
-        )
-    return f"input {operand[i, j]!r}"
-
-
-def assert_same_bytes(expected: R.Quantized, got: JQ.Quantized, x: torch.Tensor, label: str) -> None:
-    """Every buffer identical; otherwise name the first differing entries with inputs and both bytes."""
-    x2d = x.float().reshape(-1, x.shape[-1]).numpy()
-    problems = []
-    for name in JQ.BUFFERS:
-        want, have = getattr(expected, name), getattr(got, name)
-        if want is None or have is None:
-            if (want is None) != (have is None):
-                problems.append(
-                    f"{name}: torch {'None' if want is None else 'set'}, jax {'None' if have is None else 'set'}"
-                )
-            continue
-        want_bytes, have_bytes = _bytes(want), _bytes(have)
-        if want_bytes.shape != have_bytes.shape:
-            problems.append(f"{name}: shape {tuple(want.shape)} vs {tuple(np.shape(have))}")
-            continue
-        differ = (want_bytes != have_bytes).any(axis=-1)
-        if differ.any():
-            first = [tuple(int(i) for i in index) for index in np.argwhere(differ)[:3]]
-            lines = [
-                f"  {index}: torch {_element_bytes(want, index)} jax {_element_bytes(have, index)}; "
-                f"{_input_window(x2d, name, index, expected)}"
-                for index in first
-            ]
-            problems.append(f"{name}: {int(differ.sum())} of {differ.size} differ, first:\n" + "\n".join(lines))
-    assert not problems, f"{label}:\n" + "\n".join(problems)
-
-
 # ----------------------------------------------------------------------------- quantizers, every configuration
 
 # id -> (element format for the edge set, call(module, x)); module is kernels.reference or jaxside.quantize
@@ -240,24 +173,24 @@ def test_quantized_bytes_match_the_torch_reference(config):
     fmt, call = CONFIGS[config]
     for shape in SHAPES if config in SECOND_SHAPE_CONFIGS else SHAPES[:1]:
         for name, x in _inputs(fmt, shape):
-            assert_same_bytes(call(R, x), call(JQ, _as_jax(x)), x, f"{config} on {name} {tuple(shape)}")
+            assert_same_bytes(call(R, x), call(JQ, as_jax(x)), x, f"{config} on {name} {tuple(shape)}")
 
 
 def test_one_copy_alone_matches():
     x = _random(SHAPES[0], torch.bfloat16)
     expected = R.quantize_nvfp4(x, hadamard=True, stochastic_seed=3, rowwise=False, columnwise=True)
-    got = JQ.quantize_nvfp4(_as_jax(x), hadamard=True, stochastic_seed=3, rowwise=False, columnwise=True)
+    got = JQ.quantize_nvfp4(as_jax(x), hadamard=True, stochastic_seed=3, rowwise=False, columnwise=True)
     assert_same_bytes(expected, got, x, "nvfp4 with RHT and stochastic rounding, columnwise only")
     expected = R.quantize_blockwise(x, "e4m3", (128, 128), rowwise=True)
     assert_same_bytes(
-        expected, JQ.quantize_blockwise(_as_jax(x), "e4m3", (128, 128), rowwise=True), x, "128x128 rowwise only"
+        expected, JQ.quantize_blockwise(as_jax(x), "e4m3", (128, 128), rowwise=True), x, "128x128 rowwise only"
     )
 
 
 def test_empty_input_matches():
     x = torch.zeros(0, 32)
     assert_same_bytes(
-        R.quantize_tensorwise(x, columnwise=True), JQ.quantize_tensorwise(_as_jax(x), columnwise=True), x, "empty"
+        R.quantize_tensorwise(x, columnwise=True), JQ.quantize_tensorwise(as_jax(x), columnwise=True), x, "empty"
     )
 
 
@@ -334,7 +267,7 @@ def test_quantize_numpy_gives_the_torch_buffers():
     expected = R.quantize_nvfp4(x, hadamard=True, stochastic_seed=5, columnwise=True)
     assert sorted(got) == sorted(name for name in JQ.BUFFERS if getattr(expected, name) is not None)
     for name, array in got.items():
-        np.testing.assert_array_equal(_bytes(array), _bytes(getattr(expected, name)), err_msg=name)
+        np.testing.assert_array_equal(byte_view(array), byte_view(getattr(expected, name)), err_msg=name)
     scaled = JQ.quantize_numpy(x.numpy(), "quantize_tensorwise", fmt="e5m2", scale=torch.tensor([2.0]), columnwise=True)
     np.testing.assert_array_equal(scaled["data"], R.quantize_tensorwise(x, "e5m2", torch.tensor([2.0])).data.numpy())
 

@@ -21,6 +21,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from flax import nnx
 
+from bridge.numerics import FP32_ORDER
 from jaxside import sharding as S
 from jaxside.modules import GRAD_FILTER, Linear, fp8_autocast, fp8_linear, place
 from jaxside.modules.tokens import batch_dim, data_parallel_groups
@@ -31,7 +32,7 @@ SEQ, BATCH, IN, OUT = 16, 8, 64, 32  # [S, B, I]: 32 tokens per shard on 4 DP sh
 # block scales (MXFP8, Float8BlockScaling's default) shift exponents only, so there a block cast with
 # another shard's tokens changes only codes pushed into the subnormals: too few for the control to see.
 RECIPES = {"current": Float8CurrentScaling(), "block": Float8BlockScaling(power_2_scale=False)}
-ORDER_ONLY = 1e-5  # relative: fp32 sums in another order, nothing cast differently
+ORDER_ONLY = FP32_ORDER  # relative (bridge.numerics): fp32 sums in another order, nothing cast differently
 
 
 def _inputs():

@@ -16,7 +16,7 @@ from jax.sharding import PartitionSpec as P
 from jaxside import sharding as S
 from jaxside.modules import GRAD_FILTER, GroupedLinear, ModuleConfig, finish_backward, fp8_autocast, shardings
 from jaxside.recipe import DelayedScaling, MXFP8BlockScaling
-from tests.jaxside.test_modules_numerics import RECIPES, QuantizedMath64, mismatches
+from tests.jaxside.quantized_math64 import RECIPES, QuantizedMath64, mismatches
 
 SPLITS = [16, 0, 48]  # 64 rows; group 1 has none
 CONFIG = ModuleConfig(amax_history_len=8)

@@ -33,7 +33,7 @@ from jaxside.modules import (
 )
 from jaxside.quantize import delayed_scaling_update, tensor_amax
 from jaxside.recipe import DelayedScaling, Float8CurrentScaling, NVFP4BlockScaling
-from tests.jaxside.test_modules_numerics import mismatches
+from tests.jaxside.quantized_math64 import mismatches
 
 HISTORY = 4
 CONFIG = ModuleConfig(amax_history_len=HISTORY)

@@ -27,7 +27,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 from jaxside import sharding as S
 from jaxside.modules import GRAD_FILTER, fp8_autocast, place, shardings
 from jaxside.recipe import Float8CurrentScaling
-from tests.jaxside.test_transformer_layer import BUILDERS, HIDDEN, SEQ
+from tests.jaxside.layer_builders import BUILDERS, HIDDEN, SEQ
 
 BATCH = 8  # a multiple of every mesh's dp
 # module -> where its input's batch dim is: "sbhd" [S, B, D] or "bshd" [B, S, D]

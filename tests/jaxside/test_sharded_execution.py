@@ -53,8 +53,8 @@ from jaxside.modules import (
 )
 from jaxside.modules.tokens import data_parallel_groups
 from jaxside.recipe import DelayedScaling
-from tests.jaxside.test_modules_numerics import ELEMENT_TOLERANCE, RECIPES, mismatches
-from tests.jaxside.test_transformer_layer import BUILDERS, GQA_GROUPS, HEAD_DIM, HEADS, SEQ
+from tests.jaxside.layer_builders import BUILDERS, GQA_GROUPS, HEAD_DIM, HEADS, SEQ
+from tests.jaxside.quantized_math64 import ELEMENT_TOLERANCE, RECIPES, mismatches
 
 BATCH, FEATURES = 4, 64  # [S, B] = [16, 4]: 64 tokens, batch 4 over dp_shard's 4
 GROUP_SPLITS = (16, 0, 48)  # rows per group; group 1 has none

@@ -13,7 +13,6 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import astuple
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -35,27 +34,10 @@ from jaxside.modules import (
     shardings,
 )
 from jaxside.recipe import DelayedScaling
-from tests.jaxside.test_attention import attention64, causal_keep, rotate64
-from tests.jaxside.test_modules_numerics import RECIPES, QuantizedMath64, _norm64, mismatches, model64
+from tests.jaxside.attention64 import attention64, causal_keep, rotate64
+from tests.jaxside.layer_builders import BATCH, BUILDERS, FUSED_QKV, HEAD_DIM, HEADS, HIDDEN, SEPARATE_QKV, SEQ
+from tests.jaxside.quantized_math64 import RECIPES, QuantizedMath64, mismatches, model64, norm64
 
-HIDDEN, HEADS, GQA_GROUPS, HEAD_DIM, SEQ, BATCH = 64, 4, 2, 16, 16, 4  # 64 tokens: the quantizer shapes of tests/jaxside
-MODULE_CONFIG = ModuleConfig(amax_history_len=8)
-SEPARATE_QKV = TransformerConfig(
-    normalization="RMSNorm", zero_centered_gamma=True, bias=False, qkv_bias=True, fuse_qkv_params=False,
-    qkv_format="bshd", module_config=MODULE_CONFIG,
-)  # fmt: skip
-FUSED_QKV = TransformerConfig(module_config=MODULE_CONFIG)  # LayerNorm, gelu, biases, "sbhd"
-_init = jax.nn.initializers.normal(0.1)
-BUILDERS = {
-    "mha_separate_qkv_rotary_bshd": lambda: MultiheadAttention(
-        HIDDEN, HEADS, num_gqa_groups=GQA_GROUPS, input_layernorm=True, kernel_init=_init, output_kernel_init=_init,
-        config=SEPARATE_QKV, rngs=nnx.Rngs(0),
-    ),
-    "layer_fused_qkv_sbhd": lambda: TransformerLayer(
-        HIDDEN, 64, HEADS, num_gqa_groups=GQA_GROUPS, kernel_init=_init, output_kernel_init=_init, config=FUSED_QKV,
-        rngs=nnx.Rngs(0),
-    ),
-}  # fmt: skip
 # Each case compiles its quantizer shapes eagerly on CPU (seconds each, NVFP4 the most): a few recipes
 # per module here, the others in tests/bridge/test_modules_cross.py (all six passed here when written).
 CASES = [
@@ -107,7 +89,7 @@ def mha64(mha, params: dict, maths: dict, x, angles, prefix: str = ""):
         x_in = x
         if mha.input_layernorm:
             norm = f"{prefix}layernorm."
-            normalized, norm_backward = _norm64(
+            normalized, norm_backward = norm64(
                 x, params[f"{norm}weight"], params.get(f"{norm}bias"), *astuple(mha.layernorm.norm)
             )
             x_in = math.round(normalized)

@@ -15,15 +15,9 @@ import torch
 from kernels import gemm, gemm_reference
 from kernels import reference as R
 from tests.kernels.devices import DEVICES
+from tests.kernels.gemm_operands import LAYOUTS, assert_matches_float64, dequantized_operand, quantize, seeded_tensors
 
 IMPLEMENTATIONS = {"triton": gemm.scaled_mm, "reference": gemm_reference.scaled_mm}
-
-# layout -> ((tensor, columnwise) of A, (tensor, columnwise) of B)
-LAYOUTS = {
-    "fprop": (("x", False), ("w", False)),
-    "dgrad": (("dy", False), ("w", True)),
-    "wgrad": (("dy", True), ("x", True)),
-}
 
 # id: (layout, (A scheme, A format), (B scheme, B format), (T, I, O), hadamard)
 CASES = {
@@ -45,70 +39,10 @@ CASES = {
 EPILOGUES = [(torch.float32, None), (torch.bfloat16, torch.bfloat16), (torch.float32, torch.float32)]
 
 
-def quantize(t: torch.Tensor, scheme: str, fmt: str, columnwise: bool, hadamard: bool = False) -> R.Quantized:
-    """The copy a GEMM needs (only that one, so MXFP8/NVFP4 divisibility applies to it alone)."""
-    roles = {"rowwise": not columnwise, "columnwise": columnwise}
-    if scheme == "tensorwise":
-        return R.quantize_tensorwise(t, fmt, **roles)
-    if scheme.startswith("block"):
-        return R.quantize_blockwise(t, fmt, R.SCHEME_BLOCKS[scheme], **roles)
-    if scheme == "mxfp8":
-        return R.quantize_mxfp8(t, fmt, **roles)
-    return R.quantize_nvfp4(t, block=R.SCHEME_BLOCKS[scheme], hadamard=hadamard, **roles)
-
-
-def dequantized_operand(q: R.Quantized, columnwise: bool) -> torch.Tensor:
-    """[rows, K] in float64: x viewed as a matrix, transposed for a columnwise copy."""
-    x = R.dequantize(q, columnwise=columnwise).double()
-    x2d = x.reshape(-1, x.shape[-1])
-    return x2d.T if columnwise else x2d
-
-
-def accumulation_tolerance(device_type: str, scheme: str, k: int) -> float:
-    """Allowed |error| per unit of sum |a||b|: fp32 sums on CPU and in bf16 dots; fp8 MMAs on CUDA sum a K
-    tile (<= 128) in reduced precision before promoting to fp32 (2^-9 stays far below a misapplied scale)."""
-    if device_type == "cuda" and gemm_reference.SCHEME_FAMILY[scheme] in ("tensorwise", "block"):
-        return 2.0**-9
-    return k * 2.0**-20  # 2^-24 per fp32 addition, with room
-
-
-def assert_matches_float64(got, qa, a_columnwise, qb, b_columnwise, bias, out_dtype):
-    """|got - exact| within the accumulation tolerance (of sum |a||b|) plus the output's rounding."""
-    a_values, b_values = dequantized_operand(qa, a_columnwise).cpu(), dequantized_operand(qb, b_columnwise).cpu()
-    expected = a_values @ b_values.T
-    magnitude = a_values.abs() @ b_values.abs().T
-    if bias is not None:
-        expected = expected + bias.double().cpu()
-        magnitude = magnitude + bias.double().cpu().abs()
-    assert got.dtype == out_dtype and got.shape == expected.shape
-    accumulation = accumulation_tolerance(got.device.type, qa.scheme, a_values.shape[1])
-    got = got.cpu().double()
-    assert torch.isfinite(got).all(), "non-finite output from finite operands"
-    rounding = 2.0**-8 if out_dtype == torch.bfloat16 else 0.0
-    bound = magnitude * accumulation + expected.abs() * rounding
-    error = (got - expected).abs()
-    worst = int((error - bound).argmax())
-    row, col = divmod(worst, expected.shape[1])
-    assert (error <= bound).all(), (
-        f"{int((error > bound).sum())} of {error.numel()} outside; worst at [{row}, {col}]: "
-        f"got {got[row, col].item()} want {expected[row, col].item()} bound {bound[row, col].item():.3g}"
-    )
-
-
-def _tensors(tokens, d_in, d_out, device, seed=0):
-    generator = torch.Generator().manual_seed(seed)
-
-    def sample(*shape):  # spread over a few binades, so scales differ between blocks
-        return torch.randn(shape, generator=generator) * torch.exp2(torch.randint(-3, 4, shape, generator=generator))
-
-    tensors = {"x": sample(tokens, d_in), "w": sample(d_out, d_in), "dy": sample(tokens, d_out)}
-    return {name: t.to(device) for name, t in tensors.items()}
-
-
 def _case_operands(case, device):
     layout, (a_scheme, a_fmt), (b_scheme, b_fmt), shape, hadamard = CASES[case]
     (a_name, a_columnwise), (b_name, b_columnwise) = LAYOUTS[layout]
-    tensors = _tensors(*shape, device)
+    tensors = seeded_tensors(*shape, device)
     qa = quantize(tensors[a_name], a_scheme, a_fmt, a_columnwise, hadamard)
     qb = quantize(tensors[b_name], b_scheme, b_fmt, b_columnwise, hadamard)
     return qa, qb, a_columnwise, b_columnwise
@@ -133,17 +67,17 @@ def test_scaled_mm_matches_float64_of_dequantized_operands(device, implementatio
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("scheme, fmt", [("tensorwise", "e4m3"), ("block1x128", "e4m3"), ("mxfp8", "e5m2")])
 def test_nan_in_a_row_poisons_that_row_only(device, scheme, fmt):
-    x = _tensors(40, 64, 40, "cpu")["x"]
+    x = seeded_tensors(40, 64, 40, "cpu")["x"]
     x[3, 5] = float("nan")
     qx = quantize(x.to(device), scheme, fmt, columnwise=False)
-    qw = quantize(_tensors(40, 64, 40, "cpu", seed=2)["w"].to(device), scheme, "e4m3", columnwise=False)
+    qw = quantize(seeded_tensors(40, 64, 40, "cpu", seed=2)["w"].to(device), scheme, "e4m3", columnwise=False)
     got = gemm.scaled_mm(qx, qw, out_dtype=torch.float32).cpu()
     assert torch.isnan(got[3]).all()
     assert torch.isfinite(torch.cat([got[:3], got[4:]])).all()
 
 
 def _gemm_operands(a_fmt="e4m3", b_fmt="e4m3", d_in=48, d_out=32, scheme="tensorwise"):
-    tensors = _tensors(32, d_in, d_out, "cpu")
+    tensors = seeded_tensors(32, d_in, d_out, "cpu")
     a = gemm_reference.gemm_operand(quantize(tensors["x"], scheme, a_fmt, False), False, "a")
     b = gemm_reference.gemm_operand(quantize(tensors["w"], scheme, b_fmt, False), False, "b")
     return a, b
@@ -165,7 +99,7 @@ def test_dispatch_to_torch_scaled_mm_follows_cudas_rules():
 
 def test_blockwise_dispatch_takes_whole_1x128_by_128x128_blocks_only():
     def operands(d_in, d_out):
-        tensors = _tensors(32, d_in, d_out, "cpu")
+        tensors = seeded_tensors(32, d_in, d_out, "cpu")
         a = gemm_reference.gemm_operand(quantize(tensors["x"], "block1x128", "e4m3", False), False, "a")
         b = gemm_reference.gemm_operand(quantize(tensors["w"], "block128x128", "e4m3", False), False, "b")
         return a, b
@@ -182,7 +116,7 @@ def test_blockwise_dispatch_takes_whole_1x128_by_128x128_blocks_only():
 @pytest.mark.parametrize("d_in", [256, 512, 768, 1280, 3072])  # 768 and 1280: wrong from cuBLASLt before the rule
 @pytest.mark.parametrize("tokens, d_out", [(256, 128), (512, 768)])
 def test_cuda_blockwise_dispatch_matches_float64(tokens, d_in, d_out):
-    tensors = _tensors(tokens, d_in, d_out, "cuda")
+    tensors = seeded_tensors(tokens, d_in, d_out, "cuda")
     qx, qw = quantize(tensors["x"], "block1x128", "e4m3", False), quantize(tensors["w"], "block128x128", "e4m3", False)
     got = gemm.scaled_mm(qx, qw, out_dtype=torch.bfloat16)
     assert_matches_float64(got, qx, False, qw, False, None, torch.bfloat16)
@@ -194,7 +128,7 @@ def test_cuda_tensorwise_uses_torch_scaled_mm_only_where_it_can(monkeypatch, d_i
     calls = []
     original = torch._scaled_mm
     monkeypatch.setattr(torch, "_scaled_mm", lambda *args, **kwargs: calls.append(1) or original(*args, **kwargs))
-    tensors = _tensors(48, d_in, 32, "cuda")
+    tensors = seeded_tensors(48, d_in, 32, "cuda")
     qx, qw = quantize(tensors["x"], "tensorwise", "e4m3", False), quantize(tensors["w"], "tensorwise", "e4m3", False)
     got = gemm.scaled_mm(qx, qw, out_dtype=torch.bfloat16)
     assert len(calls) == (1 if expect_cublas and gemm.TENSORWISE_USES_TORCH_SCALED_MM else 0)
@@ -219,7 +153,7 @@ def test_every_autotune_candidate_computes_the_same_product(device, case):
 def test_cuda_triton_kernel_on_many_tiles(case):
     """A shape of several tiles each way through the compiled kernel itself (tensorwise bypasses cuBLAS here)."""
     _, (a_scheme, a_fmt), (b_scheme, b_fmt), _, _ = CASES[case]
-    tensors = _tensors(520, 384, 650, "cuda")
+    tensors = seeded_tensors(520, 384, 650, "cuda")
     qa, qb = quantize(tensors["x"], a_scheme, a_fmt, False), quantize(tensors["w"], b_scheme, b_fmt, False)
     a, b = gemm_reference.gemm_operand(qa, False, "a"), gemm_reference.gemm_operand(qb, False, "b")
     got = gemm._scaled_mm_triton(a, b, torch.bfloat16, None)
@@ -235,7 +169,7 @@ def test_autotune_pruning_reads_arguments_the_kernel_has():
 
 
 def _plain(shape=(32, 64), scheme="tensorwise"):
-    return quantize(_tensors(shape[0], shape[1], 8, "cpu")["x"], scheme, "e4m3", columnwise=False)
+    return quantize(seeded_tensors(shape[0], shape[1], 8, "cpu")["x"], scheme, "e4m3", columnwise=False)
 
 
 @pytest.mark.parametrize(

@@ -26,7 +26,7 @@ from kernels import reference as R
 from kernels.gemm_reference import gemm_operand
 from kernels.grouped_gemm import grouped_scaled_mm, scaled_mm_loop
 from tests.kernels.devices import DEVICES
-from tests.kernels.test_gemm import LAYOUTS, _tensors, assert_matches_float64, quantize
+from tests.kernels.gemm_operands import LAYOUTS, assert_matches_float64, quantize, seeded_tensors
 
 # id: (layout, (A scheme, A format), (B scheme, B format), (I, O), rows per group, hadamard)
 # MXFP8 and NVFP4 blocks must tile every operand row, so their sizes are multiples of 32 / 16.
@@ -62,7 +62,7 @@ def _grouped_operands(case: tuple, device: str) -> tuple[list[R.Quantized], list
     (a_name, a_columnwise), (b_name, b_columnwise) = LAYOUTS[layout]
     qa, qb = [], []
     for g, m in enumerate(rows):
-        tensors = _tensors(m, d_in, d_out, device, seed=g)
+        tensors = seeded_tensors(m, d_in, d_out, device, seed=g)
         qa.append(quantize(tensors[a_name], a_scheme, a_fmt, a_columnwise, hadamard))
         qb.append(quantize(tensors[b_name], b_scheme, b_fmt, b_columnwise, hadamard))
     return qa, qb, a_columnwise, b_columnwise
@@ -123,14 +123,14 @@ def test_row_slices_of_one_buffer_with_narrow_alignment(device):
     NVFP4 rows of 40 bytes and bf16 outputs of 12 columns put the groups 8 and 8 bytes apart, not 16:
     the launcher must address them in those smaller units."""
     rows, d_in, d_out = (3, 0, 1, 37), 80, 12
-    tensors = _tensors(sum(rows), d_in, d_out, device)
+    tensors = seeded_tensors(sum(rows), d_in, d_out, device)
     x_q = quantize(tensors["x"], "nvfp4_1x16", "e2m1", False)
     starts = [sum(rows[:g]) for g in range(len(rows))]
     qa = [
         dataclasses.replace(x_q, shape=(m, d_in), data=x_q.data[r : r + m], scale_inv=x_q.scale_inv[r : r + m])
         for r, m in zip(starts, rows, strict=True)
     ]
-    weights = [_tensors(1, d_in, d_out, device, seed=g)["w"] for g in range(len(rows))]
+    weights = [seeded_tensors(1, d_in, d_out, device, seed=g)["w"] for g in range(len(rows))]
     qb = [quantize(w, "nvfp4_1x16", "e2m1", False) for w in weights]
     y = torch.full((sum(rows), d_out), float("nan"), device=device, dtype=torch.bfloat16)
     grouped_scaled_mm(qa, qb, out=list(y.split(rows)))
@@ -254,7 +254,7 @@ def test_bad_groups_raise_with_the_fix():
     with pytest.raises(ValueError, match="same number"):
         grouped_scaled_mm(qa[0], qb[0])
     mixed = list(qb)
-    mixed[2] = quantize(_tensors(1, 100, 37, "cpu")["w"], "tensorwise", "e5m2", False)
+    mixed[2] = quantize(seeded_tensors(1, 100, 37, "cpu")["w"], "tensorwise", "e5m2", False)
     with pytest.raises(ValueError, match="group 2 .* one recipe"):
         grouped_scaled_mm(qa, mixed)
     with pytest.raises(ValueError, match=r"out\[0\] must be a torch.float32 tensor of shape \[37, 37\]"):

@@ -16,6 +16,7 @@ import torch
 from kernels import quantize as triton_quantize
 from kernels import reference
 from kernels._backend import Backend, backend_for
+from tests.kernels.byte_exact import assert_same_bytes, random_input
 from tests.kernels.devices import DEVICES
 from tests.kernels.format_models import edge_values
 
@@ -49,7 +50,6 @@ SHAPES = {
 ELEMENT_FORMAT = {"quantize_nvfp4": "e2m1"}
 # numpy inside the interpreter warns on the 1/0 that fmax/amax and global/block-scale divisions meet on purpose
 pytestmark = pytest.mark.filterwarnings("ignore:divide by zero:RuntimeWarning", "ignore:overflow:RuntimeWarning")
-FIELDS = ("data", "scale_inv", "columnwise_data", "columnwise_scale_inv")
 
 
 def _quantize_both(name: str, x: torch.Tensor, **roles) -> tuple[reference.Quantized, reference.Quantized]:
@@ -64,57 +64,12 @@ def _quantize_both(name: str, x: torch.Tensor, **roles) -> tuple[reference.Quant
     return got, expected
 
 
-def _describe_difference(field: str, got: torch.Tensor, expected: torch.Tensor, x: torch.Tensor) -> str:
-    """The first differing positions with both bytes and, for data, the input element(s) they encode."""
-    got_bytes, expected_bytes = got.view(torch.uint8).cpu(), expected.view(torch.uint8).cpu()
-    if got_bytes.shape != expected_bytes.shape:
-        return f"{field}: shape {tuple(got_bytes.shape)} != reference {tuple(expected_bytes.shape)}"
-    differing = (got_bytes != expected_bytes).nonzero()[:5].tolist()
-    x2d = x.reshape(-1, x.shape[-1]).float().cpu()
-    operand = x2d.T if field.startswith("columnwise") else x2d
-    packed = got.shape[-1] * 2 == operand.shape[-1]  # nvfp4: two elements per byte
-    lines = [f"{field}: {int((got_bytes != expected_bytes).sum())} of {got_bytes.numel()} bytes differ"]
-    for index in differing:
-        where = tuple(index)
-        if field.endswith("data"):
-            i, j = index[0], index[1] if got_bytes.dim() > 1 else 0
-            elements = operand[i, 2 * j : 2 * j + 2].tolist() if packed else [float(operand[i, j])]
-            where = f"{where} x={elements}"
-        both = f"triton {got_bytes[tuple(index)].tolist()} reference {expected_bytes[tuple(index)].tolist()}"
-        lines.append(f"  at {where}: {both}")
-    return "\n".join(lines)
-
-
-def assert_same_bytes(got: reference.Quantized, expected: reference.Quantized, x: torch.Tensor) -> None:
-    """Data and scale bytes equal (torch.equal on uint8 views); amaxes equal with NaN == NaN."""
-    for field in FIELDS:
-        a, b = getattr(got, field), getattr(expected, field)
-        assert (a is None) == (b is None), f"{field}: triton has it: {a is not None}, the reference: {b is not None}"
-        if a is not None:
-            assert torch.equal(a.view(torch.uint8), b.view(torch.uint8)), _describe_difference(field, a, b, x)
-    for field in ("amax", "columnwise_amax"):
-        a, b = getattr(got, field), getattr(expected, field)
-        assert (a is None) == (b is None), field
-        if a is not None:
-            torch.testing.assert_close(a, b, rtol=0, atol=0, equal_nan=True)
-    def layout(q):
-        return q.scheme, q.fmt, q.shape, q.hadamard
-
-    assert layout(got) == layout(expected)
-
-
-def _random(shape, dtype, device, seed=0):
-    generator = torch.Generator().manual_seed(seed)
-    magnitudes = torch.exp2(torch.randint(-8, 9, shape, generator=generator).float())
-    return (torch.randn(shape, generator=generator) * magnitudes).to(dtype).to(device)
-
-
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
 @pytest.mark.parametrize("name", sorted(SCHEMES))
 def test_random_inputs_give_identical_bytes(device, dtype, name):
     for shape in SHAPES[SCHEMES[name][2]]:
-        x = _random(shape, dtype, device, seed=shape[0])
+        x = random_input(shape, dtype, device, seed=shape[0])
         got, expected = _quantize_both(name, x, rowwise=True, columnwise=True)
         assert_same_bytes(got, expected, x)
 
@@ -126,10 +81,10 @@ ROLE_SHAPES = {"any": (37, 131), "by32": (37, 64), "by16": (37, 48)}  # rows not
 @pytest.mark.parametrize("name", sorted(SCHEMES))
 def test_each_role_alone_gives_identical_bytes(device, name):
     rows, cols = ROLE_SHAPES[SCHEMES[name][2]]
-    rowwise_input = _random((rows, cols), torch.bfloat16, device, seed=1)
+    rowwise_input = random_input((rows, cols), torch.bfloat16, device, seed=1)
     got, expected = _quantize_both(name, rowwise_input, rowwise=True, columnwise=False)
     assert_same_bytes(got, expected, rowwise_input)
-    columnwise_input = _random((cols, rows), torch.float32, device, seed=2)  # columns not a block multiple
+    columnwise_input = random_input((cols, rows), torch.float32, device, seed=2)  # columns not a block multiple
     got, expected = _quantize_both(name, columnwise_input, rowwise=False, columnwise=True)
     assert_same_bytes(got, expected, columnwise_input)
 
@@ -201,7 +156,7 @@ MIXED_TILE_SCHEMES = ["tensorwise_e4m3_delayed", "block1x128_e4m3", "mxfp8_e4m3_
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("name", MIXED_TILE_SCHEMES)
 def test_tiles_on_the_short_path_and_tiles_off_it_give_identical_bytes(device, name):
-    x = _random((256, 256), torch.float32, "cpu", seed=5)
+    x = random_input((256, 256), torch.float32, "cpu", seed=5)
     x[:3, :3] = torch.tensor([[math.nan, math.inf, -math.inf], [1e30, -1e30, 3e38], [-0.0, 1e-40, -1e-45]])
     x[200, 130] = 464.0 / 0.37  # the rounding limit of e4m3 under the delayed scale 0.37
     x = x.to(device)
@@ -213,7 +168,7 @@ def test_tiles_on_the_short_path_and_tiles_off_it_give_identical_bytes(device, n
 @pytest.mark.parametrize("scale", [-3.0, 0.0, math.inf])
 def test_odd_delayed_scales_give_identical_bytes(device, scale):
     """The in-range test bounds |amax * scale|: a negative, zero or infinite scale must not slip through."""
-    x = _random((64, 96), torch.bfloat16, device, seed=6)
+    x = random_input((64, 96), torch.bfloat16, device, seed=6)
     assert backend_for(x.device) is not Backend.REFERENCE, "the kernels must run, not fall back to the reference"
     kwargs = {"scale": torch.tensor([scale], device=device), "rowwise": True, "columnwise": True}
     got, expected = triton_quantize.quantize_tensorwise(x, **kwargs), reference.quantize_tensorwise(x, **kwargs)
@@ -242,7 +197,7 @@ def test_shapes_the_blocks_cannot_tile_raise_the_same_error(device, function, kw
 def test_empty_and_high_rank_inputs(device):
     empty = torch.zeros(0, 64, device=device)
     assert_same_bytes(*_quantize_both("tensorwise_e4m3", empty, columnwise=True), empty)
-    x = _random((2, 16, 64), torch.bfloat16, device)
+    x = random_input((2, 16, 64), torch.bfloat16, device)
     assert_same_bytes(*_quantize_both("mxfp8_e4m3_up", x, columnwise=True), x)
 
 
@@ -264,7 +219,7 @@ def test_every_tile_config_gives_identical_bytes(device, kernel, index, monkeypa
     monkeypatch.setitem(triton_quantize._KERNELS, kernel, (function, [candidates[index]], key))
     triton_quantize._kernel.cache_clear()
     try:
-        x = _random((160, 288), torch.bfloat16, device, seed=index)  # partial tiles for every candidate
+        x = random_input((160, 288), torch.bfloat16, device, seed=index)  # partial tiles for every candidate
         for name in SCHEMES_BY_KERNEL[kernel]:
             got, expected = _quantize_both(name, x, rowwise=True, columnwise=True)
             assert_same_bytes(got, expected, x)
@@ -278,7 +233,7 @@ def test_tuned_kernels_keep_a_config_per_key_and_give_identical_bytes(device, mo
     monkeypatch.setattr(triton_quantize, "_AUTOTUNE_MIN_ELEMENTS", 0)
     triton_quantize._kernel.cache_clear()
     try:
-        x = _random((160, 288), torch.bfloat16, device, seed=3)
+        x = random_input((160, 288), torch.bfloat16, device, seed=3)
         for _ in range(2):  # the first round tunes, the second launches the kept configs
             for name in ("tensorwise_e4m3", "nvfp4_16x16"):
                 got, expected = _quantize_both(name, x, rowwise=True, columnwise=True)
@@ -299,7 +254,7 @@ def test_tuned_kernels_keep_a_config_per_key_and_give_identical_bytes(device, mo
 def test_nvfp4_shards_given_the_global_amax_cast_as_the_whole_tensor(device, block):
     """A row shard quantized with the whole tensor's amax holds exactly the whole tensor's bytes for its rows:
     the small-values shard alone would pick a finer global scale (and other bytes)."""
-    whole = _random((64, 96), torch.bfloat16, device)
+    whole = random_input((64, 96), torch.bfloat16, device)
     whole[:32] *= 2.0**-6  # shard 0 holds much smaller values than shard 1
     roles = {"block": block, "rowwise": True, "columnwise": True}
     global_amax = whole.float().abs().amax().reshape(1)
@@ -318,7 +273,7 @@ def test_nvfp4_shards_given_the_global_amax_cast_as_the_whole_tensor(device, blo
 def test_tensorwise_shards_given_the_whole_amax_cast_as_the_whole_tensor(device):
     """Current scaling from the amax of all shards: each shard holds the whole tensor's bytes for its rows,
     and its amax stays its own (what delayed scaling's history and a checkpoint record)."""
-    whole = _random((64, 96), torch.bfloat16, device)
+    whole = random_input((64, 96), torch.bfloat16, device)
     whole[:32] *= 2.0**-6
     whole_amax = whole.float().abs().amax().reshape(1)
     expected = reference.quantize_tensorwise(whole.cpu(), rowwise=True, columnwise=True)
@@ -335,7 +290,7 @@ def test_tensorwise_shards_given_the_whole_amax_cast_as_the_whole_tensor(device)
 
 @pytest.mark.parametrize("device", DEVICES)
 def test_tensorwise_takes_a_scale_or_an_amax_not_both(device):
-    x = _random((32, 32), torch.float32, device)
+    x = random_input((32, 32), torch.float32, device)
     one = torch.ones(1, device=device)
     for implementation in (reference, triton_quantize):
         with pytest.raises(ValueError, match="not both"):
@@ -346,7 +301,7 @@ def test_tensorwise_takes_a_scale_or_an_amax_not_both(device):
 
 @pytest.mark.parametrize("device", DEVICES)
 def test_nvfp4_global_amax_is_refused_where_it_cannot_apply(device):
-    x = _random((32, 32), torch.float32, device)
+    x = random_input((32, 32), torch.float32, device)
     with pytest.raises(ValueError, match="Hadamard-rotated"):
         triton_quantize.quantize_nvfp4(x, hadamard=True, columnwise=True, global_amax=x.abs().amax().reshape(1))
     with pytest.raises(TypeError, match="fp32 tensor of one element"):

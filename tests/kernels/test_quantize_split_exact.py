@@ -18,7 +18,7 @@ from kernels import reference
 from kernels._backend import Backend, backend_for
 from tests.kernels.devices import DEVICES
 from tests.kernels.format_models import edge_values
-from tests.kernels.test_quantize_exact import _random, assert_same_bytes
+from tests.kernels.byte_exact import assert_same_bytes, random_input
 
 # name -> (fmt, keyword arguments; "scales"/"amaxes": one value per group, made by _per_group)
 MODES = {
@@ -71,7 +71,7 @@ def _check_split(x: torch.Tensor, splits, mode: str, **roles) -> None:
 @pytest.mark.parametrize("splits", list(SPLITS.values()), ids=list(SPLITS))
 @pytest.mark.parametrize("mode", list(MODES))
 def test_split_gives_each_groups_own_bytes(device, dtype, splits, mode):
-    x = _random((sum(splits), 131), dtype, device, seed=len(mode))  # a partial column tile
+    x = random_input((sum(splits), 131), dtype, device, seed=len(mode))  # a partial column tile
     x[: splits[0]] *= 2.0**-6  # groups of very different magnitudes: different scales
     _check_split(x, splits, mode, rowwise=True, columnwise=True)
 
@@ -105,7 +105,7 @@ def test_every_tile_config_finds_each_groups_tiles(device, index, monkeypatch):
     triton_quantize._kernel.cache_clear()
     try:
         for splits in ((5, 0, 150, 70), (16, 0, 144, 64)):
-            x = _random((sum(splits), 160), torch.bfloat16, device, seed=index)
+            x = random_input((sum(splits), 160), torch.bfloat16, device, seed=index)
             _check_split(x, splits, "delayed_e4m3", rowwise=True, columnwise=True)
     finally:
         triton_quantize._kernel.cache_clear()
@@ -119,7 +119,7 @@ def test_moe_sized_split_on_cuda(mode, multiple):
     splits = [m // multiple * multiple for m in (2861, 1024, 3517, 611, 2290, 1999, 3077, 0)]
     splits[-1] = 16384 - sum(splits)
     splits.append(0)
-    x = _random((sum(splits), 512), torch.bfloat16, "cuda", seed=multiple)
+    x = random_input((sum(splits), 512), torch.bfloat16, "cuda", seed=multiple)
     _check_split(x, splits, mode, rowwise=True, columnwise=True)
 
 
@@ -129,7 +129,7 @@ def test_each_role_alone_and_the_layout_grouped_gemm_reads(device):
     its columnwise copy the [K, m_g] block at element K * start_g of another; every group's scale_inv starts
     on a 16-byte boundary (cuBLASLt refuses others: CUBLAS_STATUS_NOT_SUPPORTED on the H200)."""
     splits, K = (3, 0, 6, 7), 40
-    x = _random((sum(splits), K), torch.bfloat16, device, seed=9)
+    x = random_input((sum(splits), K), torch.bfloat16, device, seed=9)
     _check_split(x, splits, "current_e4m3", rowwise=True, columnwise=False)
     _check_split(x, splits, "delayed_e4m3", rowwise=False, columnwise=True)
     got = triton_quantize.quantize_tensorwise_split(x, list(splits), rowwise=True, columnwise=True)
@@ -147,7 +147,7 @@ def test_each_role_alone_and_the_layout_grouped_gemm_reads(device):
 def test_reference_split_and_empty_inputs_loop_over_the_groups(device):
     """The REFERENCE backend's function (and the fallback for an empty x) is the per-group loop."""
     splits = (2, 0, 5)
-    x = _random((7, 32), torch.float32, device, seed=3)
+    x = random_input((7, 32), torch.float32, device, seed=3)
     scales = torch.tensor([0.5, 2.0, 8.0], device=device)
     for got, expected in zip(
         reference.quantize_tensorwise_split(x, list(splits), scales=scales, columnwise=True),

@@ -1,10 +1,7 @@
-"""DotProductAttention and rotary embeddings against float64 written out here, forward and backward.
+"""DotProductAttention and rotary embeddings against float64 references, forward and backward.
 
-`attention64` is the definition: scores = q k^T * scale over the kept (query, key) pairs, softmax
-over each row's kept keys, times v; key/value head g serves query heads g*N/G .. (g+1)*N/G - 1; a
-row with no kept key is zero. Masks are built here from sequence lengths and index arithmetic, not
-from the module's helpers. The rotary reference multiplies each channel pair by e^(i * angle) as a
-complex number.
+The references are in attention64.py. Masks are built here from sequence lengths and index
+arithmetic, not from the module's helpers.
 
 Tolerances, as ||module - float64|| / ||float64||: fp32 2^-18 (two sums of at most 24 products and
 an exp, each within a few 2^-24 of their size; measured 2e-7); bf16 on CPU 2^-7 (inputs are exact
@@ -14,11 +11,10 @@ inside; measured up to 4.5e-3 on dk); CUDA 2^-6 (the flash kernels round P and d
 
 from __future__ import annotations
 
-import math
-
 import pytest
 import torch
 
+from tests.torchside.attention64 import attention64, causal_keep, rotate64
 from torchside.autocast import fp8_autocast
 from torchside.modules import ModuleConfig
 from torchside.modules.attention import DotProductAttention
@@ -28,26 +24,6 @@ from torchside.recipe import Float8CurrentScaling
 TOLERANCE = {("cpu", torch.float32): 2**-18, ("cpu", torch.bfloat16): 2**-7, ("cuda", torch.bfloat16): 2**-6}
 BATCH, SEQ_Q, SEQ_KV, HEAD_DIM = 3, 12, 12, 8
 LENGTHS = (12, 7, 1)  # real tokens per sequence; the rest is padding at the end
-
-
-def attention64(q, k, v, keep, scale: float, qkv_format: str):
-    """Float64 attention on [S, B, heads, H] ("sbhd") or [B, S, heads, H] tensors; keep [B or 1, N or 1, Sq, Skv]."""
-    if qkv_format == "sbhd":
-        q, k, v = (t.transpose(0, 1) for t in (q, k, v))  # -> [B, S, heads, H]
-    heads, groups = q.shape[2], k.shape[2]
-    k = k.repeat_interleave(heads // groups, dim=2)
-    v = v.repeat_interleave(heads // groups, dim=2)
-    scores = torch.einsum("bqnh,bknh->bnqk", q, k) * scale
-    has_key = keep.any(dim=-1, keepdim=True)
-    scores = scores.masked_fill(~(keep | ~has_key), -math.inf)  # an empty row: any finite softmax, zeroed below
-    out = torch.einsum("bnqk,bknh->bqnh", torch.softmax(scores, dim=-1), v) * has_key.transpose(1, 2)
-    out = out.flatten(2)
-    return out.transpose(0, 1) if qkv_format == "sbhd" else out
-
-
-def causal_keep(seq_q: int, seq_kv: int) -> torch.Tensor:
-    """[1, 1, Sq, Skv]: query i keeps keys j <= i."""
-    return (torch.arange(seq_kv)[None, :] <= torch.arange(seq_q)[:, None])[None, None]
 
 
 def _valid(lengths, seq: int) -> torch.Tensor:
@@ -196,15 +172,6 @@ def test_bad_arguments_raise_with_the_fix():
         arbitrary(q, k, v, attention_mask=torch.zeros(2, BATCH, 4, SEQ_Q, SEQ_KV, dtype=torch.bool))
     with pytest.raises(ValueError, match="key must be"):
         module(q, q, v, attn_mask_type="causal")
-
-
-def rotate64(x_SBNH, angles_SR2):
-    """Channel pairs (i, i + R/2) of [S, ..., H] as complex numbers times e^(i * angle[s, i]), in float64."""
-    half = angles_SR2.shape[-1]
-    turn = torch.polar(torch.ones_like(angles_SR2), angles_SR2)
-    turn = turn.reshape(angles_SR2.shape[0], *[1] * (x_SBNH.dim() - 2), half)
-    pairs = torch.complex(x_SBNH[..., :half].double(), x_SBNH[..., half : 2 * half].double()) * turn
-    return torch.cat([pairs.real, pairs.imag, x_SBNH[..., 2 * half :].double()], dim=-1)
 
 
 @pytest.mark.parametrize("qkv_format, rotary_percent, offset", [("sbhd", 1.0, 0), ("bshd", 0.5, 3)])

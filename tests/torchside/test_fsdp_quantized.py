@@ -151,6 +151,9 @@ def _gloo_shard_and_gather(rank, world_size):
     return {name: _shard_and_gather(rank, world_size, name) for name in ("current-uneven", "mxfp8-3d", "nvfp4-rht")}
 
 
+# In CI: the same cases on threads (test_unshard_gathers_the_bytes_of_the_full_quantization); FSDP all-gathers of FP8 bytes on gloo processes, with no
+# dequantize fallback: checkpoint/test_resharding's launch (test_no_fp8_parameter_ran_on_dequantized_values).
+@pytest.mark.grid
 @pytest.mark.multiprocess
 def test_gloo_processes_gather_the_bytes():
     for report in run_processes(_gloo_shard_and_gather, 2):

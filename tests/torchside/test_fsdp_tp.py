@@ -27,13 +27,13 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
-from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor import Replicate, Shard
 
 from bridge.layout import ShardMap, compare, from_dtensor
 from tests.distributed import run_processes, run_threads
-from tests.torchside.test_tensor_parallel import (
+from tests.torchside.fsdp_tp_training import B, build_meshes, dp_coordinate, full_value, load_values, local, train
+from tests.torchside.tp_stack import (
     FP32_ORDER,
     HELD_TO_OWN_ERROR,
     HISTORY,
@@ -42,7 +42,6 @@ from tests.torchside.test_tensor_parallel import (
     S,
     global_values,
     make_stack,
-    reference_kernels,  # noqa: F401  (autouse: reference kernels, one intra-op thread)
     relative_error,
     seeded,
 )
@@ -52,8 +51,6 @@ from torchside.parallel import parallelize, parameter_layouts
 from torchside.parallel._torch_compat import make_strided_shard
 from torchside.quantization import FALLBACK_CALLS, QuantizedTensor
 
-STEPS, LR, MOMENTUM = 5, 0.1, 0.9
-B = 8  # global batch: 2 columns per rank of 4 DP ranks, so every rank's GEMMs see 32 tokens (MXFP8 tiles)
 SHARDMAPS = Path(__file__).parents[1] / "assets" / "shardmaps"
 MESHES = {  # name: (shape, dim names); "tp" is the TP dim, the others data-parallel (replicate, shard)
     "fsdp4": ((4,), ("dp",)),
@@ -62,56 +59,7 @@ MESHES = {  # name: (shape, dim names); "tp" is the TP dim, the others data-para
     "hsdp2x2xtp2": ((2, 2, 2), ("rep", "dp", "tp")),
 }
 
-
-def build_meshes(shape, names):
-    """(world, data-parallel mesh, tp mesh or None, weight mesh: every rank that shards a weight)."""
-    world = init_device_mesh("cpu", shape, mesh_dim_names=names)
-    dp_names = tuple(n for n in names if n != "tp")
-    tp = world["tp"] if "tp" in names else None
-    sharding = (dp_names[-1], "tp") if tp is not None else (dp_names[-1],)
-    weight_mesh = world[sharding]._flatten("_".join(sharding)) if len(sharding) > 1 else world[sharding[0]]
-    return world, world[dp_names], tp, weight_mesh
-
-
-def local(t: torch.Tensor) -> torch.Tensor:
-    return t.to_local() if isinstance(t, DTensor) else t
-
-
-def full_value(param: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
-    """The global tensor whose local shard (laid out like `param`) is `values`."""
-    if not isinstance(param, DTensor):
-        return values
-    spec = (param.device_mesh, param.placements)
-    return DTensor.from_local(values, *spec, run_check=False, shape=param.shape, stride=param.stride()).full_tensor()
-
-
-def train(model: nn.Module, batch, recipe, amax_group, dp_size: int) -> tuple[list[float], dict[str, torch.Tensor]]:
-    """STEPS of SGD with momentum; (global losses, final values: fp32 masters for FP8 weights)."""
-    fp8 = {n for n, p in model.named_parameters() if isinstance(local(p), QuantizedTensor)}
-    masters = {n: local(p).dequantize(torch.float32) for n, p in model.named_parameters() if n in fp8}
-    momenta, losses = {}, []
-    for step in range(STEPS):
-        x, target = batch(step)
-        with fp8_autocast(enabled=recipe is not None, recipe=recipe, amax_reduction_group=amax_group):
-            y = model(x)
-        squared = (y - target).square().sum()
-        (squared / (S * B * H)).backward()
-        if amax_group is not None:
-            dist.all_reduce(squared, group=amax_group)
-        losses.append(squared.item())
-        with torch.no_grad():
-            for name, param in model.named_parameters():
-                grad = local(param.grad) * dp_size  # FSDP2 averaged over DP: sum instead (exact)
-                momenta[name] = grad if name not in momenta else momenta[name].mul_(MOMENTUM).add_(grad)
-                if name in fp8:
-                    masters[name].add_(momenta[name], alpha=-LR)
-                    module, attribute = name.rsplit(".", 1)
-                    model.get_submodule(module).quantize_weight_(attribute, masters[name])
-                else:
-                    local(param).add_(momenta[name], alpha=-LR)
-                param.grad = None
-    final = {n: full_value(p, masters[n] if n in fp8 else local(p).detach()) for n, p in model.named_parameters()}
-    return losses, final
+pytestmark = pytest.mark.usefixtures("reference_kernels")  # tests/conftest.py: what threaded ranks run
 
 
 def _batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -130,19 +78,6 @@ def reference(recipe_name: str, fp8_weights: bool) -> tuple[dict, list[float], d
     return values, losses, final
 
 
-def load_values(model: nn.Module, values: dict[str, torch.Tensor]) -> None:
-    """Give every parameter its shard of the global value (shard map of its placements); FP8 weights are cast."""
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            selected = values[name]
-            if isinstance(param, DTensor):
-                selected = selected[from_dtensor(param).selectors(tuple(param.device_mesh.get_coordinate()))]
-            if isinstance(local(param), QuantizedTensor):
-                module, attribute = name.rsplit(".", 1)
-                model.get_submodule(module).quantize_weight_(attribute, selected)
-            else:
-                local(param).copy_(selected)
-
 
 def _train_sharded(rank, world_size, mesh_name, sequence_parallel, recipe_name, fp8_weights, values):
     shape, names = MESHES[mesh_name]
@@ -153,7 +88,7 @@ def _train_sharded(rank, world_size, mesh_name, sequence_parallel, recipe_name, 
         model = make_stack(config, tp_mesh)
     load_values(model, values)
     parallelize(model, dp_mesh, weight_mesh=weight_mesh, blocks=list(model))
-    dp_rank, dp_size = _dp_coordinate(world, names)
+    dp_rank, dp_size = dp_coordinate(world, names)
     tp_rank = 0 if tp_mesh is None else tp_mesh.get_local_rank()
 
     def batch(step):
@@ -165,17 +100,6 @@ def _train_sharded(rank, world_size, mesh_name, sequence_parallel, recipe_name, 
     losses, final = train(model, batch, RECIPES[recipe_name], dist.group.WORLD, dp_size)
     duplicated = 1 if sequence_parallel else tp_size  # without SP every TP rank holds every token
     return [loss / duplicated for loss in losses], final if rank == 0 else None
-
-
-def _dp_coordinate(world, names) -> tuple[int, int]:
-    """(this rank's index among the data-parallel ranks, their count): row-major over the DP dims."""
-    dp_dims = [i for i, n in enumerate(names) if n != "tp"]
-    coordinate = world.get_coordinate()
-    sizes = [world.size(i) for i in dp_dims]
-    index = 0
-    for dim, size in zip(dp_dims, sizes, strict=True):
-        index = index * size + coordinate[dim]
-    return index, math.prod(sizes)
 
 
 SLOW = pytest.mark.slow  # 8 threaded ranks
@@ -347,6 +271,9 @@ def _gloo_fsdp_tp(rank, world_size):
     return loss_error, param_error
 
 
+# In CI: the same case on threads (test_five_steps_match_one_process[fsdp2xtp2-True-delayed-False]); this
+# stack trained under FSDP x TP on gloo processes: checkpoint/test_resharding's launch.
+@pytest.mark.grid
 @pytest.mark.multiprocess
 def test_gloo_processes_train_like_one_process():
     """FSDP(2) x TP(2), sequence parallel, DelayedScaling: real gloo collectives, 4 processes."""

@@ -24,13 +24,12 @@ from torchside.modules import ModuleConfig
 from torchside.modules.grouped_linear import GroupedLinear
 from torchside.quantization import FALLBACK_CALLS, QuantizedStorage, QuantizedTensor, Quantizer, quantize_split
 from torchside.recipe import DelayedScaling, Float8CurrentScaling, MXFP8BlockScaling, NVFP4BlockScaling
-from tests.torchside.test_modules_numerics import (
+from tests.torchside.quantized_math64 import (
     CONFIG,
     RECIPES,
     TOLERANCE,
     QuantizedMath64,
-    _relative_error,
-    reference_kernels,  # noqa: F401 (a fixture)
+    relative_error,
 )
 
 GROUPS, IN, OUT = 4, 64, 96
@@ -78,14 +77,14 @@ def check_grouped_against_float64(recipe_name: str, dtype: torch.dtype, device: 
     y64.backward(dy.double())
 
     errors = {
-        "y": _relative_error(y.detach().cpu(), y64.detach()),
-        "dx": _relative_error(x_module.grad.cpu(), x64.grad),
+        "y": relative_error(y.detach().cpu(), y64.detach()),
+        "dx": relative_error(x_module.grad.cpu(), x64.grad),
     }
     for name, param in module.named_parameters():
         if splits[int(name.removeprefix("weight").removeprefix("bias"))] == 0:
             assert torch.equal(param.grad, torch.zeros_like(param.grad)), f"{name} of an empty group has a gradient"
         else:
-            errors[f"d{name}"] = _relative_error(param.grad.cpu(), params64[name].grad)
+            errors[f"d{name}"] = relative_error(param.grad.cpu(), params64[name].grad)
     tolerance = TOLERANCE[torch.device(device).type, dtype]
     failed = {name: f"{error:.2e}" for name, error in errors.items() if not error <= tolerance}
     assert not failed, f"GroupedLinear/{recipe_name}/{dtype}: relative errors over {tolerance:.1e}: {failed}"

@@ -106,8 +106,14 @@ def bf16_loss(one_thread) -> float:
         return _final_loss(None)
 
 
+# NVFP4's 200 steps through the reference kernels take over a minute of CI's 2 cores: `grid`. In CI its steps
+# are checked against float64 (test_modules_numerics), over 5 sharded steps (test_fsdp_tp's nvfp4 case), and
+# this same 200-step task converges under NVFP4 with the JAX twin (tests/jaxside/test_modules_training.py),
+# whose casts are byte-identical to these (tests/bridge/test_quantize_cross.py).
 @pytest.mark.slow
-@pytest.mark.parametrize("recipe_name", RECIPES)
+@pytest.mark.parametrize(
+    "recipe_name", [pytest.param(r, marks=pytest.mark.grid) if r == "nvfp4" else r for r in RECIPES]
+)
 def test_200_steps_end_within_2_percent_of_bf16(bf16_loss, recipe_name, monkeypatch):
     monkeypatch.setenv("TRITON_INTERPRET", "0")  # the reference kernels (see the module docstring)
     loss = _final_loss(RECIPES[recipe_name])

@@ -39,10 +39,10 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from bridge.layout import from_dtensor
 from tests.distributed import run_processes, run_threads
-from tests.torchside.test_fsdp_tp import _dp_coordinate, load_values, local, train
-from tests.torchside.test_tensor_parallel import (
+from tests.torchside.fsdp_tp_training import dp_coordinate, load_values, train
+from tests.torchside.tp_stack import (
     FP32_ORDER,
-        HISTORY,
+    HISTORY,
     RECIPES,
     TP,
     H,
@@ -50,7 +50,6 @@ from tests.torchside.test_tensor_parallel import (
     global_values,
     load_shards,
     one_step,
-    reference_kernels,  # noqa: F401  (autouse: reference kernels, one intra-op thread)
     relative_error,
     seeded,
 )
@@ -87,6 +86,9 @@ CI_CASES = {  # mesh: [(sequence parallel, recipe, FP8 weights)]
     ],
     "hsdp2x2xtp2": [],
 }  # fmt: skip
+
+pytestmark = pytest.mark.usefixtures("reference_kernels")  # tests/conftest.py: what threaded ranks run
+
 
 def make_stack(module_config: ModuleConfig, tp_mesh=None, device=None) -> nn.Sequential:
     config = TransformerConfig(module_config=module_config)
@@ -139,7 +141,7 @@ def train_sharded(meshes, names, sequence_parallel, recipe_name, fp8_weights, va
         model = make_stack(config, tp_mesh, device=device)
     load_values(model, {n: v.to(device) for n, v in values.items()})
     parallelize(model, dp_mesh, weight_mesh=weight_mesh, device=device)
-    dp_rank, dp_size = _dp_coordinate(world, names) if dp_mesh is not None else (0, 1)
+    dp_rank, dp_size = dp_coordinate(world, names) if dp_mesh is not None else (0, 1)
     tp_rank = 0 if tp_mesh is None else tp_mesh.get_local_rank()
 
     def batch(step):

@@ -34,17 +34,16 @@ from torchside.modules.transformer_config import TransformerConfig
 from torchside.modules.transformer_layer import TransformerLayer
 from torchside.quantization import FALLBACK_CALLS, QuantizedTensor
 from torchside.recipe import DelayedScaling, Float8CurrentScaling
+from tests.torchside.attention64 import attention64, causal_keep, rotate64
 from tests.torchside.fp8_capture import Recording, on_cpu, record_fp8_step
-from tests.torchside.test_attention import attention64, causal_keep, rotate64
-from tests.torchside.test_modules_numerics import (
+from tests.torchside.quantized_math64 import (
     CONFIG,
     RECIPES,
     TOLERANCE,
     QuantizedMath64,
-    _forward64,
-    _norm64,
-    _relative_error,
-    reference_kernels,  # noqa: F401 (a fixture)
+    forward64,
+    norm64,
+    relative_error,
 )
 
 HIDDEN, HEADS, HEAD_DIM, SEQ, BATCH = 64, 4, 16, 16, 2
@@ -77,7 +76,7 @@ def mha64(mha, params: dict, maths: dict, x, angles, prefix: str = ""):
     config = mha.config
 
     def projection(name, values):
-        return _forward64(getattr(mha, name), _sub(params, f"{prefix}{name}."), maths[f"{prefix}{name}"], values)
+        return forward64(getattr(mha, name), _sub(params, f"{prefix}{name}."), maths[f"{prefix}{name}"], values)
 
     if config.fuse_qkv_params:
         fused = projection("layernorm_qkv" if mha.input_layernorm else "qkv", x)
@@ -86,7 +85,7 @@ def mha64(mha, params: dict, maths: dict, x, angles, prefix: str = ""):
         if mha.input_layernorm:
             norm = _sub(params, f"{prefix}layernorm.")
             norm_params = {"layer_norm_weight": norm["weight"], "layer_norm_bias": norm["bias"]}
-            x = maths[f"{prefix}query"].round(_norm64(mha.layernorm, norm_params, x))
+            x = maths[f"{prefix}query"].round(norm64(mha.layernorm, norm_params, x))
         q, k, v = (projection(name, x) for name in ("query", "key", "value"))
     q, k, v = (t.unflatten(-1, (-1, HEAD_DIM)) for t in (q, k, v))
     math64 = maths[f"{prefix}proj"]  # any submodule's model rounds alike
@@ -104,7 +103,7 @@ def layer64(layer, params: dict, maths: dict, x, angles):
     """Float64 model of TransformerLayer: two residual sublayers, each sum rounded where the module rounds it."""
     round_ = maths["layernorm_mlp"].round
     hidden = round_(x + mha64(layer.self_attention, params, maths, x, angles, prefix="self_attention."))
-    mlp = _forward64(layer.layernorm_mlp, _sub(params, "layernorm_mlp."), maths["layernorm_mlp"], hidden)
+    mlp = forward64(layer.layernorm_mlp, _sub(params, "layernorm_mlp."), maths["layernorm_mlp"], hidden)
     return round_(hidden + mlp)
 
 
@@ -173,9 +172,9 @@ def model_errors(kind: str, step: Step, maths: dict) -> dict[str, float]:
     model = mha64 if kind == "mha" else layer64
     y64 = model(step.module, params64, maths, x64, _angles(step.freqs))
     y64.backward(step.dy.double())
-    errors = {"y": _relative_error(step.y.cpu(), y64.detach()), "dx": _relative_error(step.dx.cpu(), x64.grad)}
+    errors = {"y": relative_error(step.y.cpu(), y64.detach()), "dx": relative_error(step.dx.cpu(), x64.grad)}
     for name, param in step.module.named_parameters():
-        errors[f"d{name}"] = _relative_error(param.grad.cpu(), params64[name].grad)
+        errors[f"d{name}"] = relative_error(param.grad.cpu(), params64[name].grad)
     return errors
 
 
@@ -248,7 +247,7 @@ def check_locally_against_float64(
     only = f"casts of the module only {set(casts) - used}, of the model only {used - set(casts)}"
     assert used == set(casts), f"{label}: {only}"
     inputs = {
-        key: _relative_error(cast.x.cpu(), maths[key[0]].cast_inputs[key[1:]].double()) for key, cast in casts.items()
+        key: relative_error(cast.x.cpu(), maths[key[0]].cast_inputs[key[1:]].double()) for key, cast in casts.items()
     }
     _assert_within({" ".join(map(str, key)): e for key, e in inputs.items()}, CAST_INPUT, f"{label} cast inputs")
     _assert_within(results, tolerance or TOLERANCE[torch.device(device).type, dtype], label)
@@ -414,14 +413,14 @@ def test_fp8_off_matches_a_plain_torch_pre_norm_block(activation, normalization,
     dy = torch.randn_like(y_plain)
     y_layer.backward(dy)
     y_plain.backward(dy)
-    assert _relative_error(y_layer, y_plain.double()) <= FP32_ROUNDING
-    assert _relative_error(x_layer.grad, x_plain.grad.double()) <= FP32_ROUNDING
+    assert relative_error(y_layer, y_plain.double()) <= FP32_ROUNDING
+    assert relative_error(x_layer.grad, x_plain.grad.double()) <= FP32_ROUNDING
     params = dict(layer.named_parameters())
     for plain_name, layer_name in names.items():
         grad = plain.get_parameter(plain_name).grad.double()
-        assert _relative_error(params[layer_name].grad, grad) <= FP32_ROUNDING, layer_name
+        assert relative_error(params[layer_name].grad, grad) <= FP32_ROUNDING, layer_name
     qkv_grad = fused_from_qkv(*(getattr(plain, part).weight.grad for part in "qkv"), 2, HEAD_DIM, dim=0).double()
-    assert _relative_error(params["self_attention.layernorm_qkv.weight"].grad, qkv_grad) <= FP32_ROUNDING
+    assert relative_error(params["self_attention.layernorm_qkv.weight"].grad, qkv_grad) <= FP32_ROUNDING
 
 
 # ---- construction and arguments

@@ -23,8 +23,7 @@ import torch.distributed as dist
 
 from tests.distributed import RankError, run_processes, run_threads
 from tests.torchside.checkpoint.training import ADAM, build, gathered_state, live_bytes, local, topology, train
-from tests.torchside.test_tensor_parallel import RECIPES
-from tests.torchside.test_tensor_parallel import reference_kernels  # noqa: F401  (autouse)
+from tests.torchside.tp_stack import RECIPES
 from torchside.checkpoint import app_state, commit, load, save, validate
 from torchside.optim import FusedAdam, requantize_fp8_weights
 from torchside.quantization import QuantizedTensor

@@ -13,7 +13,6 @@ from safetensors import safe_open
 from safetensors.torch import load_file
 
 from tests.torchside.checkpoint.training import build, gathered_state, topology, train
-from tests.torchside.test_tensor_parallel import reference_kernels  # noqa: F401  (autouse)
 from torchside.checkpoint import save
 from torchside.checkpoint.safetensors_io import INDEX_FILE, export_safetensors, import_safetensors
 

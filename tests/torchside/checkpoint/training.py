@@ -1,6 +1,6 @@
 """Shared by the checkpoint tests: the model, topologies, a deterministic training loop, gathered state.
 
-The model is test_tensor_parallel's 2-block stack (LayerNormLinear column / Linear row pair and a
+The model is tp_stack's 2-block stack (LayerNormLinear column / Linear row pair and a
 LayerNormMLP per block), at its widths (hidden 64, ffn 128) or wider ones: Float8BlockScaling FP8
 weights need 128-row shards. Training: FusedAdam on every parameter; an FP8 weight steps an fp32
 master that `requantize_fp8_weights` casts back into its bytes (its state: bytes, master, moments).
@@ -23,7 +23,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor
 
-from tests.torchside.test_tensor_parallel import HISTORY, RECIPES, Block, F, H, S, seeded
+from tests.torchside.tp_stack import HISTORY, RECIPES, Block, F, H, S, seeded
 from torchside.autocast import fp8_autocast, quantized_model_init
 from torchside.modules import ModuleConfig
 from torchside.optim import FusedAdam, requantize_fp8_weights
