@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from bridge import layout
-from bridge.layout_translate import placements_to_pspec
+from bridge.layout.translate import placements_to_pspec
 
 if TYPE_CHECKING:
     import jax

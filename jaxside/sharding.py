@@ -15,7 +15,7 @@ So each rules table lists, per role, the mesh axes of each axis of the Flax para
     none:   weight Replicate -> kernel (None, 'dp_shard')           bias 'dp_shard'           norm 'dp_shard'
 
 `('tp', 'dp_shard')` on one dim, tp most significant, is the layout torch writes as
-`(_StridedShard(0, sf=tp), Shard(0))` when FSDP2 shards a dim TP already split (bridge/layout.py).
+`(_StridedShard(0, sf=tp), Shard(0))` when FSDP2 shards a dim TP already split (bridge.layout).
 `dp_replicate` never splits a parameter: HSDP keeps a full copy of the FSDP shards per replica.
 
 Activations are named by their logical axes (`x_BSD` is ("batch", "seq", "embed")): batch is split

@@ -169,3 +169,19 @@ def test_the_static_checks_see_every_kind_of_import(tmp_path, monkeypatch):
         "tests.torchside.test_modules",
     ]
     assert "bridge.layout" in names and "jax.numpy" in names
+
+
+def test_cli_help_and_the_layout_and_demo_packages_load_neither_framework():
+    # `shardbridge layout` draws shard maps without torch; the demo's stages load torch inside run_demo.
+    code = (
+        "import contextlib, io, sys\n"
+        "import bridge.demo, bridge.demo.options, bridge.demo.report, bridge.layout, bridge.layout.draw\n"
+        "import bridge.layout.text, bridge.layout.translate\n"
+        "from bridge import cli\n"
+        "for argv in ([], ['layout'], ['demo']):\n"
+        "    with contextlib.suppress(SystemExit), contextlib.redirect_stdout(io.StringIO()):\n"
+        "        cli.main([*argv, '--help'])\n"
+        "print(sorted(m for m in ('torch', 'jax') if m in sys.modules))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[]"

@@ -15,7 +15,7 @@ import json
 from rich.console import Console
 from rich.markup import escape
 
-from bridge.demo_options import DemoOptions
+from bridge.demo.options import DemoOptions
 from bridge.numerics import RECIPES
 
 DEFAULTS = DemoOptions()
@@ -62,7 +62,7 @@ def run(args: argparse.Namespace, console: Console) -> int:
     options = DemoOptions(**{name: getattr(args, name) for name in fields})
     check_output_path("--out", options.out, directory=True)
     from bridge.demo import run_demo
-    from bridge.demo_report import table
+    from bridge.demo.report import table
 
     errors = Console(stderr=True, soft_wrap=True)
     report = run_demo(options, status=lambda text: errors.print(f"[bold]>[/] {escape(text)}"))

@@ -74,31 +74,32 @@ def run(args: argparse.Namespace, console: Console) -> int:
 
 
 def _layouts(args: argparse.Namespace) -> _Layouts:
-    from bridge import layout, layout_text, layout_translate
+    from bridge import layout
+    from bridge.layout import text, translate
 
-    mesh = layout_text.parse_mesh(args.mesh)
-    shape = layout_text.parse_shape(args.shape)
+    mesh = text.parse_mesh(args.mesh)
+    shape = text.parse_shape(args.shape)
     if args.transpose and len(shape) != 2:
         raise ValueError(f"--transpose swaps the dims of a 2-D weight; --shape {args.shape} has {len(shape)} dims")
     other_shape = shape[::-1] if args.transpose else shape
     if args.pspec is not None:
-        pspec = layout_text.parse_pspec(args.pspec)
+        pspec = text.parse_pspec(args.pspec)
         jax_map = layout.from_pspec(mesh, pspec, shape)
-        placements = layout_translate.pspec_to_placements(mesh, pspec, len(shape), transpose=args.transpose)
+        placements = translate.pspec_to_placements(mesh, pspec, len(shape), transpose=args.transpose)
         torch_map = layout.from_placements(mesh, placements, other_shape)
     else:
-        placements = layout_text.parse_placements(args.placements)
+        placements = text.parse_placements(args.placements)
         torch_map = layout.from_placements(mesh, placements, shape)
         try:
-            pspec = layout_translate.placements_to_pspec(mesh, placements, shape, transpose=args.transpose)
+            pspec = translate.placements_to_pspec(mesh, placements, shape, transpose=args.transpose)
         except ValueError as no_equivalent:  # a legitimate answer, not bad input
-            return _Layouts(layout_text.format_placements(placements), torch_map, None, None, str(no_equivalent), False)
+            return _Layouts(text.format_placements(placements), torch_map, None, None, str(no_equivalent), False)
         jax_map = layout.from_pspec(mesh, pspec, other_shape)
     comparison = layout.compare(torch_map.transposed() if args.transpose else torch_map, jax_map)
     return _Layouts(
-        layout_text.format_placements(placements),
+        text.format_placements(placements),
         torch_map,
-        layout_text.format_pspec(pspec),
+        text.format_pspec(pspec),
         jax_map,
         comparison.reason,
         comparison.equal,
@@ -106,7 +107,7 @@ def _layouts(args: argparse.Namespace) -> _Layouts:
 
 
 def _render(console: Console, mesh_text: str, layouts: _Layouts) -> None:
-    from bridge import draw
+    from bridge.layout import draw
 
     console.print(f"[bold]mesh[/] {escape(mesh_text)} in rank order (JAX device i = torch rank i)")
     console.print(_shard_table(layouts))
@@ -123,7 +124,7 @@ def _render(console: Console, mesh_text: str, layouts: _Layouts) -> None:
 
 
 def _shard_table(layouts: _Layouts) -> Table:
-    from bridge.layout_text import format_indices
+    from bridge.layout.text import format_indices
 
     torch_map, jax_map = layouts.torch_map, layouts.jax_map
     table = Table(title="shard map: global indices held per dim")
@@ -146,7 +147,7 @@ def _drawable(shard_map: ShardMap) -> bool:
 
 
 def _save_png(path: str, layouts: _Layouts) -> None:
-    from bridge import draw
+    from bridge.layout import draw
 
     panels = [(f"torch: {layouts.placements_text}", layouts.torch_map)]
     if layouts.jax_map is not None:

@@ -10,7 +10,8 @@ import sys
 import pytest
 import torch
 
-from bridge import cli, demo_jax
+from bridge import cli
+from bridge.demo import jax_side as demo_jax
 
 EXPECTED_CHECKS = (
     "training current, FSDP2 2 x TP 2: loss falls",
@@ -123,7 +124,7 @@ def test_explicit_cuda_with_too_few_gpus_is_an_error():
 def test_demo_on_one_gpu_says_it_runs_on_the_cpu(monkeypatch, tmp_path):
     """Finding 11: the default device with one GPU for a 2 x 2 mesh: CPU processes, announced in one line."""
     from bridge import demo, runtime
-    from bridge.demo_options import DemoOptions
+    from bridge.demo.options import DemoOptions
 
     launched = []
 

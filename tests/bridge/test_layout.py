@@ -20,10 +20,11 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 from torch.distributed.tensor import Partial, Replicate, Shard
 
-from bridge import layout, layout_translate
+from bridge import layout
 from torchside.parallel._torch_compat import make_strided_shard
 from bridge.layout import MeshSpec, ShardMap
-from bridge.layout_text import (
+from bridge.layout import translate as layout_translate
+from bridge.layout.text import (
     format_indices,
     format_placements,
     format_pspec,

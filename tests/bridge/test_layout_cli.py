@@ -9,9 +9,9 @@ import numpy as np
 import pytest
 from rich.console import Console
 
-from bridge import cli, draw, layout
-from bridge.layout import MeshSpec, ShardMap
-from bridge.layout_text import parse_placements
+from bridge import cli, layout
+from bridge.layout import MeshSpec, ShardMap, draw
+from bridge.layout.text import parse_placements
 from tests.bridge.layout_cases import load_golden
 
 SEED_ARGS = ["layout", "--mesh", "dp=4,tp=2", "--shape", "8,16"]

@@ -186,7 +186,7 @@ def test_parallelized_transformer_stack_matches_the_bridge_prediction(reference_
     import jax
     from jax.sharding import Mesh, NamedSharding
 
-    from bridge.layout_translate import placements_to_pspec
+    from bridge.layout.translate import placements_to_pspec
 
     shape, names = STACK_MESHES[mesh_name]
     per_rank = run_threads(_parallelized_stack, math.prod(shape), shape, names)

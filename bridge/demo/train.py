@@ -3,7 +3,7 @@
 Every rank builds the seeded single-device model's shards and trains `steps` steps with FusedAdam on
 the synthetic corpus through torchside.train's own `build_model` and `train_step` (its mesh axes are
 named as jaxside's, so bridge.transfer maps them onto the JAX mesh), starts an async DCP save and,
-while the files are written, hands the live model to bridge.demo_jax for the layout and numerics checks.
+while the files are written, hands the live model to bridge.demo.jax_side for the layout and numerics checks.
 Rank 0 returns the trained parameters (full tensors) as the reference of the checkpoint checks.
 """
 
@@ -14,7 +14,7 @@ import logging
 import time
 from typing import Any
 
-from bridge.demo_options import DemoOptions
+from bridge.demo.options import DemoOptions
 
 CHECKPOINT_DIR = "dcp"
 
@@ -30,7 +30,7 @@ def train_save_check(runtime, options: DemoOptions, out: str) -> dict[str, Any]:
     """Train, save asynchronously, cross-check in JAX; rank 0 returns losses, timings, checks and the reference."""
     import torch.distributed as dist
 
-    from bridge import demo_jax
+    from bridge.demo import jax_side
     from torchside import checkpoint
     from torchside.corpus import SyntheticCorpus
     from torchside.models.llama import LLAMA_CONFIGS
@@ -64,7 +64,7 @@ def train_save_check(runtime, options: DemoOptions, out: str) -> dict[str, Any]:
     timings["save (staging)"] = time.perf_counter() - started
     reference = full_parameters(model)  # while the files are written in the background
     started = time.perf_counter()
-    jax_result = demo_jax.cross_check(runtime, model, meshes, options, corpus, out, reference)
+    jax_result = jax_side.cross_check(runtime, model, meshes, options, corpus, out, reference)
     timings["JAX layouts + forward"] = time.perf_counter() - started
     started = time.perf_counter()
     path = handle.wait()

@@ -1,13 +1,13 @@
 """`shardbridge demo` end to end: train under FP8 on FSDP2 x TP, checkpoint, reload elsewhere, cross into JAX.
 
-Stages (each check is one row of the final table, bridge.demo_report):
+Stages (each check is one row of the final table, bridge.demo.report):
 
 1. dp x tp co-located torch+JAX processes (bridge.runtime.launch; one per GPU, or CPU processes):
    the tiny Llama of our TransformerLayers trains `steps` steps under the recipe with FusedAdam on the
    synthetic corpus, saves a DCP checkpoint asynchronously, and meanwhile moves its shards into JAX
-   on the same devices: layouts and one forward pass compared (bridge.demo_train, bridge.demo_jax);
+   on the same devices: layouts and one forward pass compared (bridge.demo.train, bridge.demo.jax_side);
 2. reload_dp processes (another topology, FSDP2 only) load the checkpoint; every parameter must
-   equal the trained one bit for bit (bridge.demo_checkpoint);
+   equal the trained one bit for bit (bridge.demo.checkpoint);
 3. this process converts the checkpoint to Orbax (bridge.convert) and restores it with
    jaxside.checkpoint; again bit for bit.
 
@@ -23,9 +23,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from bridge import demo_checkpoint, demo_jax, demo_train
-from bridge.demo_options import DemoOptions
-from bridge.demo_report import LOSS_PLOT_NAME, Check, DemoReport, plot_losses
+from bridge.demo.options import DemoOptions
+from bridge.demo.report import LOSS_PLOT_NAME, Check, DemoReport, plot_losses
 
 LOSS_DROP = 0.95  # the last step's loss must be at most this fraction of the first's: the model learns
 
@@ -35,20 +34,21 @@ def run_demo(options: DemoOptions, status: Callable[[str], Any] = print) -> Demo
     import torch
 
     from bridge import runtime
+    from bridge.demo import checkpoint, jax_side, train  # these load torch: here, not on `import bridge.demo`
 
     processes = max(options.world_size, options.reload_dp)
     device, fallback = runtime.choose_device_type(options.device, processes, torch.cuda.device_count())
     if fallback:
         status(fallback)
     out = Path(options.out).absolute()
-    for stale in (demo_train.CHECKPOINT_DIR, "orbax"):  # the demo's own checkpoints of an earlier run
+    for stale in (train.CHECKPOINT_DIR, "orbax"):  # the demo's own checkpoints of an earlier run
         shutil.rmtree(out / stale, ignore_errors=True)
     out.mkdir(parents=True, exist_ok=True)
     report = DemoReport(options=dataclasses.asdict(options))
 
     status(f"training on {options.world_size} processes (FSDP2 dp={options.dp} x TP tp={options.tp}), then JAX")
     started = time.perf_counter()
-    trained = runtime.launch(demo_train.train_save_check, options.world_size, options, str(out), device_type=device)[0]
+    trained = runtime.launch(train.train_save_check, options.world_size, options, str(out), device_type=device)[0]
     report.timings["stage 1 wall (launch, train, save, JAX)"] = time.perf_counter() - started
     report.timings.update(trained["timings"])
     report.losses = trained["losses"]
@@ -57,11 +57,11 @@ def run_demo(options: DemoOptions, status: Callable[[str], Any] = print) -> Demo
     status(f"reloading the checkpoint on {options.reload_dp} processes (FSDP2 dp={options.reload_dp}, no TP)")
     started = time.perf_counter()
     reloaded = runtime.launch(
-        demo_checkpoint.reload, options.reload_dp, trained["checkpoint"], options.reload_dp, options.lr,
+        checkpoint.reload, options.reload_dp, trained["checkpoint"], options.reload_dp, options.lr,
         device_type=device,
     )[0]  # fmt: skip
     report.timings["stage 2 wall (launch, load)"] = time.perf_counter() - started
-    differ = demo_checkpoint.mismatches(trained["reference"], reloaded["parameters"])
+    differ = checkpoint.mismatches(trained["reference"], reloaded["parameters"])
     report.checks.append(Check(
         f"DCP reload on FSDP2 {options.reload_dp}: bitwise", len(differ), 0, "tensors differ",
         reloaded["seconds"], f"step {reloaded['step']}, {len(trained['reference'])} params + "
@@ -69,14 +69,14 @@ def run_demo(options: DemoOptions, status: Callable[[str], Any] = print) -> Demo
     ))  # fmt: skip
 
     status("converting the checkpoint to Orbax and restoring it in JAX")
-    orbax = demo_checkpoint.orbax_round_trip(trained["checkpoint"], out, options.steps, trained["reference"])
+    orbax = checkpoint.orbax_round_trip(trained["checkpoint"], out, options.steps, trained["reference"])
     report.checks.append(Check("DCP -> Orbax: CRC32 read back", orbax["checksums_differ"], 0, "tensors differ",
                                orbax["convert_seconds"], f"{orbax['tensors']} tensors"))  # fmt: skip
     report.checks.append(Check("Orbax restore in JAX: bitwise", len(orbax["differ"]), 0, "tensors differ",
                                orbax["restore_seconds"], "kernel [in, out] vs weight [out, in]"))  # fmt: skip
 
     report.files = {
-        "layouts": str(out / demo_jax.LAYOUT_PNG),
+        "layouts": str(out / jax_side.LAYOUT_PNG),
         "loss": str(plot_losses(report.losses, trained["loss_floor"], out / LOSS_PLOT_NAME, options.recipe)),
         "checkpoint": trained["checkpoint"],
         "orbax": str(out / "orbax"),

@@ -3,7 +3,7 @@
 A `ShardMap` is the bridge's common ground between DTensor placements and JAX
 shardings. Build one from DTensor placements or a live DTensor, from a JAX
 `PartitionSpec`/`NamedSharding` or a live `jax.Array`, then `compare` two of them.
-Placement <-> PartitionSpec translation lives in `bridge/layout_translate.py`.
+Placement <-> PartitionSpec translation lives in `bridge/layout/translate.py`.
 
 Rules, each checked against the real frameworks in tests/bridge/test_layout*.py:
 - DTensor applies placements left to right over the mesh dims; each `Shard(d)` splits

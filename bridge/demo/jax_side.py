@@ -193,7 +193,7 @@ def _to_torch(array):
 
 def _draw(path: Path, torch_params: dict, pairs, shardings: dict, mesh) -> None:
     """torch's live layout and the JAX twin's of one column- and one row-parallel weight of layer 0."""
-    from bridge.draw import save_png
+    from bridge.layout.draw import save_png
 
     panels = []
     for name in ("layers.0.self_attention.layernorm_qkv.weight", "layers.0.layernorm_mlp.fc2_weight"):

@@ -31,7 +31,7 @@ def mismatches(reference: dict[str, torch.Tensor], loaded: dict[str, torch.Tenso
 
 def reload(runtime, checkpoint: str, dp: int, lr: float) -> dict[str, Any]:
     """Load the checkpoint into the tiny Llama on FSDP2 over `dp` ranks (no TP), with its optimizer."""
-    from bridge.demo_train import full_parameters
+    from bridge.demo.train import full_parameters
     from torchside import checkpoint as dcp_checkpoint
     from torchside.train import TrainOptions, build_model, build_optimizer
 
