@@ -153,14 +153,12 @@ def test_jax_load_hf_gives_transformers_logits(checkpoints, case):
 
 def test_the_llama3_case_depends_on_its_rope_scaling(checkpoints):
     """Without the scaling transformers' own logits move far past the tolerance: the case tests it."""
-    directory, reference, tokens = checkpoints["llama3_rope_head_dim"]
-    config = json.loads((directory / "config.json").read_text())
-    plain = hf_model("llama3_rope_head_dim")
-    plain.config.rope_scaling = None
-    unscaled = LlamaForCausalLM(HFConfig(**{**config, "rope_parameters": {"rope_type": "default", "rope_theta": 5e5}}))
-    unscaled.load_state_dict(plain.state_dict())
-    unscaled.config._attn_implementation = "eager"
-    assert relative(reference_logits(unscaled.eval(), tokens), reference) > 1e-3
+    _, reference, tokens = checkpoints["llama3_rope_head_dim"]
+    scaled = hf_model("llama3_rope_head_dim")
+    config = scaled.config.to_dict() | {"rope_parameters": {"rope_type": "default", "rope_theta": 500000.0}}
+    unscaled = LlamaForCausalLM(HFConfig(**config)).eval()
+    unscaled.load_state_dict(scaled.state_dict())
+    assert relative(reference_logits(unscaled, tokens), reference) > 1e-3
 
 
 def test_jax_twin_on_an_8_device_mesh_pads_the_vocab_and_shards_by_the_rules(checkpoints):
