@@ -157,7 +157,8 @@ def _grouped_pieces(source: Source, config: LlamaConfig, start: int, stop: int) 
         hf_lo = head * h + lo - block * h
         piece = Piece(name, hf_lo, hf_lo + hi - lo, lo - start)
         last = pieces[-1] if pieces else None
-        if last and last.hf_name == name and last.stop == piece.start and last.dest + last.stop - last.start == piece.dest:
+        continues = last and last.hf_name == name and last.stop == piece.start
+        if continues and last.dest + last.stop - last.start == piece.dest:  # the next rows of the same tensor
             pieces[-1] = Piece(name, last.start, piece.stop, last.dest)
         else:
             pieces.append(piece)
@@ -319,7 +320,8 @@ class Checkpoint:
             if info.dtype not in FLOAT_DTYPES:
                 raise ValueError(f"{info.file}: tensor {name!r} is {info.dtype}; expected one of {FLOAT_DTYPES}")
         tied_head = {"lm_head.weight"} if self.config.tie_word_embeddings else set()
-        extra = [n for n in self.tensors if n not in expected and n not in tied_head and not n.endswith(IGNORED_SUFFIXES)]
+        known = expected.keys() | tied_head
+        extra = [n for n in self.tensors if n not in known and not n.endswith(IGNORED_SUFFIXES)]
         if extra:
             raise ValueError(f"{self.directory}: tensors {extra[:5]} are not part of a {ARCHITECTURE} of this config")
 
@@ -341,8 +343,8 @@ class Checkpoint:
             info = self.tensors[piece.hf_name]
             try:
                 with safe_open(str(info.file), framework=framework) as file:
-                    view = file.get_slice(piece.hf_name)
-                    values = view[piece.start : piece.stop] if cols is None else view[piece.start : piece.stop, slice(*cols)]
+                    view, rows_read = file.get_slice(piece.hf_name), slice(piece.start, piece.stop)
+                    values = view[rows_read] if cols is None else view[rows_read, slice(*cols)]
             except (SafetensorError, OSError) as error:
                 raise ValueError(f"{info.file}: reading tensor {piece.hf_name!r} failed ({error})") from error
             put(piece, values)

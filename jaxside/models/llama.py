@@ -25,6 +25,7 @@ To use it as a layer-only twin (bridge/demo_jax.py): `model.layers` are the Tran
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import re
 from pathlib import Path
@@ -134,7 +135,8 @@ class Llama(nnx.Module):
     def __call__(self, tokens_BS) -> Array:
         """Logits [S, B, V] of the next token at every position (padding ids sliced off)."""
         if tokens_BS.ndim != 2 or not jnp.issubdtype(tokens_BS.dtype, jnp.integer):
-            raise ValueError(f"Llama takes token ids as an integer array [B, S], got {tokens_BS.dtype} {tokens_BS.shape}")
+            got = f"{tokens_BS.dtype} {list(tokens_BS.shape)}"
+            raise ValueError(f"Llama takes token ids as an integer array [B, S], got {got}")
         tokens_SB = tokens_BS.T
         freqs = self.rotary(tokens_SB.shape[0])
         x_SBD = constrain(self.embedding.embed(tokens_SB), spec_for(("seq", "batch", "embed")))
@@ -151,7 +153,7 @@ def torch_name(jax_name: str, ndim: int) -> str:
     return re.sub(r"kernel(\d*)$", r"weight\1", jax_name) if ndim == 2 else jax_name
 
 
-def _read(checkpoint: Checkpoint, name: str, shape: tuple[int, ...], index: tuple[slice, ...], dtype) -> np.ndarray:
+def _read(checkpoint: Checkpoint, name: str, shape: tuple[int, ...], index: tuple[slice, ...], *, dtype) -> np.ndarray:
     """The values at `index` of the JAX parameter `name` (torch name) of global `shape`, read from the checkpoint."""
     bounds = [s.indices(n)[:2] for s, n in zip(index, shape)]
     if len(shape) == 2:  # a kernel [in, out]: torch rows are its columns
@@ -196,21 +198,17 @@ def load_hf(path: str | Path, *, mesh: Mesh | None = None, dtype=None) -> Llama:
     graphdef, params, rest = nnx.split(abstract, nnx.Param, ...)
     placements = dict(nnx.to_flat_state(shardings(abstract, mesh)))
     flat_params = dict(nnx.to_flat_state(params))
-    names = {path_: torch_name(".".join(map(str, path_)), len(v.get_value().shape)) for path_, v in flat_params.items()}
+    names = {path: torch_name(".".join(map(str, path)), v.get_value().ndim) for path, v in flat_params.items()}
     unmapped = sorted(set(names.values()) ^ set(checkpoint.sources))
     assert not unmapped, f"the HF table and the JAX model disagree on {unmapped}"
-    loaded = {}
-    for path_, variable in flat_params.items():
-        value, name = variable.get_value(), names[path_]
-        sharding = placements[path_].get_value()
-        read = lambda index, n=name, s=tuple(value.shape): _read(checkpoint, n, s, index, np.dtype(dtype))  # noqa: E731
-        loaded[path_] = jax.make_array_from_callback(tuple(value.shape), sharding, read)
-    for path_, variable in flat_params.items():
-        variable.set_value(loaded[path_])
-    rest_placement = nnx.from_flat_state({p: placements[p] for p, _ in nnx.to_flat_state(rest)})
+    for path, variable in flat_params.items():  # each device's shard read on its own
+        shape = tuple(variable.get_value().shape)
+        read = functools.partial(_read, checkpoint, names[path], shape, dtype=np.dtype(dtype))
+        variable.set_value(jax.make_array_from_callback(shape, placements[path].get_value(), read))
+    # The FP8 state (scales, amax histories) as a fresh model has it, created in place on the mesh.
+    rest_placement = nnx.from_flat_state({path: placements[path] for path, _ in nnx.to_flat_state(rest)})
     rest_values = jax.jit(lambda: nnx.state(build(), nnx.Not(nnx.Param)), out_shardings=rest_placement)()
     return nnx.merge(graphdef, nnx.from_flat_state(flat_params), rest_values)
-
 
 __all__ = [
     "LLAMA_CONFIGS",
