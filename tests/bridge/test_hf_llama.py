@@ -311,6 +311,24 @@ def test_fp8_block_scaled_checkpoints_are_refused_clearly_for_now(sharded):
         hf_llama.Checkpoint(sharded)
 
 
+def test_the_bridge_moves_a_torch_llama_into_the_twin_with_the_same_logits():
+    """How bridge/demo_jax.py can use the twin: pair the models, move the values by each pair's layout, run."""
+    from bridge.params import load_into_jax, pair_models
+
+    config = LlamaConfig(vocab_size=96, hidden_size=64, num_layers=1, num_heads=4, num_kv_heads=2, ffn_hidden_size=96,
+                         tie_word_embeddings=False)  # fmt: skip
+    torch.manual_seed(0)
+    model = torch_llama.Llama(config)
+    twin = jax_llama.Llama(config, kernel_init=nnx.initializers.zeros, rngs=nnx.Rngs(0))
+    values = {}
+    for pair in pair_models(model, twin):
+        tensor = model.get_parameter(pair.torch_name).detach()
+        values[pair.jax_path] = jnp.asarray((tensor.T if pair.layout.transposes else tensor).numpy())
+    load_into_jax(twin, values)
+    tokens = random_tokens(config.vocab_size)
+    assert relative(jax_logits(twin, tokens), torch_logits(model, tokens)) <= TOLERANCE
+
+
 # ---- bad input: ValueError naming the file and the tensor, before anything is built
 
 
