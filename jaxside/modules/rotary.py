@@ -37,13 +37,16 @@ class RotaryPositionEmbedding(nnx.Module):
             raise ValueError(f"RotaryPositionEmbedding(rotary_base={rotary_base!r}): pass a float > 1, e.g. 10000.0")
         self.rotary_dim, self.rotary_base = rotary_dim, float(rotary_base)
 
+    def inv_freq(self) -> Array:
+        """[R/2] fp32: rotary_base ** (-2i / R), torch's `inv_freq` buffer (a subclass may rescale it)."""
+        exponents = jnp.arange(0, self.rotary_dim, 2, dtype=jnp.float32) / jnp.float32(self.rotary_dim)
+        return jnp.float32(self.rotary_base) ** -exponents
+
     def __call__(self, max_seq_len: int, offset: int = 0) -> Array:
         """freqs [max_seq_len, 1, 1, R] (fp32) for positions offset, offset + 1, ..."""
         check_size("RotaryPositionEmbedding", "max_seq_len", max_seq_len)
-        exponents = jnp.arange(0, self.rotary_dim, 2, dtype=jnp.float32) / jnp.float32(self.rotary_dim)
-        inv_freq = jnp.float32(self.rotary_base) ** -exponents
         positions = jnp.arange(offset, offset + max_seq_len, dtype=jnp.float32)
-        angles_SR2 = jnp.outer(positions, inv_freq)
+        angles_SR2 = jnp.outer(positions, self.inv_freq())
         return jnp.concatenate([angles_SR2, angles_SR2], axis=-1)[:, None, None, :]
 
 

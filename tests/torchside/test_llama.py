@@ -150,7 +150,7 @@ def test_meta_build_then_materialize_gives_the_initial_distribution():
 @pytest.mark.parametrize(
     "fields, match",
     [
-        ({"num_kv_heads": 3}, "multiple of num_heads"),
+        ({"num_kv_heads": 3}, "multiple of num_kv_heads"),
         ({"hidden_size": 0}, "hidden_size=0"),
         ({"vocab_size": True}, "vocab_size=True"),
     ],

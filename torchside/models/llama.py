@@ -1,16 +1,24 @@
-"""`Llama`: a Llama-style decoder from our modules, with the LM head tied to the token embedding.
+"""`Llama`: a Llama-style decoder from our modules; the LM head tied to the token embedding or its own.
 
-Shape legend: B batch, S sequence, D hidden size, V vocabulary.
+Shape legend: B batch, S sequence, D hidden size, V vocabulary, Vp padded vocabulary (below).
 
     tokens_BS -> embedding (nn.Embedding) -> x_SBD -> num_layers x TransformerLayer -> RMSNorm
-              -> lm_head: logits_SBV = h_SBD @ embedding.weight.T
+              -> lm_head: logits_SBV = (h_SBD @ weight.T)[..., :V]
 
-Each TransformerLayer is pre-norm RMSNorm attention (rotary, grouped-query heads, no biases) plus
-an RMSNorm SwiGLU LayerNormMLP. Hidden states are sequence-first ([S, B, D], "sbhd"), the layout
-sequence parallelism splits. The head has no parameter of its own: it multiplies by the embedding's
-weight, so the tie is one parameter, one DTensor after parallelization and one checkpoint key
-(`embedding.weight`); no parallelization step can untie it. The head's GEMM runs in high precision
-whatever the recipe (as in torchtitan and most FP8 recipes: the logits feed a softmax over V).
+Each TransformerLayer is pre-norm RMSNorm attention (rotary, grouped-query heads, biases only with
+`LlamaConfig.bias`) plus an RMSNorm SwiGLU LayerNormMLP. Hidden states are sequence-first ([S, B, D],
+"sbhd"), the layout sequence parallelism splits. With `tie_word_embeddings` (the default) the head
+has no parameter of its own: it multiplies by the embedding's weight, so the tie is one parameter,
+one DTensor after parallelization and one checkpoint key (`embedding.weight`); no parallelization
+step can untie it. Untied, the head owns `lm_head.weight` [Vp, D], split like the embedding. The
+head's GEMM runs in high precision whatever the recipe (as in torchtitan and most FP8 recipes: the
+logits feed a softmax over V).
+
+`LlamaConfig` (framework-free, shared with the JAX twin: jaxside.models.llama_config) carries the
+options real checkpoints need: head_dim, rope_theta, Llama 3 rope scaling, norm eps, biases, and
+the vocabulary padding: the embedding (and an untied head) hold Vp = `padded_vocab_size(tp)` rows
+so that TP splits them evenly; the logits of the padding ids are sliced off. `load_hf` reads a
+Hugging Face checkpoint (torchside.models.llama_hf).
 
 Nothing here imports torch.distributed: `torchside.models.llama_parallel` splits the embedding
 and the head with torch's own tensor-parallel styles and our layers with `set_device_mesh`.
@@ -19,65 +27,16 @@ and the head with torch's own tensor-parallel styles and our layers with `set_de
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 from functools import partial
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+# Framework-free (no jax): the config and the HF table are shared with jaxside.models.llama.
+from jaxside.models.llama_config import LLAMA_CONFIGS, LlamaConfig, RopeScaling
 from torchside.modules import ModuleConfig, RMSNorm, RotaryPositionEmbedding, TransformerConfig, TransformerLayer
-
-
-@dataclass(frozen=True)
-class LlamaConfig:
-    """Model sizes (Llama's names); `head_dim` is hidden_size / num_heads."""
-
-    vocab_size: int
-    hidden_size: int
-    num_layers: int
-    num_heads: int
-    num_kv_heads: int
-    ffn_hidden_size: int
-    rope_theta: float = 10000.0
-    norm_eps: float = 1e-5
-    init_std: float = 0.02  # normal init of every weight; output projections get init_std / sqrt(2 * num_layers)
-
-    def __post_init__(self) -> None:
-        for name in ("vocab_size", "hidden_size", "num_layers", "num_heads", "num_kv_heads", "ffn_hidden_size"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"LlamaConfig({name}={value!r}): pass an integer >= 1")
-        if self.hidden_size % self.num_heads or self.num_heads % self.num_kv_heads:
-            raise ValueError(
-                f"LlamaConfig(hidden_size={self.hidden_size}, num_heads={self.num_heads}, num_kv_heads="
-                f"{self.num_kv_heads}): hidden_size must be a multiple of num_heads and num_heads of num_kv_heads"
-            )
-
-    @property
-    def head_dim(self) -> int:
-        return self.hidden_size // self.num_heads
-
-    def num_parameters(self) -> int:
-        """Parameter count (the tied head counted once)."""
-        d, kv = self.hidden_size, self.num_kv_heads * self.head_dim
-        attention = d * (d + 2 * kv) + d * d + d  # QKV, output projection, input norm
-        mlp = d * 2 * self.ffn_hidden_size + self.ffn_hidden_size * d + d  # fc1 (gate; up), fc2, norm
-        return self.vocab_size * d + self.num_layers * (attention + mlp) + d
-
-
-LLAMA_CONFIGS: dict[str, LlamaConfig] = {
-    # CPU tests: every dim a multiple of 32 (MXFP8 tiles), heads and vocab split by TP 2.
-    "tiny": LlamaConfig(vocab_size=256, hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2, ffn_hidden_size=128),
-    # 128.4M parameters (103.8M in the layers): GPT-2 small's width with Llama 2's vocabulary.
-    "125m": LlamaConfig(
-        vocab_size=32000, hidden_size=768, num_layers=12, num_heads=12, num_kv_heads=4, ffn_hidden_size=3072
-    ),
-    # 1.04B parameters: Llama 3.2 1B's layers with Llama 2's 32k vocabulary.
-    "1b": LlamaConfig(
-        vocab_size=32000, hidden_size=2048, num_layers=16, num_heads=32, num_kv_heads=8, ffn_hidden_size=8192
-    ),
-}
 
 
 def transformer_config(config: LlamaConfig, module_config: ModuleConfig) -> TransformerConfig:
@@ -86,7 +45,8 @@ def transformer_config(config: LlamaConfig, module_config: ModuleConfig) -> Tran
         normalization="RMSNorm",
         layernorm_epsilon=config.norm_eps,
         activation="swiglu",
-        bias=False,
+        bias=config.bias,
+        kv_channels=config.head_dim,
         qkv_format="sbhd",
         attn_mask_type="causal",
         module_config=module_config,
@@ -105,7 +65,20 @@ class TokenEmbedding(nn.Embedding):
 
 
 class LMHead(nn.Module):
-    """logits = h @ weight.T with a weight it does not own (the embedding's); a module so TP styles can wrap it."""
+    """logits = h @ weight.T: its own weight [Vp, D] when untied, else the embedding's, passed in by Llama."""
+
+    def __init__(self, vocab_size: int | None = None, hidden_size: int = 0, init_std: float = 0.02, **factory) -> None:
+        super().__init__()
+        self.init_std = init_std
+        if vocab_size is None:
+            self.register_parameter("weight", None)  # tied: the embedding's weight is passed to forward
+        else:
+            self.weight = nn.Parameter(torch.empty(vocab_size, hidden_size, **factory))
+            self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        if self.weight is not None:
+            nn.init.normal_(self.weight, mean=0.0, std=self.init_std)
 
     def forward(self, h_SBD: Tensor, weight_VD: Tensor) -> Tensor:
         return F.linear(h_SBD, weight_VD)
@@ -127,10 +100,10 @@ class Llama(nn.Module):
             raise TypeError(f"Llama(config={config!r}): pass a LlamaConfig, e.g. LLAMA_CONFIGS['tiny']")
         module_config = ModuleConfig() if module_config is None else module_config
         self.config = config
+        self.padded_vocab_size = config.padded_vocab_size(module_config.tp_size)  # logits keep vocab_size ids
         dtype = torch.get_default_dtype() if params_dtype is None else params_dtype
-        self.embedding = TokenEmbedding(
-            config.vocab_size, config.hidden_size, config.init_std, dtype=dtype, device=device
-        )
+        factory = {"dtype": dtype, "device": device}
+        self.embedding = TokenEmbedding(self.padded_vocab_size, config.hidden_size, config.init_std, **factory)
         init = partial(nn.init.normal_, mean=0.0, std=config.init_std)
         output_init = partial(nn.init.normal_, mean=0.0, std=config.init_std / math.sqrt(2 * config.num_layers))
         layer_config = transformer_config(config, module_config)
@@ -151,8 +124,13 @@ class Llama(nn.Module):
         self.norm = RMSNorm(
             config.hidden_size, eps=config.norm_eps, params_dtype=dtype, device=device, config=module_config
         )
-        self.lm_head = LMHead()
+        if config.tie_word_embeddings:
+            self.lm_head = LMHead()
+        else:
+            self.lm_head = LMHead(self.padded_vocab_size, config.hidden_size, config.init_std, **factory)
         self.rotary = RotaryPositionEmbedding(config.head_dim, rotary_base=config.rope_theta)  # fp32 angles, CPU
+        if config.rope_scaling is not None:
+            self.rotary.inv_freq = config.rope_scaling.scale(self.rotary.inv_freq, torch.where)
         self._freqs: dict[tuple[int, torch.device], Tensor] = {}  # (S, device) -> angles there
 
     def rotary_freqs(self, seq_len: int, device: torch.device) -> Tensor:
@@ -163,7 +141,11 @@ class Llama(nn.Module):
         return self._freqs[key]
 
     def forward(self, tokens_BS: Tensor) -> Tensor:
-        """Logits [S, B, V] (a vocab-split DTensor under tensor parallelism) of the next token at every position."""
+        """Logits [S, B, V] (a vocab-split DTensor under tensor parallelism) of the next token at every position.
+
+        With a padded vocabulary the padding's logits are sliced off; under TP that gathers the logits
+        first (a plain tensor, not a vocab-split DTensor): choose a vocabulary TP divides to avoid it.
+        """
         if not isinstance(tokens_BS, Tensor) or tokens_BS.dim() != 2 or tokens_BS.dtype != torch.long:
             got = f"{tokens_BS.dtype} {list(tokens_BS.shape)}" if isinstance(tokens_BS, Tensor) else type(tokens_BS)
             raise ValueError(f"Llama takes token ids as an int64 tensor [B, S], got {got}")
@@ -172,7 +154,39 @@ class Llama(nn.Module):
         x_SBD = self.embedding(tokens_SB)
         for layer in self.layers:
             x_SBD = layer(x_SBD, rotary_pos_emb=freqs)
-        return self.lm_head(self.norm(x_SBD), self.embedding.weight)
+        head_weight = self.embedding.weight if self.config.tie_word_embeddings else self.lm_head.weight
+        logits_SBV = self.lm_head(self.norm(x_SBD), head_weight)
+        if self.padded_vocab_size == self.config.vocab_size:
+            return logits_SBV
+        if hasattr(logits_SBV, "full_tensor"):  # a DTensor: slicing its split dim needs the whole of it
+            logits_SBV = logits_SBV.full_tensor()
+        return logits_SBV[..., : self.config.vocab_size]
 
 
-__all__ = ["LLAMA_CONFIGS", "LMHead", "Llama", "LlamaConfig", "TokenEmbedding", "transformer_config"]
+def load_hf(
+    path: str | Path,
+    *,
+    mesh=None,
+    tp_mesh=None,
+    device: torch.device | str = "cpu",
+    dtype: torch.dtype | None = None,
+) -> Llama:
+    """A Llama with the weights of a Hugging Face LlamaForCausalLM directory, parallelized when meshes are given.
+
+    See torchside.models.llama_hf (this is its entry point; that module imports torch.distributed).
+    """
+    from torchside.models.llama_hf import load_hf as load
+
+    return load(path, mesh=mesh, tp_mesh=tp_mesh, device=device, dtype=dtype)
+
+
+__all__ = [
+    "LLAMA_CONFIGS",
+    "LMHead",
+    "Llama",
+    "LlamaConfig",
+    "RopeScaling",
+    "TokenEmbedding",
+    "load_hf",
+    "transformer_config",
+]

@@ -14,7 +14,10 @@ Order (one place, as `torchside.parallel.parallelize` asks):
      turns into a cross entropy without gathering V. `ColwiseParallel` (the hidden dim split)
      would make the head row-parallel: an all-reduce of the whole [S, B, V] logits every step.
    - `lm_head`: `PrepareModuleInput` turns the final norm's output into a `Replicate` DTensor
-     (an all-gather of the sequence under sequence parallelism); the weight passes as it is.
+     (an all-gather of the sequence under sequence parallelism); the weight passes as it is. An
+     untied head's own weight [Vp, D] becomes a `Shard(0)` DTensor too: the same layout, the
+     same vocab-split logits. The vocabulary is padded to a multiple of tp (the model's
+     `padded_vocab_size`), so any vocabulary size splits.
 2. our TransformerLayers and the final RMSNorm: `set_device_mesh`, then FSDP2 per layer and on the
    root (embedding, norm), then materialization, all through `torchside.parallel.parallelize`.
 
@@ -34,10 +37,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+from torch import nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy
-from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 from torch.distributed.tensor.parallel import PrepareModuleInput, RowwiseParallel, parallelize_module
 
 from torchside.models.llama import Llama
@@ -85,11 +89,9 @@ def build_meshes(device_type: str, *, dp: int = 1, tp: int = 1, replicate: int =
 
 def _check_fits(model: Llama, tp: int, sequence_parallel: bool) -> None:
     config = model.config
-    splits = {"vocab_size": config.vocab_size, "num_kv_heads": config.num_kv_heads}
-    bad = [f"{name}={size}" for name, size in splits.items() if size % tp]
-    if bad:
+    if config.num_kv_heads % tp:
         raise ValueError(
-            f"parallelize_llama: tp={tp} must divide {', '.join(bad)}: choose a tp that divides them or other sizes"
+            f"parallelize_llama: tp={tp} must divide num_kv_heads={config.num_kv_heads}: choose a tp that divides it"
         )
     if model.norm.tp_size != tp or model.norm.sequence_parallel != sequence_parallel:
         raise ValueError(
@@ -126,6 +128,9 @@ def parallelize_llama(
             ),
         }
         parallelize_module(model, meshes.tp, plan)
+        if model.lm_head.weight is not None:  # untied: split its vocabulary rows as the embedding's
+            weight = distribute_tensor(model.lm_head.weight.detach(), meshes.tp, [Shard(0)])
+            model.lm_head.weight = nn.Parameter(weight, requires_grad=model.lm_head.weight.requires_grad)
     parallelize(
         model,
         meshes.data,

@@ -1,0 +1,365 @@
+"""Hugging Face Llama checkpoints: config.json, the safetensors files, and the name-and-layout table.
+
+Framework-free (Python, numpy and safetensors' header reader only), like `llama_config`: the torch
+loader (torchside.models.llama_hf) and the JAX one (jaxside.models.llama) read through it, so the
+table exists once. Each framework reads the bytes itself with `safe_open(...).get_slice`, box by box.
+
+The table (our names are the torch model's; the JAX twin's follow bridge.params' rule: a 2-D
+`...weight` is the transposed `...kernel`, anything else keeps its name):
+
+| ours | Hugging Face | rows |
+|---|---|---|
+| `embedding.weight` [Vp, D] | `model.embed_tokens.weight` [V, D] | same; rows V.. Vp are zeros |
+| `lm_head.weight` [Vp, D] (untied only) | `lm_head.weight` [V, D] | same; rows V.. Vp are zeros |
+| `layers.N.self_attention.layernorm_qkv.layer_norm_weight` | `model.layers.N.input_layernorm.weight` | same |
+| `layers.N.self_attention.layernorm_qkv.weight` / `.bias` | `...self_attn.{q,k,v}_proj.weight` / `.bias` | grouped |
+| `layers.N.self_attention.proj.weight` / `.bias` | `...self_attn.o_proj.weight` / `.bias` | same |
+| `layers.N.layernorm_mlp.layer_norm_weight` | `model.layers.N.post_attention_layernorm.weight` | same |
+| `layers.N.layernorm_mlp.fc1_weight` / `fc1_bias` | `...mlp.{gate,up}_proj.weight` / `.bias` | interleaved |
+| `layers.N.layernorm_mlp.fc2_weight` / `fc2_bias` | `...mlp.down_proj.weight` / `.bias` | same |
+| `norm.weight` | `model.norm.weight` | same |
+
+"grouped": our fused QKV rows are grouped by key/value head (torchside.modules.multihead_attention):
+for each of the G groups, its N/G query heads, then its key head, then its value head, H rows each.
+"interleaved": our fc1 row 2i is gate row i, row 2i + 1 is up row i (torchside.modules.layernorm_mlp).
+Columns are never permuted: HF's o_proj reads heads in the order our proj does. HF's rotary
+(`rotate_half` on the two halves of each head) is our layout too: tests/bridge/test_hf_llama.py
+checks that against transformers' own logits rather than assuming it.
+
+`row_pieces` says where the rows [start, stop) of one of our tensors come from: a few contiguous
+row ranges of HF tensors (or zeros), each written to every `step`-th row from `dest`. A loader reads
+only those ranges (and only its columns), so each rank or device reads the bytes of its own shard.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+from jaxside.models.llama_config import LlamaConfig, RopeScaling
+
+ARCHITECTURE = "LlamaForCausalLM"
+CONFIG_FILE, SINGLE_FILE, INDEX_FILE = "config.json", "model.safetensors", "model.safetensors.index.json"
+IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)  # buffers some old exports wrote; recomputed from the config
+FLOAT_DTYPES = ("F32", "BF16", "F16")
+
+
+@dataclass(frozen=True)
+class Source:
+    """One of our tensors and the HF tensors it is made of; `kind`: "same", "vocab", "grouped" or "interleaved"."""
+
+    ours: str
+    kind: str
+    hf_names: tuple[str, ...]
+
+
+@dataclass(frozen=True)
+class Piece:
+    """HF rows [start, stop) of `hf_name` (None: zeros) go to our rows dest, dest + step, ... of the box."""
+
+    hf_name: str | None
+    start: int
+    stop: int
+    dest: int
+    step: int = 1
+
+
+def _layer_sources(config: LlamaConfig, i: int) -> list[Source]:
+    ours, hf = f"layers.{i}.", f"model.layers.{i}."
+    attn, mlp = hf + "self_attn.", hf + "mlp."
+    qkv = tuple(f"{attn}{p}_proj" for p in "qkv")
+    sources = [
+        Source(ours + "self_attention.layernorm_qkv.layer_norm_weight", "same", (hf + "input_layernorm.weight",)),
+        Source(ours + "self_attention.layernorm_qkv.weight", "grouped", tuple(n + ".weight" for n in qkv)),
+        Source(ours + "self_attention.proj.weight", "same", (attn + "o_proj.weight",)),
+        Source(ours + "layernorm_mlp.layer_norm_weight", "same", (hf + "post_attention_layernorm.weight",)),
+        Source(ours + "layernorm_mlp.fc1_weight", "interleaved", (mlp + "gate_proj.weight", mlp + "up_proj.weight")),
+        Source(ours + "layernorm_mlp.fc2_weight", "same", (mlp + "down_proj.weight",)),
+    ]
+    if config.bias:
+        sources += [
+            Source(ours + "self_attention.layernorm_qkv.bias", "grouped", tuple(n + ".bias" for n in qkv)),
+            Source(ours + "self_attention.proj.bias", "same", (attn + "o_proj.bias",)),
+            Source(ours + "layernorm_mlp.fc1_bias", "interleaved", (mlp + "gate_proj.bias", mlp + "up_proj.bias")),
+            Source(ours + "layernorm_mlp.fc2_bias", "same", (mlp + "down_proj.bias",)),
+        ]
+    return sources
+
+
+def sources(config: LlamaConfig) -> dict[str, Source]:
+    """The table (module docstring) for one config, by our name."""
+    table = [Source("embedding.weight", "vocab", ("model.embed_tokens.weight",))]
+    if not config.tie_word_embeddings:
+        table.append(Source("lm_head.weight", "vocab", ("lm_head.weight",)))
+    for i in range(config.num_layers):
+        table += _layer_sources(config, i)
+    table.append(Source("norm.weight", "same", ("model.norm.weight",)))
+    return {source.ours: source for source in table}
+
+
+def ours_of(config: LlamaConfig) -> dict[str, str]:
+    """The other direction: our name of every HF tensor name."""
+    return {hf: source.ours for source in sources(config).values() for hf in source.hf_names}
+
+
+def hf_shapes(config: LlamaConfig) -> dict[str, tuple[int, ...]]:
+    """The shape every HF tensor must have for `config`."""
+    d, h, f, v = config.hidden_size, config.head_dim, config.ffn_hidden_size, config.vocab_size
+    q, kv = config.num_heads * h, config.num_kv_heads * h
+    rows = {"q_proj": q, "k_proj": kv, "v_proj": kv, "o_proj": d, "gate_proj": f, "up_proj": f, "down_proj": d}
+    cols = {"o_proj": q, "down_proj": f}
+    shapes = {}
+    for hf in ours_of(config):
+        projection = hf.split(".")[-2]
+        if hf.endswith("layernorm.weight") or hf == "model.norm.weight":
+            shapes[hf] = (d,)
+        elif projection in ("embed_tokens", "lm_head"):
+            shapes[hf] = (v, d)
+        elif hf.endswith(".bias"):
+            shapes[hf] = (rows[projection],)
+        else:
+            shapes[hf] = (rows[projection], cols.get(projection, d))
+    return shapes
+
+
+def row_pieces(source: Source, config: LlamaConfig, start: int, stop: int) -> list[Piece]:
+    """Where our rows [start, stop) of `source.ours` come from (module docstring), as few pieces as possible."""
+    if source.kind == "same":
+        return [Piece(source.hf_names[0], start, stop, 0)]
+    if source.kind == "vocab":
+        real = max(start, min(stop, config.vocab_size))
+        pieces = [Piece(source.hf_names[0], start, real, 0)] if real > start else []
+        return pieces + ([Piece(None, real, stop, real - start)] if stop > real else [])
+    if source.kind == "interleaved":
+        pieces = []
+        for parity, hf_name in enumerate(source.hf_names):  # gate on even rows, up on odd ones
+            first = start + (parity - start) % 2
+            if first < stop:
+                pieces.append(Piece(hf_name, first // 2, (stop - 1 - parity) // 2 + 1, first - start, 2))
+        return pieces
+    if source.kind == "grouped":
+        return _grouped_pieces(source, config, start, stop)
+    raise AssertionError(f"unknown kind {source.kind!r}")
+
+
+def _grouped_pieces(source: Source, config: LlamaConfig, start: int, stop: int) -> list[Piece]:
+    h, per_group = config.head_dim, config.num_heads // config.num_kv_heads
+    q_name, k_name, v_name = source.hf_names
+    pieces: list[Piece] = []
+    for block in range(start // h, (stop - 1) // h + 1):  # one head of H rows at a time
+        group, slot = divmod(block, per_group + 2)
+        if slot < per_group:
+            name, head = q_name, group * per_group + slot
+        else:
+            name, head = (k_name if slot == per_group else v_name), group
+        lo, hi = max(start, block * h), min(stop, (block + 1) * h)
+        hf_lo = head * h + lo - block * h
+        piece = Piece(name, hf_lo, hf_lo + hi - lo, lo - start)
+        last = pieces[-1] if pieces else None
+        continues = last and last.hf_name == name and last.stop == piece.start
+        if continues and last.dest + last.stop - last.start == piece.dest:  # the next rows of the same tensor
+            pieces[-1] = Piece(name, last.start, piece.stop, last.dest)
+        else:
+            pieces.append(piece)
+    return pieces
+
+
+def our_rows(source: Source, config: LlamaConfig, total_rows: int) -> dict[str, list[int]]:
+    """The writer's direction: for each HF tensor of `source`, the rows of our full tensor it is made of."""
+    rows: dict[str, list[int]] = {name: [] for name in source.hf_names}
+    for piece in row_pieces(source, config, 0, total_rows):
+        if piece.hf_name is not None:
+            count = piece.stop - piece.start
+            rows[piece.hf_name] += range(piece.dest, piece.dest + count * piece.step, piece.step)
+    return rows
+
+
+# ---- reading a checkpoint directory
+
+
+def _read_json(path: Path) -> dict:
+    try:
+        with open(path) as file:
+            data = json.load(file)
+    except FileNotFoundError as error:
+        raise ValueError(f"{path}: not found; a Hugging Face model directory holds {path.name}") from error
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as error:
+        raise ValueError(f"{path}: not readable JSON ({error}); re-download or re-save the checkpoint") from error
+    if not isinstance(data, dict):
+        raise ValueError(f"{path}: expected a JSON object, got {type(data).__name__}")
+    return data
+
+
+def _rope(hf: dict, path: Path) -> tuple[float, RopeScaling | None]:
+    """rope_theta and the llama3 scaling from `rope_parameters` (transformers >= 5) or `rope_scaling`."""
+    parameters = dict(hf.get("rope_parameters") or {})
+    parameters |= hf.get("rope_scaling") or {}
+    theta = float(parameters.get("rope_theta", hf.get("rope_theta", 10000.0)))
+    rope_type = parameters.get("rope_type", parameters.get("type", "default"))
+    if rope_type == "default":
+        return theta, None
+    if rope_type != "llama3":
+        raise ValueError(f"{path}: rope type {rope_type!r} is not supported; only 'default' and 'llama3' are")
+    try:
+        keys = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
+        return theta, RopeScaling(*(type_(parameters[k]) for k, type_ in zip(keys, (float, float, float, int))))
+    except KeyError as error:
+        raise ValueError(f"{path}: the llama3 rope scaling lacks {error}") from error
+
+
+def read_config(directory: str | Path) -> tuple[LlamaConfig, dict | None]:
+    """(our LlamaConfig, the quantization_config or None) of an HF Llama directory; ValueError naming the file."""
+    path = Path(directory) / CONFIG_FILE
+    hf = _read_json(path)
+    architectures = hf.get("architectures") or []
+    if ARCHITECTURE not in architectures:
+        raise ValueError(f"{path}: architectures={architectures}, not [{ARCHITECTURE!r}]; only Llama loads here")
+    if hf.get("hidden_act", "silu") != "silu":
+        raise ValueError(f"{path}: hidden_act={hf['hidden_act']!r}; Llama's MLP is SwiGLU ('silu')")
+    if bool(hf.get("attention_bias", False)) != bool(hf.get("mlp_bias", False)):
+        raise ValueError(
+            f"{path}: attention_bias={hf.get('attention_bias')} but mlp_bias={hf.get('mlp_bias')}; our layers have "
+            "one bias switch for every projection, so both must be equal"
+        )
+    theta, scaling = _rope(hf, path)
+    try:
+        heads = hf["num_attention_heads"]
+        config = LlamaConfig(
+            vocab_size=hf["vocab_size"],
+            hidden_size=hf["hidden_size"],
+            num_layers=hf["num_hidden_layers"],
+            num_heads=heads,
+            num_kv_heads=hf.get("num_key_value_heads") or heads,
+            ffn_hidden_size=hf["intermediate_size"],
+            rope_theta=theta,
+            norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
+            head_dim=hf.get("head_dim"),
+            tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
+            rope_scaling=scaling,
+            bias=bool(hf.get("attention_bias", False)),
+        )
+    except KeyError as error:
+        raise ValueError(f"{path}: lacks {error}") from error
+    except (TypeError, ValueError) as error:
+        raise ValueError(f"{path}: {error}") from error
+    return config, hf.get("quantization_config")
+
+
+@dataclass(frozen=True)
+class TensorInfo:
+    file: Path
+    shape: tuple[int, ...]
+    dtype: str  # safetensors' name: "BF16", "F32", "F8_E4M3", ...
+
+
+class Checkpoint:
+    """An HF Llama directory, checked before any byte of a weight is read (config, files, names, shapes)."""
+
+    def __init__(self, directory: str | Path) -> None:
+        self.directory = Path(directory)
+        self.config, self.quantization = read_config(self.directory)
+        if self.quantization is not None:
+            raise ValueError(
+                f"{self.directory / CONFIG_FILE}: quantization_config={self.quantization}; FP8 block-scaled "
+                "checkpoints do not load yet (issue 30): dequantize them first"
+            )
+        self.tensors = self._headers()
+        self._check()
+        self.sources = sources(self.config)
+
+    def _files(self) -> dict[str, Path]:
+        """{tensor name: file} from the index, or None when the model is one file."""
+        index_path = self.directory / INDEX_FILE
+        if not index_path.exists():
+            single = self.directory / SINGLE_FILE
+            if not single.exists():
+                raise ValueError(f"{self.directory}: neither {SINGLE_FILE} nor {INDEX_FILE}; not an HF model directory")
+            return {}
+        weight_map = _read_json(index_path).get("weight_map")
+        if not isinstance(weight_map, dict):
+            raise ValueError(f"{index_path}: no 'weight_map' object; re-save the checkpoint")
+        files = {}
+        for name, file in weight_map.items():
+            path = self.directory / str(file)
+            if not path.is_file():
+                raise ValueError(f"{index_path}: tensor {name!r} is in {file!r}, which does not exist")
+            files[name] = path
+        return files
+
+    def _headers(self) -> dict[str, TensorInfo]:
+        from safetensors import SafetensorError, safe_open
+
+        files = self._files()
+        paths = sorted(set(files.values())) or [self.directory / SINGLE_FILE]
+        tensors = {}
+        for path in paths:
+            try:
+                with safe_open(str(path), framework="numpy") as file:
+                    for name in file.keys():
+                        piece = file.get_slice(name)
+                        tensors[name] = TensorInfo(path, tuple(piece.get_shape()), piece.get_dtype())
+            except (SafetensorError, OSError) as error:
+                raise ValueError(f"{path}: not a readable safetensors file ({error}); re-download it") from error
+        for name, path in files.items():
+            if name in tensors and tensors[name].file != path:
+                raise ValueError(f"{self.directory / INDEX_FILE}: tensor {name!r} is in {tensors[name].file.name}, "
+                                 f"not {path.name} as the index says")  # fmt: skip
+        return tensors
+
+    def _check(self) -> None:
+        expected = hf_shapes(self.config)
+        for name, shape in expected.items():
+            info = self.tensors.get(name)
+            if info is None:
+                raise ValueError(f"{self.directory}: tensor {name!r} is missing from the checkpoint")
+            if info.shape != shape:
+                raise ValueError(
+                    f"{info.file}: tensor {name!r} is {list(info.shape)}, but config.json gives {list(shape)}"
+                )
+            if info.dtype not in FLOAT_DTYPES:
+                raise ValueError(f"{info.file}: tensor {name!r} is {info.dtype}; expected one of {FLOAT_DTYPES}")
+        tied_head = {"lm_head.weight"} if self.config.tie_word_embeddings else set()
+        known = expected.keys() | tied_head
+        extra = [n for n in self.tensors if n not in known and not n.endswith(IGNORED_SUFFIXES)]
+        if extra:
+            raise ValueError(f"{self.directory}: tensors {extra[:5]} are not part of a {ARCHITECTURE} of this config")
+
+    def dtype(self) -> str:
+        """The checkpoint's float dtype (of the embedding), as safetensors names it."""
+        return self.tensors["model.embed_tokens.weight"].dtype
+
+    def read_box(self, ours: str, rows: tuple[int, int], cols: tuple[int, int] | None, framework: str, put) -> None:
+        """Read our rows [rows) (and columns [cols) of a 2-D tensor) of `ours` in `framework` ("pt", "flax").
+
+        put(piece, values) receives each piece's values (None for a zeros piece): the caller writes them.
+        """
+        from safetensors import SafetensorError, safe_open
+
+        for piece in row_pieces(self.sources[ours], self.config, *rows):
+            if piece.hf_name is None:
+                put(piece, None)
+                continue
+            info = self.tensors[piece.hf_name]
+            try:
+                with safe_open(str(info.file), framework=framework) as file:
+                    view, rows_read = file.get_slice(piece.hf_name), slice(piece.start, piece.stop)
+                    values = view[rows_read] if cols is None else view[rows_read, slice(*cols)]
+            except (SafetensorError, OSError) as error:
+                raise ValueError(f"{info.file}: reading tensor {piece.hf_name!r} failed ({error})") from error
+            put(piece, values)
+
+
+__all__ = [
+    "ARCHITECTURE",
+    "Checkpoint",
+    "Piece",
+    "Source",
+    "TensorInfo",
+    "hf_shapes",
+    "our_rows",
+    "ours_of",
+    "read_config",
+    "row_pieces",
+    "sources",
+]

@@ -1,0 +1,223 @@
+"""`Llama`: the Flax NNX twin of torchside.models.llama, and `load_hf` for Hugging Face checkpoints.
+
+Shape legend: B batch, S sequence, D hidden size, V vocabulary, Vp padded vocabulary.
+
+    tokens_BS -> embedding -> x_SBD -> num_layers x TransformerLayer -> RMSNorm -> logits_SBV[..., :V]
+
+The same `LlamaConfig` (jaxside.models.llama_config) builds both models, and the parameters sit
+under the paths bridge.params maps torch's names to: a 2-D torch `...weight` [out, in] is the
+Flax `...kernel` [in, out], anything else keeps its name. So the embedding is `embedding.kernel`
+[D, Vp] (torch's `embedding.weight` [Vp, D] transposed), an untied head `lm_head.kernel` [D, Vp],
+the final norm `norm.weight`, and the layers are jaxside.modules.TransformerLayer's
+(`layers.N.self_attention.layernorm_qkv.kernel`, ...). A tied head multiplies by the embedding's
+kernel and has no path of its own, as in torch.
+
+Sharding: the embedding and head kernels are column-parallel kernels of jaxside.sharding's rules
+(logical axes ("embed", "vocab")): the vocabulary over ('tp', 'dp_shard'), as torch's vocab-split
+`Shard(0)` embedding under FSDP2 is `(_StridedShard(0, sf=tp), Shard(0))`. Vp must divide by
+tp x dp_shard (JAX refuses uneven dims): `LlamaConfig.vocab_multiple`, which `load_hf` sets to it.
+The head's GEMM runs in fp32 HIGHEST precision, as torch's runs in high precision.
+
+To use it as a layer-only twin (bridge/demo_jax.py): `model.layers` are the TransformerLayers and
+`model.rotary(S)` their rotary angles, as the demo's private stack has them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+import re
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from jax import Array
+from jax.sharding import Mesh
+
+from jaxside.models.hf_llama import Checkpoint, Piece
+from jaxside.models.llama_config import LLAMA_CONFIGS, LlamaConfig, RopeScaling
+from jaxside.modules import ModuleConfig, RMSNorm, RotaryPositionEmbedding, TransformerConfig, TransformerLayer
+from jaxside.modules.base import parameter
+from jaxside.modules.placement import gathered, shardings
+from jaxside.modules.tokens import batch_dim
+from jaxside.sharding import DP_SHARD, TP, constrain, make_mesh, spec_for
+
+
+def transformer_config(config: LlamaConfig, module_config: ModuleConfig) -> TransformerConfig:
+    """The TransformerLayer settings of a Llama block (torchside.models.llama.transformer_config's twin)."""
+    return TransformerConfig(
+        kv_channels=config.head_dim,
+        normalization="RMSNorm",
+        layernorm_epsilon=config.norm_eps,
+        activation="swiglu",
+        bias=config.bias,
+        qkv_format="sbhd",
+        attn_mask_type="causal",
+        module_config=module_config,
+    )
+
+
+class VocabKernel(nnx.Module):
+    """`kernel` [D, Vp]: the token embedding (`embed`) or an untied head (`logits`)."""
+
+    def __init__(self, hidden_size: int, vocab_size: int, init, dtype, rngs: nnx.Rngs) -> None:
+        self.kernel = parameter(rngs, init, (hidden_size, vocab_size), dtype, ("embed", "vocab"), "kernel", "column")
+
+    def embed(self, tokens_SB) -> Array:
+        """x [S, B, D]: column t of the kernel for token t."""
+        return jnp.moveaxis(jnp.take(gathered(self.kernel), tokens_SB, axis=1), 0, -1)
+
+    def logits(self, h_SBD) -> Array:
+        """h @ kernel [S, B, Vp] in high precision."""
+        return jnp.einsum("sbd,dv->sbv", h_SBD, gathered(self.kernel), precision=jax.lax.Precision.HIGHEST)
+
+
+class LlamaRotary(RotaryPositionEmbedding):
+    """Rotary angles with Llama 3's frequency scaling applied to inv_freq (None: plain RoPE)."""
+
+    def __init__(self, dim: int, rotary_base: float, scaling: RopeScaling | None) -> None:
+        super().__init__(dim, rotary_base=rotary_base)
+        self.scaling = scaling
+
+    def inv_freq(self) -> Array:
+        inv_freq = super().inv_freq()
+        return inv_freq if self.scaling is None else self.scaling.scale(inv_freq, jnp.where)
+
+
+class Llama(nnx.Module):
+    """Token ids [B, S] -> logits [S, B, V] (module docstring)."""
+
+    def __init__(
+        self,
+        config: LlamaConfig,
+        *,
+        params_dtype=jnp.float32,
+        module_config: ModuleConfig | None = None,
+        kernel_init=None,
+        rngs: nnx.Rngs,
+    ) -> None:
+        if not isinstance(config, LlamaConfig):
+            raise TypeError(f"Llama(config={config!r}): pass a LlamaConfig, e.g. LLAMA_CONFIGS['tiny']")
+        module_config = ModuleConfig() if module_config is None else module_config
+        self.config = config
+        self.padded_vocab_size = config.padded_vocab_size()
+        init = nnx.initializers.normal(config.init_std) if kernel_init is None else kernel_init
+        output_init = nnx.initializers.normal(config.init_std / math.sqrt(2 * config.num_layers))
+        output_init = output_init if kernel_init is None else kernel_init
+        vocab = (config.hidden_size, self.padded_vocab_size, init, params_dtype, rngs)
+        self.embedding = VocabKernel(*vocab)
+        layer_config = transformer_config(config, module_config)
+        self.layers = nnx.List(
+            [
+                TransformerLayer(
+                    config.hidden_size,
+                    config.ffn_hidden_size,
+                    config.num_heads,
+                    num_gqa_groups=config.num_kv_heads,
+                    params_dtype=params_dtype,
+                    kernel_init=init,
+                    output_kernel_init=output_init,
+                    config=layer_config,
+                    rngs=rngs,
+                )
+                for _ in range(config.num_layers)
+            ]
+        )
+        self.norm = RMSNorm(
+            config.hidden_size, eps=config.norm_eps, params_dtype=params_dtype, config=module_config, rngs=rngs
+        )
+        self.lm_head = None if config.tie_word_embeddings else VocabKernel(*vocab)
+        self.rotary = LlamaRotary(config.head_dim, config.rope_theta, config.rope_scaling)
+
+    def __call__(self, tokens_BS) -> Array:
+        """Logits [S, B, V] of the next token at every position (padding ids sliced off)."""
+        if tokens_BS.ndim != 2 or not jnp.issubdtype(tokens_BS.dtype, jnp.integer):
+            got = f"{tokens_BS.dtype} {list(tokens_BS.shape)}"
+            raise ValueError(f"Llama takes token ids as an integer array [B, S], got {got}")
+        tokens_SB = tokens_BS.T
+        freqs = self.rotary(tokens_SB.shape[0])
+        x_SBD = constrain(self.embedding.embed(tokens_SB), spec_for(("seq", "batch", "embed")))
+        with batch_dim(1):
+            for layer in self.layers:
+                x_SBD = layer(x_SBD, rotary_pos_emb=freqs)
+            h_SBD = self.norm(x_SBD)
+        head = self.embedding if self.lm_head is None else self.lm_head
+        return head.logits(h_SBD)[..., : self.config.vocab_size]
+
+
+def torch_name(jax_name: str, ndim: int) -> str:
+    """The torch parameter name of a JAX path (dotted): bridge.params' rule backwards (module docstring)."""
+    return re.sub(r"kernel(\d*)$", r"weight\1", jax_name) if ndim == 2 else jax_name
+
+
+def _read(checkpoint: Checkpoint, name: str, shape: tuple[int, ...], index: tuple[slice, ...], *, dtype) -> np.ndarray:
+    """The values at `index` of the JAX parameter `name` (torch name) of global `shape`, read from the checkpoint."""
+    bounds = [s.indices(n)[:2] for s, n in zip(index, shape)]
+    if len(shape) == 2:  # a kernel [in, out]: torch rows are its columns
+        (c0, c1), (r0, r1) = bounds
+        box = np.zeros((r1 - r0, c1 - c0), dtype)
+        cols = (c0, c1)
+    else:
+        ((r0, r1),) = bounds
+        box, cols = np.zeros((r1 - r0,), dtype), None
+
+    def put(piece: Piece, values) -> None:
+        if values is not None:
+            box[piece.dest : piece.dest + (piece.stop - piece.start) * piece.step : piece.step] = np.asarray(values)
+
+    checkpoint.read_box(name, (r0, r1), cols, "flax", put)
+    return box.T if len(shape) == 2 else box
+
+
+DTYPES = {"F32": jnp.float32, "BF16": jnp.bfloat16}
+
+
+def load_hf(path: str | Path, *, mesh: Mesh | None = None, dtype=None) -> Llama:
+    """The twin with an HF LlamaForCausalLM directory's weights, every parameter a NamedSharding'd array on `mesh`.
+
+    mesh: from jaxside.sharding.make_mesh (None: one device). Each device's shard is read on its own
+    (`jax.make_array_from_callback`): only the rows and columns of that shard (jaxside.models.hf_llama).
+    dtype: the parameters' dtype; None keeps the checkpoint's. ValueError naming the file for bad input.
+    """
+    checkpoint = Checkpoint(path)
+    mesh = make_mesh() if mesh is None else mesh
+    config = dataclasses.replace(checkpoint.config, vocab_multiple=mesh.shape[TP] * mesh.shape[DP_SHARD])
+    if dtype is None:
+        if checkpoint.dtype() not in DTYPES:
+            raise ValueError(f"{path}: the checkpoint is {checkpoint.dtype()}; pass dtype=jnp.float32 or jnp.bfloat16")
+        dtype = DTYPES[checkpoint.dtype()]
+    zeros = nnx.initializers.zeros
+
+    def build() -> Llama:
+        return Llama(config, params_dtype=dtype, kernel_init=zeros, rngs=nnx.Rngs(0))
+
+    abstract = nnx.eval_shape(build)
+    graphdef, params, rest = nnx.split(abstract, nnx.Param, ...)
+    placements = dict(nnx.to_flat_state(shardings(abstract, mesh)))
+    flat_params = dict(nnx.to_flat_state(params))
+    names = {path: torch_name(".".join(map(str, path)), v.get_value().ndim) for path, v in flat_params.items()}
+    unmapped = sorted(set(names.values()) ^ set(checkpoint.sources))
+    assert not unmapped, f"the HF table and the JAX model disagree on {unmapped}"
+    for path, variable in flat_params.items():  # each device's shard read on its own
+        shape = tuple(variable.get_value().shape)
+        read = functools.partial(_read, checkpoint, names[path], shape, dtype=np.dtype(dtype))
+        variable.set_value(jax.make_array_from_callback(shape, placements[path].get_value(), read))
+    # The FP8 state (scales, amax histories) as a fresh model has it, created in place on the mesh.
+    rest_placement = nnx.from_flat_state({path: placements[path] for path, _ in nnx.to_flat_state(rest)})
+    rest_values = jax.jit(lambda: nnx.state(build(), nnx.Not(nnx.Param)), out_shardings=rest_placement)()
+    return nnx.merge(graphdef, nnx.from_flat_state(flat_params), rest_values)
+
+__all__ = [
+    "LLAMA_CONFIGS",
+    "Llama",
+    "LlamaConfig",
+    "LlamaRotary",
+    "RopeScaling",
+    "VocabKernel",
+    "load_hf",
+    "torch_name",
+    "transformer_config",
+]

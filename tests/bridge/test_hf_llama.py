@@ -1,0 +1,387 @@
+"""Hugging Face Llama checkpoints into our torch model and the JAX twin, against transformers' own LlamaForCausalLM.
+
+The reference is independent: transformers builds a tiny random Llama (fp32, eager attention),
+`save_pretrained`s it (one file, or sharded with a small max_shard_size), and its logits on random
+tokens are what our `load_hf` models must give, <= 1e-5 relative. That checks the name table, the
+grouped QKV rows, the interleaved gate/up rows, HF's rotary layout against ours, llama3 rope
+scaling, head_dim != hidden / heads, tied and untied heads, biases and the vocabulary padding, all
+at once. Every HF parameter is redrawn N(0, 1.6 / sqrt(hidden)) (norm weights 1 + that) so that
+biases and norms are not their trivial init while the model stays well conditioned: with weights
+twice that size the 256-wide grid model amplifies fp32 reordering to 1.1e-5 relative.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+from pathlib import Path
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import torch
+from flax import nnx
+from transformers import LlamaConfig as HFConfig
+from transformers import LlamaForCausalLM
+
+from jaxside.models import hf_llama
+from jaxside.models import llama as jax_llama
+from jaxside.models.llama_config import LlamaConfig
+from jaxside.sharding import make_mesh
+from tests.distributed import run_threads
+from torchside.models import llama as torch_llama
+from torchside.modules.multihead_attention import fused_from_qkv
+
+TOLERANCE = 1e-5  # relative, fp32: both sides sum the same products in different orders
+LLAMA3 = {
+    "rope_type": "llama3",
+    "factor": 8.0,
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0,
+    "original_max_position_embeddings": 8,  # a short original context: most frequencies are rescaled
+}
+CASES = {
+    "gqa_tied_odd_vocab": {"num_key_value_heads": 2, "tie_word_embeddings": True},
+    "mha_untied_bias": {
+        "num_key_value_heads": 4,
+        "tie_word_embeddings": False,
+        "attention_bias": True,
+        "mlp_bias": True,
+    },
+    "llama3_rope_head_dim": {
+        "num_key_value_heads": 1,
+        "tie_word_embeddings": False,
+        "head_dim": 32,  # not hidden / heads = 16
+        "rope_theta": 500000.0,
+        "rope_scaling": LLAMA3,
+    },
+}
+
+
+def hf_model(case: str, *, vocab: int = 129, hidden: int = 64, layers: int = 2) -> LlamaForCausalLM:
+    config = HFConfig(
+        vocab_size=vocab,
+        hidden_size=hidden,
+        intermediate_size=96,
+        num_hidden_layers=layers,
+        num_attention_heads=4,
+        rms_norm_eps=1e-6,
+        attn_implementation="eager",
+        **CASES[case],
+    )
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(config).eval()
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            param.normal_(0.0, 1.6 / hidden**0.5)  # 0.2 at hidden 64: each projection keeps the activations' scale
+            if "norm" in name:
+                param.add_(1.0)
+    return model
+
+
+def save(model: LlamaForCausalLM, directory: Path, sharded: bool) -> Path:
+    model.save_pretrained(directory, safe_serialization=True, max_shard_size="20KB" if sharded else "1GB")
+    assert (directory / hf_llama.INDEX_FILE).exists() == sharded
+    return directory
+
+
+def random_tokens(vocab: int, batch: int = 4, seq: int = 12) -> torch.Tensor:
+    return torch.randint(0, vocab, (batch, seq), generator=torch.Generator().manual_seed(1))
+
+
+def reference_logits(model: LlamaForCausalLM, tokens: torch.Tensor) -> np.ndarray:
+    """[B, S, V] from transformers."""
+    with torch.no_grad():
+        return model(tokens).logits.numpy()
+
+
+def relative(ours: np.ndarray, reference: np.ndarray) -> float:
+    assert ours.shape == reference.shape and not np.isnan(ours).any()
+    return float(np.linalg.norm(ours - reference) / np.linalg.norm(reference))
+
+
+def torch_logits(model, tokens: torch.Tensor) -> np.ndarray:
+    with torch.no_grad():
+        logits = model(tokens)
+    logits = logits.full_tensor() if hasattr(logits, "full_tensor") else logits
+    return logits.transpose(0, 1).numpy()
+
+
+@nnx.jit
+def _jax_forward(model, tokens):
+    return model(tokens)
+
+
+def jax_logits(model, tokens: torch.Tensor) -> np.ndarray:
+    """[B, S, V]; one jitted program (op-by-op dispatch compiles every op: 3x slower here)."""
+    return np.asarray(_jax_forward(model, jnp.asarray(tokens.numpy()))).transpose(1, 0, 2)
+
+
+@pytest.fixture(autouse=True)
+def reference_kernels(monkeypatch):
+    """torch's pure-torch kernels: the Triton interpreter adds nothing here, is slow, and fails in threaded ranks."""
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory) -> dict[str, tuple[Path, np.ndarray, torch.Tensor]]:
+    """Per case: (directory, transformers' logits, tokens); the first case sharded over files, the others one file."""
+    out = {}
+    for i, case in enumerate(CASES):
+        model = hf_model(case)
+        directory = save(model, tmp_path_factory.mktemp(case), sharded=i == 0)
+        tokens = random_tokens(model.config.vocab_size)
+        out[case] = (directory, reference_logits(model, tokens), tokens)
+    return out
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_torch_load_hf_gives_transformers_logits(checkpoints, case):
+    directory, reference, tokens = checkpoints[case]
+    model = torch_llama.load_hf(directory)
+    assert relative(torch_logits(model, tokens), reference) <= TOLERANCE
+
+
+# The tied odd-vocabulary case runs sharded below; one device adds only a compilation (~5 s here).
+@pytest.mark.parametrize(
+    "case", [pytest.param(c, marks=pytest.mark.grid) if c == "gqa_tied_odd_vocab" else c for c in CASES]
+)
+def test_jax_load_hf_gives_transformers_logits(checkpoints, case):
+    directory, reference, tokens = checkpoints[case]
+    model = jax_llama.load_hf(directory)
+    assert relative(jax_logits(model, tokens), reference) <= TOLERANCE
+
+
+def test_the_llama3_case_depends_on_its_rope_scaling(checkpoints):
+    """Without the scaling transformers' own logits move far past the tolerance: the case tests it."""
+    _, reference, tokens = checkpoints["llama3_rope_head_dim"]
+    scaled = hf_model("llama3_rope_head_dim")
+    config = scaled.config.to_dict() | {"rope_parameters": {"rope_type": "default", "rope_theta": 500000.0}}
+    unscaled = LlamaForCausalLM(HFConfig(**config)).eval()
+    unscaled.load_state_dict(scaled.state_dict())
+    assert relative(reference_logits(unscaled, tokens), reference) > 1e-3
+
+
+def test_jax_twin_on_an_8_device_mesh_pads_the_vocab_and_shards_by_the_rules(checkpoints):
+    directory, reference, tokens = checkpoints["gqa_tied_odd_vocab"]
+    mesh = make_mesh(dp_shard=4, tp=2)
+    model = jax_llama.load_hf(directory, mesh=mesh)
+    assert relative(jax_logits(model, tokens), reference) <= TOLERANCE
+    kernel = model.embedding.kernel.get_value()
+    assert kernel.shape == (64, 136)  # 129 rounded up to a multiple of tp x dp_shard = 8
+    assert tuple(kernel.sharding.spec) == (None, ("tp", "dp_shard"))
+    assert np.all(np.asarray(kernel)[:, 129:] == 0)
+
+
+@pytest.mark.grid
+@pytest.mark.parametrize("case", CASES)
+@pytest.mark.parametrize("axes", [(1, 8, 1), (2, 2, 2), (1, 2, 4), (8, 1, 1)])
+def test_jax_twin_on_every_mesh(checkpoints, case, axes):
+    directory, reference, tokens = checkpoints[case]
+    model = jax_llama.load_hf(directory, mesh=make_mesh(*axes))
+    assert relative(jax_logits(model, tokens), reference) <= TOLERANCE
+
+
+def _load_on_fsdp_tp(rank: int, world_size: int, directory: Path, tokens: torch.Tensor, read: dict):
+    from torch.distributed.tensor import DTensor
+
+    from torchside.models.llama_parallel import build_meshes
+
+    meshes = build_meshes("cpu", dp=2, tp=2)
+    model = torch_llama.load_hf(directory, mesh=meshes.data, tp_mesh=meshes.tp)
+    local = sum((p.to_local() if isinstance(p, DTensor) else p).numel() for p in model.parameters())
+    embedding = model.embedding.weight
+    placements = tuple(type(p).__name__ for p in embedding.placements)
+    return torch_logits(model, tokens), tuple(embedding.shape), placements, local, read[f"rank{rank}"]
+
+
+@pytest.mark.parametrize("case", ["gqa_tied_odd_vocab", "mha_untied_bias"])
+def test_torch_fsdp2_x_tp_load_gives_transformers_logits(checkpoints, case, monkeypatch):
+    """FSDP2 x TP (2 x 2, threaded process group): each rank reads exactly the elements of its own shards."""
+    directory, reference, tokens = checkpoints[case]
+    read: dict[str, int] = {}  # by thread name: elements read (zeros of the padding counted as read)
+    read_box = hf_llama.Checkpoint.read_box
+
+    def counting_read_box(self, ours, rows, cols, framework, put):
+        def counting_put(piece, values):
+            columns = 1 if cols is None else cols[1] - cols[0]
+            rank = threading.current_thread().name
+            read[rank] = read.get(rank, 0) + (piece.stop - piece.start) * columns
+            put(piece, values)
+
+        read_box(self, ours, rows, cols, framework, counting_put)
+
+    monkeypatch.setattr(hf_llama.Checkpoint, "read_box", counting_read_box)
+    results = run_threads(_load_on_fsdp_tp, 4, directory, tokens, read, timeout=120)
+    for logits, shape, placements, local_elements, read_elements in results:
+        assert relative(logits, reference) <= TOLERANCE
+        assert shape == (132, 64)  # 129 rounded up to a multiple of dp x tp = 4
+        assert placements == ("_StridedShard", "Shard")
+        assert read_elements == local_elements
+
+
+@pytest.mark.grid
+@pytest.mark.parametrize("case", CASES)
+def test_wider_models_match(tmp_path, case):
+    model = hf_model(case, vocab=1000, hidden=256, layers=4)
+    directory = save(model, tmp_path, sharded=True)
+    tokens = random_tokens(1000, batch=2, seq=64)
+    reference = reference_logits(model, tokens)
+    assert relative(torch_logits(torch_llama.load_hf(directory), tokens), reference) <= TOLERANCE
+    assert relative(jax_logits(jax_llama.load_hf(directory, mesh=make_mesh(2, 2, 2)), tokens), reference) <= TOLERANCE
+
+
+# ---- the table
+
+
+SMALL = LlamaConfig(vocab_size=11, hidden_size=8, num_layers=1, num_heads=6, num_kv_heads=2, ffn_hidden_size=5,
+                    head_dim=3, tie_word_embeddings=False, bias=True, vocab_multiple=4)  # fmt: skip
+
+
+def _assemble(source, start, stop, hf_tensors):
+    out = torch.full((stop - start,), float("nan"))
+    for piece in hf_llama.row_pieces(source, SMALL, start, stop):
+        values = torch.zeros(piece.stop - piece.start) if piece.hf_name is None else hf_tensors[piece.hf_name]
+        values = values if piece.hf_name is None else values[piece.start : piece.stop]
+        out[piece.dest : piece.dest + (piece.stop - piece.start) * piece.step : piece.step] = values
+    return out
+
+
+def test_row_pieces_of_any_row_range_rebuild_the_fused_rows():
+    """Every sub-range of our rows, read piece by piece, equals torchside's own fused layouts (independent code)."""
+    table = hf_llama.sources(SMALL)
+    hf = {name: torch.arange(shape[0], dtype=torch.float32) + 100 * i
+          for i, (name, shape) in enumerate(hf_llama.hf_shapes(SMALL).items())}  # fmt: skip
+    layer = "model.layers.0."
+    q, k, v = (hf[f"{layer}self_attn.{p}_proj.bias"] for p in "qkv")
+    gate, up = hf[f"{layer}mlp.gate_proj.bias"], hf[f"{layer}mlp.up_proj.bias"]
+    embedding = torch.cat([hf["model.embed_tokens.weight"], torch.zeros(1)])
+    expected = {
+        "layers.0.self_attention.layernorm_qkv.bias": fused_from_qkv(q, k, v, groups=2, head_dim=3),
+        "layers.0.layernorm_mlp.fc1_bias": torch.stack([gate, up], dim=1).flatten(),
+        "embedding.weight": embedding,
+    }
+    for name, full in expected.items():
+        for start in range(len(full)):
+            for stop in range(start + 1, len(full) + 1):
+                assert torch.equal(_assemble(table[name], start, stop, hf), full[start:stop]), (name, start, stop)
+        rows = hf_llama.our_rows(table[name], SMALL, len(full))
+        for hf_name, ours in rows.items():
+            assert torch.equal(full[ours], hf[hf_name])  # the writer's direction
+
+
+def test_the_names_pair_with_the_bridge_and_both_directions_agree():
+    from bridge.params import pair_models
+
+    config = LlamaConfig(vocab_size=64, hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=2, ffn_hidden_size=48,
+                         tie_word_embeddings=False, bias=True)  # fmt: skip
+    twin = nnx.eval_shape(lambda: jax_llama.Llama(config, rngs=nnx.Rngs(0)))  # shapes only: no init to compile
+    pairs = pair_models(torch_llama.Llama(config, device="meta"), twin)
+    assert {p.torch_name for p in pairs} == set(hf_llama.sources(config))
+    assert all(jax_llama.torch_name(p.jax_name, 2 if p.layout.transposes else 1) == p.torch_name for p in pairs)
+    ours_of = hf_llama.ours_of(config)
+    assert set(ours_of) == set(hf_llama.hf_shapes(config)) and set(ours_of.values()) == set(hf_llama.sources(config))
+
+
+def test_bf16_checkpoints_load_bit_for_bit_in_both_frameworks(tmp_path):
+    """Every HF tensor, rebuilt from our parameters by the table's writer direction, is the checkpoint's bytes."""
+    hf = hf_model("mha_untied_bias").to(torch.bfloat16)
+    directory = save(hf, tmp_path, sharded=True)
+    expected = hf.state_dict()
+    ours_torch = dict(torch_llama.load_hf(directory).named_parameters())
+    twin = jax_llama.load_hf(directory)
+    ours_jax = {
+        jax_llama.torch_name(".".join(map(str, path)), v.get_value().ndim): v.get_value()
+        for path, v in nnx.to_flat_state(nnx.state(twin, nnx.Param))
+    }
+    config = hf_llama.Checkpoint(directory).config
+    for ours, source in hf_llama.sources(config).items():
+        from_jax = torch.from_numpy(np.asarray(ours_jax[ours]).astype(np.float32)).to(torch.bfloat16)
+        from_jax = from_jax.T if from_jax.dim() == 2 else from_jax
+        for tensor in (ours_torch[ours].detach(), from_jax):
+            assert tensor.dtype == torch.bfloat16
+            for hf_name, rows in hf_llama.our_rows(source, config, tensor.shape[0]).items():
+                assert torch.equal(tensor[rows].view(torch.int16), expected[hf_name].view(torch.int16)), hf_name
+
+
+def test_fp8_block_scaled_checkpoints_are_refused_clearly_for_now(sharded):
+    config = json.loads((sharded / "config.json").read_text())
+    quantization = {"quant_method": "fp8", "weight_block_size": [128, 128], "fmt": "e4m3"}
+    (sharded / "config.json").write_text(json.dumps({**config, "quantization_config": quantization}))
+    with pytest.raises(ValueError, match=r"config\.json: quantization_config=.*do not load yet"):
+        hf_llama.Checkpoint(sharded)
+
+
+def test_the_bridge_moves_a_torch_llama_into_the_twin_with_the_same_logits():
+    """How bridge/demo_jax.py can use the twin: pair the models, move the values by each pair's layout, run."""
+    from bridge.params import load_into_jax, pair_models
+
+    config = LlamaConfig(vocab_size=96, hidden_size=64, num_layers=1, num_heads=4, num_kv_heads=2, ffn_hidden_size=96,
+                         tie_word_embeddings=False)  # fmt: skip
+    torch.manual_seed(0)
+    model = torch_llama.Llama(config)
+    twin = jax_llama.Llama(config, kernel_init=nnx.initializers.zeros, rngs=nnx.Rngs(0))
+    values = {}
+    for pair in pair_models(model, twin):
+        tensor = model.get_parameter(pair.torch_name).detach()
+        values[pair.jax_path] = jnp.asarray((tensor.T if pair.layout.transposes else tensor).numpy())
+    load_into_jax(twin, values)
+    tokens = random_tokens(config.vocab_size)
+    assert relative(jax_logits(twin, tokens), torch_logits(model, tokens)) <= TOLERANCE
+
+
+# ---- bad input: ValueError naming the file and the tensor, before anything is built
+
+
+def _edit_index(directory: Path, edit) -> None:
+    path = directory / hf_llama.INDEX_FILE
+    index = json.loads(path.read_text())
+    edit(index["weight_map"])
+    path.write_text(json.dumps(index))
+
+
+@pytest.fixture
+def sharded(tmp_path) -> Path:
+    return save(hf_model("gqa_tied_odd_vocab"), tmp_path / "hf", sharded=True)
+
+
+def test_unknown_architecture(sharded):
+    config = json.loads((sharded / "config.json").read_text())
+    (sharded / "config.json").write_text(json.dumps({**config, "architectures": ["MistralForCausalLM"]}))
+    with pytest.raises(ValueError, match=r"config\.json: architectures=\['MistralForCausalLM'\]"):
+        torch_llama.load_hf(sharded)
+
+
+def test_shape_mismatch_with_the_config(sharded):
+    config = json.loads((sharded / "config.json").read_text())
+    (sharded / "config.json").write_text(json.dumps({**config, "intermediate_size": 128}))
+    with pytest.raises(ValueError, match=r"model-\d+-of-\d+\.safetensors: tensor 'model\.layers\.0\.mlp\.gate_proj"):
+        jax_llama.load_hf(sharded)
+
+
+def test_missing_tensor(sharded):
+    name = "model.layers.1.self_attn.k_proj.weight"
+    file = sharded / json.loads((sharded / hf_llama.INDEX_FILE).read_text())["weight_map"][name]
+    file.unlink()
+    _edit_index(sharded, lambda weights: [weights.pop(n) for n in [n for n, f in weights.items() if f == file.name]])
+    with pytest.raises(ValueError, match=rf"{sharded}: tensor '{name}' is missing"):
+        hf_llama.Checkpoint(sharded)
+
+
+def test_index_naming_a_missing_file(sharded):
+    _edit_index(sharded, lambda weights: weights.update({"model.norm.weight": "model-00099-of-00099.safetensors"}))
+    with pytest.raises(ValueError, match=r"index\.json: tensor 'model\.norm\.weight' is in 'model-00099"):
+        torch_llama.load_hf(sharded)
+
+
+def test_truncated_shard(sharded):
+    file = sorted(sharded.glob("model-*.safetensors"))[1]
+    file.write_bytes(file.read_bytes()[:-7])
+    with pytest.raises(ValueError, match=rf"{file}: not a readable safetensors file"):
+        jax_llama.load_hf(sharded)
+
+
+def test_corrupt_config_json(sharded):
+    (sharded / "config.json").write_text("{not json")
+    with pytest.raises(ValueError, match=r"config\.json: not readable JSON"):
+        hf_llama.Checkpoint(sharded)

@@ -1,0 +1,91 @@
+"""`load_hf`: a Hugging Face LlamaForCausalLM directory into our torch `Llama`, each rank reading its own rows.
+
+The directory is checked first (jaxside.models.hf_llama.Checkpoint: architecture, config, index,
+every file's header, every tensor's name and shape), before any weight is read. Then the model is
+built on "meta", parallelized (`parallelize_llama`: TP, FSDP2, materialization), and each
+parameter's local shard is filled from the checkpoint: the shard's box (global row and column
+offsets, from the DTensor's own chunk metadata, as Distributed Checkpoint reads it) goes through the
+name-and-layout table, which names the few row ranges of the HF tensors it is made of (for the
+fused QKV: slices of q, k and v; for fc1: of gate and up), and only those rows and this shard's
+columns are read (`safe_open(...).get_slice`). A rank never reads another rank's bytes.
+
+The materialization initializes the weights randomly before they are overwritten (time, not memory:
+each rank allocates only its shards). The vocabulary is padded to a multiple of the mesh's
+tp x dp_shard size, the same multiple `jaxside.models.llama.load_hf` uses on the same devices, so
+the two models pair up in the bridge; the padding rows are zeros.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import torch
+from torch import Tensor
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor
+
+from jaxside.models.hf_llama import Checkpoint, Piece
+from torchside.models.llama import Llama
+from torchside.models.llama_parallel import LlamaMeshes, parallelize_llama
+from torchside.modules import ModuleConfig
+
+DTYPES = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16}
+
+
+def _mesh_size(mesh: DeviceMesh | None, dim: int = -1) -> int:
+    return 1 if mesh is None else mesh.size(dim % mesh.ndim)
+
+
+def _box(param: Tensor) -> tuple[Tensor, tuple[int, ...], tuple[int, ...]]:
+    """(this rank's local tensor, its global offsets, its sizes): DCP's own chunk metadata of a DTensor."""
+    if not isinstance(param, DTensor):
+        return param.data, (0,) * param.dim(), tuple(param.shape)
+    (chunk,) = param.__create_chunk_list__()
+    return param._local_tensor, tuple(chunk.offsets), tuple(chunk.sizes)
+
+
+@torch.no_grad()
+def _fill(checkpoint: Checkpoint, name: str, param: Tensor) -> None:
+    local, offsets, sizes = _box(param)
+    if local.numel() == 0:
+        return
+    rows = (offsets[0], offsets[0] + sizes[0])
+    cols = (offsets[1], offsets[1] + sizes[1]) if local.dim() == 2 else None
+
+    def put(piece: Piece, values: Tensor | None) -> None:
+        target = local[piece.dest : piece.dest + (piece.stop - piece.start) * piece.step : piece.step]
+        target.zero_() if values is None else target.copy_(values)
+
+    checkpoint.read_box(name, rows, cols, "pt", put)
+
+
+def load_hf(
+    path: str | Path,
+    *,
+    mesh: DeviceMesh | None = None,
+    tp_mesh: DeviceMesh | None = None,
+    device: torch.device | str = "cpu",
+    dtype: torch.dtype | None = None,
+) -> Llama:
+    """Our Llama with an HF checkpoint's weights (module docstring); ValueError naming the file for bad input.
+
+    mesh: the data-parallel mesh (1-D FSDP, 2-D HSDP) or None; tp_mesh: the 1-D TP mesh or None.
+    dtype: the parameters' dtype; None keeps the checkpoint's.
+    """
+    checkpoint = Checkpoint(path)
+    tp = _mesh_size(tp_mesh)
+    vocab_multiple = tp * _mesh_size(mesh)
+    config = dataclasses.replace(checkpoint.config, vocab_multiple=vocab_multiple)
+    dtype = DTYPES[checkpoint.dtype()] if dtype is None else dtype
+    model = Llama(config, params_dtype=dtype, device="meta", module_config=ModuleConfig(tp_size=tp))
+    parallelize_llama(model, LlamaMeshes(world=None, data=mesh, tp=tp_mesh, weight=None), device=device)
+    params = dict(model.named_parameters())
+    unmapped = sorted(set(params) ^ set(checkpoint.sources))
+    assert not unmapped, f"the HF table and the model disagree on {unmapped}"
+    for name, param in params.items():
+        _fill(checkpoint, name, param)
+    return model
+
+
+__all__ = ["load_hf"]
