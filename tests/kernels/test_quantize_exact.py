@@ -19,6 +19,7 @@ from kernels._backend import Backend, backend_for
 from tests.kernels.byte_exact import assert_same_bytes, random_input
 from tests.kernels.devices import DEVICES
 from tests.kernels.format_models import edge_values
+from tests.transformer_engine_models import transformer_engine_e8m0
 
 # name -> (function name, keyword arguments, shape family)
 SCHEMES = {
@@ -116,18 +117,6 @@ def test_edge_values_give_identical_bytes(device, dtype, name):
     assert_same_bytes(got, expected, x)
 
 
-def _transformer_engine_e8m0(amax: float, fmax: float) -> int:
-    """TransformerEngine's float_to_e8m0 (non-Blackwell path) of the fp32 ratio amax * fp32(1/fmax), in float64."""
-    ratio = float(np.float32(amax) * np.float32(1.0 / fmax))
-    if math.isnan(ratio):
-        return 0xFF
-    if math.isinf(ratio):
-        return 0xFE
-    if ratio <= 2.0**-127:  # zero, or a subnormal ratio with at most the top mantissa bit set
-        return 0
-    return max(1, math.ceil(math.log2(ratio)) + 127)
-
-
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("fmt", ["e4m3", "e5m2"])
 def test_mxfp8_up_gives_a_tiny_block_code_0_and_leaves_it_unscaled(device, fmt):
@@ -138,7 +127,7 @@ def test_mxfp8_up_gives_a_tiny_block_code_0_and_leaves_it_unscaled(device, fmt):
     amaxes = [1e-45, 1e-40, 2.0**-126, boundary * 0.5, boundary, boundary * 1.01, 2.0**-110]
     x = torch.linspace(-1, 1, 32).repeat(len(amaxes), 1) * torch.tensor(amaxes)[:, None]
     x[:, 7] = torch.tensor(amaxes)
-    expected = [_transformer_engine_e8m0(float(a), fmax) for a in x[:, 7]]
+    expected = [transformer_engine_e8m0(float(a), fmax) for a in x[:, 7]]
     assert expected[:4] == [0, 0, 0, 0] and expected[-1] > 1  # the test spans both sides of the rule
     zero_rows = torch.tensor(expected) == 0
     for implementation in (reference, triton_quantize):
