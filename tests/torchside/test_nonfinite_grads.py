@@ -13,25 +13,11 @@ import math
 import pytest
 import torch
 
-from torchside.modules import Linear
 from torchside.autocast import fp8_autocast, quantized_model_init
+from torchside.modules import Linear
 from torchside.quantization import QuantizedTensor
-from torchside.recipe import (
-    DelayedScaling,
-    Float8BlockScaling,
-    Float8CurrentScaling,
-    MXFP8BlockScaling,
-    NVFP4BlockScaling,
-)
+from torchside.recipe import recipe_from_name, recipe_names
 
-RECIPES = {
-    "delayed": DelayedScaling,
-    "current": Float8CurrentScaling,
-    "block": Float8BlockScaling,
-    "mxfp8": MXFP8BlockScaling,
-    "nvfp4": NVFP4BlockScaling,
-    "fp8_off": None,
-}
 BAD_VALUES = {"+inf": math.inf, "-inf": -math.inf, "nan": math.nan}
 TOKENS, FEATURES = 32, 32  # MXFP8 blocks are 32 long, along rows and columns
 
@@ -42,7 +28,7 @@ def _weights(module: torch.nn.Module) -> torch.Tensor:
 
 
 # (recipe, FP8 parameters): every recipe with high-precision and with FP8 parameters (none without FP8)
-CASES = [(name, fp8) for name in RECIPES for fp8 in (False, True) if RECIPES[name] or not fp8]
+CASES = [(name, fp8) for name in recipe_names() for fp8 in (False, True) if name != "off" or not fp8]
 
 
 @pytest.mark.parametrize("bad", list(BAD_VALUES))
@@ -52,8 +38,7 @@ CASES = [(name, fp8) for name in RECIPES for fp8 in (False, True) if RECIPES[nam
 def test_grad_scaler_skips_the_step_for_a_non_finite_output_gradient(recipe_name, fp8_parameters, bad, monkeypatch):
     monkeypatch.setenv("TRITON_INTERPRET", "0")  # reference kernels: this checks the semantics, not the kernels
     torch.manual_seed(0)
-    make_recipe = RECIPES[recipe_name]
-    recipe = make_recipe() if make_recipe else None
+    recipe = recipe_from_name(recipe_name)
     with quantized_model_init(enabled=fp8_parameters, recipe=recipe):
         module = Linear(FEATURES, FEATURES, bias=False)
     optimizer = torch.optim.SGD(module.parameters(), lr=0.1)
@@ -80,7 +65,7 @@ def test_delayed_scaling_refuses_the_non_finite_step_and_keeps_updating_after_it
     history); the next finite step scales as if the bad one had not happened."""
     monkeypatch.setenv("TRITON_INTERPRET", "0")
     torch.manual_seed(1)
-    recipe = DelayedScaling()
+    recipe = recipe_from_name("delayed")
     module = Linear(FEATURES, FEATURES, bias=False)
     output_grad = torch.randn(TOKENS, FEATURES)
 
