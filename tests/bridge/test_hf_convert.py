@@ -1,0 +1,173 @@
+"""`shardbridge convert --from hf` / `--to hf`: Hugging Face Llama directories in and out of DCP and Orbax.
+
+References are independent of the converter: transformers' `save_pretrained` writes the source
+(its files, names, sharding and index), and its `LlamaForCausalLM` gives the logits. A round trip
+must give back the very bytes of every tensor and the same index; a DCP made from HF must load
+into our torch Llama and give transformers' logits.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+from safetensors.torch import load_file, save_file
+
+from bridge import cli
+from bridge.convert import convert, hf
+from jaxside.models import hf_llama
+from tests.bridge.hf_cases import TOLERANCE, hf_model, random_tokens, reference_logits, relative, save, torch_logits
+from torchside.models import llama as torch_llama
+
+SHARD = "20KB"  # the size tests/bridge/hf_cases.save shards with: a dozen files for the tiny model
+
+
+@pytest.fixture(autouse=True)
+def reference_kernels(monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+
+
+@pytest.fixture(scope="module")
+def sources(tmp_path_factory) -> dict[str, tuple[Path, torch.nn.Module]]:
+    """bf16, untied with biases, sharded over files with an index; fp32, tied, odd vocabulary, one file."""
+    out = {}
+    for name, case, dtype, sharded in (
+        ("bf16_sharded", "mha_untied_bias", torch.bfloat16, True),
+        ("fp32_single", "gqa_tied_odd_vocab", torch.float32, False),
+    ):
+        model = hf_model(case)
+        out[name] = (save(model.to(dtype), tmp_path_factory.mktemp(name), sharded), model)
+    return out
+
+
+def tensors_of(directory: Path) -> dict[str, torch.Tensor]:
+    files = sorted(directory.glob("*.safetensors"))
+    return {name: t for file in files for name, t in load_file(file).items()}
+
+
+def assert_same_checkpoint(got: Path, expected: Path) -> None:
+    """Every tensor byte-identical (same names, dtypes, shapes), the same files and index, the same config."""
+    want, have = tensors_of(expected), tensors_of(got)
+    assert have.keys() == want.keys()
+    for name, tensor in want.items():
+        assert have[name].dtype == tensor.dtype and have[name].shape == tensor.shape, name
+        assert torch.equal(have[name].view(torch.uint8), tensor.view(torch.uint8)), name
+    assert sorted(p.name for p in got.glob("*.safetensors")) == sorted(p.name for p in expected.glob("*.safetensors"))
+    index = expected / hf_llama.INDEX_FILE
+    assert (got / hf_llama.INDEX_FILE).exists() == index.exists()
+    if index.exists():
+        assert json.loads((got / hf_llama.INDEX_FILE).read_text()) == json.loads(index.read_text())
+    assert json.loads((got / "config.json").read_text()) == json.loads((expected / "config.json").read_text())
+
+
+@pytest.mark.parametrize("via", ["dcp", "orbax"])
+@pytest.mark.parametrize("source", ["bf16_sharded", "fp32_single"])
+def test_hf_roundtrip_is_byte_identical(sources, source, via, tmp_path):
+    directory, _ = sources[source]
+    shard_size = SHARD if (directory / hf_llama.INDEX_FILE).exists() else "1GB"
+    assert cli.main(["convert", str(directory), str(tmp_path / via), "--from", "hf", "--to", via]) == 0
+    back = ["convert", str(tmp_path / via), str(tmp_path / "back"), "--from", via, "--to", "hf"]
+    assert cli.main([*back, "--config", str(directory), "--max-shard-size", shard_size]) == 0
+    assert_same_checkpoint(tmp_path / "back", directory)
+
+
+def test_hf_to_dcp_loads_into_our_llama_with_transformers_logits(sources, tmp_path):
+    directory, reference_model = sources["fp32_single"]
+    assert convert(directory, "hf", tmp_path / "dcp", "dcp").ok
+    config, _ = hf_llama.read_config(directory)
+    model = torch_llama.Llama(config, params_dtype=torch.float32)
+    state = {f"model.{name}": param.data for name, param in model.named_parameters()}
+    dcp.load(state, checkpoint_id=tmp_path / "dcp", no_dist=True)  # the keys torchside's AppState saves
+
+    tokens = random_tokens(config.vocab_size)
+    logits = torch_logits(model, tokens)
+    assert relative(logits, reference_logits(reference_model, tokens)) <= TOLERANCE
+    assert (logits == torch_logits(torch_llama.load_hf(directory), tokens)).all()  # the same weights as load_hf's
+
+
+def test_our_keys_are_what_a_torchside_save_of_llama_holds(sources):
+    directory, _ = sources["bf16_sharded"]
+    reader = hf.HfReader(directory)
+    model = torch_llama.Llama(hf_llama.read_config(directory)[0], device="meta")
+    assert reader.tensors.keys() == {f"model.{name}" for name, _ in model.named_parameters()}
+    assert all(info.shape == tuple(model.get_parameter(k[6:]).shape) for k, info in reader.tensors.items())
+
+
+def test_max_shard_size_spelling():
+    assert hf.parse_size("5GB") == 5 * 10**9 and hf.parse_size("2GiB") == 2 * 2**30 and hf.parse_size(123) == 123
+    with pytest.raises(ValueError, match="max-shard-size"):
+        hf.parse_size("lots")
+
+
+# ---- bad input: exit 2, one error line naming the file and the tensor, nothing written
+
+
+def _broken_copy(source: Path, tmp_path: Path, defect: str) -> tuple[Path, tuple[str, ...]]:
+    """A copy of `source` with one defect; the words its error line must hold."""
+    bad = tmp_path / "bad"
+    shutil.copytree(source, bad)
+    config = json.loads((bad / "config.json").read_text())
+    files = sorted(bad.glob("model-*.safetensors"))
+    if defect == "unknown architecture":
+        (bad / "config.json").write_text(json.dumps(config | {"architectures": ["MistralForCausalLM"]}))
+        return bad, ("config.json", "MistralForCausalLM")
+    if defect == "shape mismatch":
+        (bad / "config.json").write_text(json.dumps(config | {"intermediate_size": 80}))
+        return bad, ("safetensors", "model.layers.0.mlp.gate_proj.weight", "config.json")
+    if defect == "missing tensor":
+        name = "model.layers.1.mlp.up_proj.weight"
+        file = next(f for f in files if name in load_file(f))
+        save_file({k: v for k, v in load_file(file).items() if k != name}, file, metadata={"format": "pt"})
+        return bad, (str(bad), name)
+    if defect == "index names a missing file":
+        files[2].unlink()
+        return bad, (hf_llama.INDEX_FILE, files[2].name, "model.layers.0")
+    if defect == "truncated shard":
+        held = next(iter(load_file(files[3])))
+        with open(files[3], "r+b") as file:
+            file.truncate(files[3].stat().st_size - 100)
+        return bad, (files[3].name, held)
+    raise AssertionError(defect)
+
+
+DEFECTS = ["unknown architecture", "shape mismatch", "missing tensor", "index names a missing file", "truncated shard"]
+
+
+# The HF checks run before the target format matters: one Orbax case checks that.
+@pytest.mark.parametrize(("defect", "to"), [(d, "dcp") for d in DEFECTS] + [("truncated shard", "orbax")])
+def test_bad_hf_input_exits_2_and_writes_nothing(sources, tmp_path, capsys, defect, to):
+    bad, words = _broken_copy(sources["bf16_sharded"][0], tmp_path, defect)
+    assert cli.main(["convert", str(bad), str(tmp_path / "out"), "--from", "hf", "--to", to]) == 2
+    err = capsys.readouterr().err
+    (line,) = err.strip().splitlines()
+    assert line.startswith("error:") and all(word in line for word in words), line
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["bad"]  # no target, no .out.partial
+
+
+def test_hf_fp8_block_scaled_source_is_refused(sources, tmp_path, capsys):
+    bad = tmp_path / "bad"
+    shutil.copytree(sources["fp32_single"][0], bad)
+    config = json.loads((bad / "config.json").read_text())
+    fp8 = {"quant_method": "fp8", "weight_block_size": [128, 128], "fmt": "e4m3"}
+    (bad / "config.json").write_text(json.dumps(config | {"quantization_config": fp8}))
+    assert cli.main(["convert", str(bad), str(tmp_path / "out"), "--from", "hf", "--to", "dcp"]) == 2
+    assert "FP8 block-scaled" in capsys.readouterr().err
+    assert not (tmp_path / "out").exists()
+
+
+def test_to_hf_needs_a_config_that_fits(sources, tmp_path, capsys):
+    directory, _ = sources["fp32_single"]
+    assert convert(directory, "hf", tmp_path / "dcp", "dcp").ok
+    argv = ["convert", str(tmp_path / "dcp"), str(tmp_path / "out"), "--from", "dcp", "--to", "hf"]
+    assert cli.main(argv) == 2
+    assert "--config" in capsys.readouterr().err
+    other = sources["bf16_sharded"][0] / "config.json"  # untied, biases, MHA: not this checkpoint's model
+    assert cli.main([*argv, "--config", str(other)]) == 2
+    assert "model.layers.0.self_attention.layernorm_qkv.bias" in capsys.readouterr().err
+    assert cli.main([*argv, "--config", str(directory), "--dry-run"]) == 0
+    assert "model.layers.0.layernorm_mlp.fc1_weight" in capsys.readouterr().out
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["dcp"]
