@@ -7,7 +7,9 @@ Reading: the directory is checked whole first (`hf_llama.Checkpoint`: architectu
 index, every file's header, every tensor's name, shape and dtype), before any weight byte is read.
 A box of one of our tensors is made of a few row ranges of HF tensors (`row_pieces`: the fused QKV
 from slices of q, k and v; fc1 from gate and up rows), each read by its byte ranges (`get_slice`).
-HF files carry no checksums, so an HF source converts unverified.
+Files transformers writes carry no checksums: such a source converts unverified. Files this writer
+wrote carry torchside's `shardbridge.crc32` table: each HF tensor is checked against it before the
+first box made of it is read (CheckFailed on a mismatch).
 
 Writing: HF holds no record of the Llama config, and neither does a DCP, Orbax or safetensors
 checkpoint of our model (a head count or rope_theta cannot be read off the shapes), so an HF target
@@ -33,6 +35,7 @@ from typing import Any
 import torch
 
 from bridge.convert.plan import Box, Plan, TensorInfo, WriteJob, check_against
+from bridge.errors import CheckFailed
 from jaxside.models import hf_llama
 from torchside.checkpoint import safetensors_file
 
@@ -69,7 +72,10 @@ class HfReader:
         known = {name for source in self.checkpoint.sources.values() for name in source.hf_names}
         self.skipped = [(name, "tied to model.embed_tokens.weight" if name == "lm_head.weight" else "recomputed from config.json")
                         for name in sorted(self.checkpoint.tensors) if name not in known]  # fmt: skip
-        self.verifiable = False  # HF files record no checksums
+        files = sorted({info.file for info in self.checkpoint.tensors.values()})
+        self._headers = {file: safetensors_file.read_header(file) for file in files} if check else {}
+        self.verifiable = bool(self._headers) and all(h.recorded_crcs() is not None for h in self._headers.values())
+        self._checked: set[str] = set()
 
     def read(self, key: str, box: Box) -> torch.Tensor:
         """The elements of `box` of our tensor `key`, from the byte ranges of the HF rows it is made of."""
@@ -82,8 +88,25 @@ class HfReader:
             target = out[piece.dest : piece.dest + (piece.stop - piece.start) * piece.step : piece.step]
             target.zero_() if values is None else target.copy_(values)
 
-        self.checkpoint.read_box(key.removeprefix("model."), rows, cols, "pt", put)
+        ours = key.removeprefix("model.")
+        for name in self.checkpoint.sources[ours].hf_names:
+            self._check(name)
+        self.checkpoint.read_box(ours, rows, cols, "pt", put)
         return out
+
+    def _check(self, name: str) -> None:
+        """Check HF tensor `name` against the CRC32 our writer recorded, once, before its first read."""
+        if not self.verifiable or name in self._checked:
+            return
+        file = self.checkpoint.tensors[name].file
+        header = self._headers[file]
+        recorded, actual = header.recorded_crcs().get(name), header.crc_of(name)
+        if recorded != actual:
+            raise CheckFailed(
+                f"{file}: tensor {name} has CRC32 {actual:08x}, but {recorded or 0:08x} was recorded when it was written: "
+                "the source is corrupted; nothing was written. Convert an intact copy"
+            )
+        self._checked.add(name)
 
 
 def _target_config(options: Mapping[str, Any]) -> tuple[dict, hf_llama.LlamaConfig]:

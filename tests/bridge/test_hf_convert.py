@@ -171,3 +171,22 @@ def test_to_hf_needs_a_config_that_fits(sources, tmp_path, capsys):
     assert cli.main([*argv, "--config", str(directory), "--dry-run"]) == 0
     assert "model.layers.0.layernorm_mlp.fc1_weight" in capsys.readouterr().out
     assert sorted(p.name for p in tmp_path.iterdir()) == ["dcp"]
+
+
+def test_an_hf_target_we_wrote_is_checked_when_converted_again(sources, tmp_path, capsys):
+    """Our HF files carry torchside's CRC32 table: a flipped byte is CheckFailed (exit 1), not silently converted."""
+    directory, _ = sources["fp32_single"]
+    assert convert(directory, "hf", tmp_path / "dcp", "dcp").ok
+    assert not convert(directory, "hf", tmp_path / "dry", "dcp", dry_run=True).source_verified  # transformers' files
+    written = convert(tmp_path / "dcp", "dcp", tmp_path / "hf", "hf", target_options={"config": directory})
+    assert convert(tmp_path / "hf", "hf", tmp_path / "dry", "dcp", dry_run=True).source_verified
+    file = tmp_path / "hf" / "model.safetensors"
+    with open(file, "r+b") as f:
+        f.seek(file.stat().st_size - 1)  # the last byte: of the last tensor in transformers' order
+        last = f.read(1)
+        f.seek(-1, 1)
+        f.write(bytes([last[0] ^ 1]))
+    assert written.ok
+    assert cli.main(["convert", str(tmp_path / "hf"), str(tmp_path / "again"), "--from", "hf", "--to", "dcp"]) == 1
+    assert "model.norm.weight" in capsys.readouterr().err
+    assert not (tmp_path / "again").exists()
