@@ -339,8 +339,8 @@ class Checkpoint:
                         tensors[name] = TensorInfo(path, tuple(piece.get_shape()), piece.get_dtype())
             except (SafetensorError, OSError) as error:
                 held = sorted(name for name, file in files.items() if file == path)
-                names = f" holding tensor(s) {', '.join(held[:3])}{' ...' if len(held) > 3 else ''}" if held else ""
-                raise ValueError(f"{path}{names}: not a readable safetensors file ({error}); re-download it") from error
+                names = f" (it holds tensor(s) {', '.join(held[:3])}{' ...' if len(held) > 3 else ''})" if held else ""
+                raise ValueError(f"{path}: not a readable safetensors file ({error}){names}; re-download it") from error
         for name, path in files.items():
             if name in tensors and tensors[name].file != path:
                 raise ValueError(f"{self.directory / INDEX_FILE}: tensor {name!r} is in {tensors[name].file.name}, "
