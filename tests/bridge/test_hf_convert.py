@@ -64,7 +64,7 @@ def assert_same_checkpoint(got: Path, expected: Path) -> None:
     assert json.loads((got / "config.json").read_text()) == json.loads((expected / "config.json").read_text())
 
 
-@pytest.mark.parametrize("via", ["dcp", "orbax"])
+@pytest.mark.parametrize("via", ["dcp", "orbax", "safetensors"])
 @pytest.mark.parametrize("source", ["bf16_sharded", "fp32_single"])
 def test_hf_roundtrip_is_byte_identical(sources, source, via, tmp_path):
     directory, _ = sources[source]
@@ -89,12 +89,15 @@ def test_hf_to_dcp_loads_into_our_llama_with_transformers_logits(sources, tmp_pa
     assert (logits == torch_logits(torch_llama.load_hf(directory), tokens)).all()  # the same weights as load_hf's
 
 
-def test_our_keys_are_what_a_torchside_save_of_llama_holds(sources):
+def test_a_torchside_save_of_our_llama_exports_to_hf(sources, tmp_path):
+    """Our keys are the ones torchside.checkpoint.save writes for a Llama: its step exports back to the same HF files."""
+    from torchside import checkpoint
+
     directory, _ = sources["bf16_sharded"]
-    reader = hf.HfReader(directory)
-    model = torch_llama.Llama(hf_llama.read_config(directory)[0], device="meta")
-    assert reader.tensors.keys() == {f"model.{name}" for name, _ in model.named_parameters()}
-    assert all(info.shape == tuple(model.get_parameter(k[6:]).shape) for k, info in reader.tensors.items())
+    checkpoint.save(tmp_path / "run", torch_llama.load_hf(directory), step=3)
+    argv = ["convert", str(tmp_path / "run"), str(tmp_path / "hf"), "--from", "dcp", "--to", "hf"]
+    assert cli.main([*argv, "--config", str(directory), "--max-shard-size", SHARD]) == 0  # train.step, rng: left out
+    assert_same_checkpoint(tmp_path / "hf", directory)
 
 
 def test_max_shard_size_spelling():
