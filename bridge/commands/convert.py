@@ -1,9 +1,9 @@
-"""`shardbridge convert`: convert a checkpoint between DCP, Orbax, safetensors and Hugging Face, streamed shard by shard.
+"""`shardbridge convert`: convert a checkpoint between DCP, Orbax, safetensors and HF, streamed shard by shard.
 
 Names and orientation follow the architecture's parameter rules (a torch `weight` [out, in] is a
-Flax `kernel` [in, out]; a Hugging Face Llama directory's q/k/v and gate/up become our fused rows and
-back, and `--to hf` needs the model's HF config.json as `--config`); FP8 parameters travel as their bytes and scales, never upcast. Every
-written box is read back before the target is committed and a per-tensor CRC32 table is printed.
+Flax `kernel` [in, out]; a Hugging Face Llama directory's q/k/v and gate/up become our fused rows
+and back; `--to hf` needs the model's HF config.json as `--config`); FP8 parameters travel as their
+bytes and scales, never upcast. Every written box is read back before the target is committed and a per-tensor CRC32 table is printed.
 A source we wrote is checked against the checksums recorded with it. Under torchrun, each rank writes
 its own blocks of a DCP or safetensors target. Exit codes: 0 done, 1 a checksum differs (source or
 written copy; nothing is committed), 2 bad input, 130 interrupted (nothing left behind).
@@ -27,7 +27,9 @@ def register(verbs) -> None:
         help="convert a checkpoint DCP <-> Orbax <-> safetensors <-> Hugging Face, streamed into the target sharding",
         description=__doc__.split("\n\n")[1],
     )
-    parser.add_argument("source", help="a DCP directory, an Orbax step directory, a .safetensors file or an HF model directory")
+    parser.add_argument(
+        "source", help="a DCP directory, an Orbax step directory, a .safetensors file or an HF model directory"
+    )
     parser.add_argument("target", help="where to write (must not exist; written in full or not at all)")
     parser.add_argument("--from", dest="source_format", required=True, choices=FORMATS)
     parser.add_argument("--to", dest="target_format", required=True, choices=FORMATS)

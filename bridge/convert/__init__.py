@@ -1,4 +1,4 @@
-"""Checkpoint conversion DCP <-> Orbax <-> safetensors <-> Hugging Face (bridge.convert.hf), streamed box by box into the target's sharding.
+"""Checkpoint conversion DCP <-> Orbax <-> safetensors <-> HF (bridge.convert.hf), streamed box by box into the target's sharding.
 
     plan      bridge.convert.plan: names and orientation (the architecture's parameter rules), and
               which process (or JAX device) writes which dim-0 block of each target tensor
@@ -170,9 +170,8 @@ def convert(
 
     written_path = _on_rank0(lambda: commit.stage(target))
     try:
-        job = WriteJob(
-            written_path, plan, rank, devices, produce, lambda: _tensor_crcs(plan.entries, produced), _barrier, target_options
-        )
+        tensor_crcs = lambda: _tensor_crcs(plan.entries, produced)  # noqa: E731
+        job = WriteJob(written_path, plan, rank, devices, produce, tensor_crcs, _barrier, target_options)
         WRITERS[target_format](job)
         _barrier()
         written = _read_back(written_path, target_format, produced) if verify else {}

@@ -28,6 +28,7 @@ import json
 import math
 import os
 import re
+import shutil
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -41,7 +42,8 @@ from torchside.checkpoint import safetensors_file
 
 TORCH_DTYPES = {"F32": "float32", "BF16": "bfloat16", "F16": "float16"}
 DEFAULT_MAX_SHARD_SIZE = "5GB"
-_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
+_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12}
+_UNITS |= {"KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
 
 
 def parse_size(text: str | int) -> int:
@@ -58,7 +60,7 @@ class HfReader:
     def __init__(self, path: str | os.PathLike, *, check: bool = True) -> None:
         self.path = Path(path)
         if not self.path.is_dir():
-            raise ValueError(f"{self.path} is not a directory; pass a Hugging Face model directory (config.json + safetensors)")
+            raise ValueError(f"{self.path} is not a directory; pass a Hugging Face model directory")
         self.checkpoint = hf_llama.Checkpoint(self.path)
         self.tensors: dict[str, TensorInfo] = {}
         for ours, source in self.checkpoint.sources.items():
@@ -70,11 +72,12 @@ class HfReader:
             shape = (sum(info.shape[0] for info in infos), *infos[0].shape[1:])
             self.tensors[f"model.{ours}"] = TensorInfo(f"model.{ours}", shape, TORCH_DTYPES[dtypes.pop()])
         known = {name for source in self.checkpoint.sources.values() for name in source.hf_names}
-        self.skipped = [(name, "tied to model.embed_tokens.weight" if name == "lm_head.weight" else "recomputed from config.json")
-                        for name in sorted(self.checkpoint.tensors) if name not in known]  # fmt: skip
+        unused = [name for name in sorted(self.checkpoint.tensors) if name not in known]
+        self.skipped = [(n, "tied: the embedding" if n == "lm_head.weight" else "recomputed from config.json") for n in unused]
         files = sorted({info.file for info in self.checkpoint.tensors.values()})
         self._headers = {file: safetensors_file.read_header(file) for file in files} if check else {}
         self.verifiable = bool(self._headers) and all(h.recorded_crcs() is not None for h in self._headers.values())
+        # (transformers' files record none: such a source converts unverified, as a foreign safetensors file does)
         self._checked: set[str] = set()
 
     def read(self, key: str, box: Box) -> torch.Tensor:
@@ -109,9 +112,9 @@ class HfReader:
         self._checked.add(name)
 
 
-def _target_config(options: Mapping[str, Any]) -> tuple[dict, hf_llama.LlamaConfig]:
+def _target_config(options: Mapping[str, Any]) -> tuple[Path, hf_llama.LlamaConfig]:
     if not options.get("config"):
-        raise ValueError("an HF target needs the model's config.json: pass --config PATH (an HF config.json or its directory)")
+        raise ValueError("an HF target needs the model's config.json: pass --config PATH (the file or its directory)")
     return hf_llama.read_config_file(options["config"])
 
 
@@ -150,7 +153,7 @@ def _shards(specs: list[safetensors_file.TensorSpec], max_bytes: int) -> list[li
 
 def write(job: WriteJob) -> None:
     """config.json, the safetensors file(s) and (sharded) the index, into the directory `job.path`."""
-    hf_json, config = _target_config(job.options)
+    config_file, config = _target_config(job.options)
     entries = {e.target.key.removeprefix("model."): e.target for e in job.plan.entries}
     table = hf_llama.sources(config)
     rows: dict[str, tuple[str, list[int]]] = {}  # HF name -> (our name, our rows it is made of)
@@ -160,7 +163,8 @@ def write(job: WriteJob) -> None:
     specs = [(name, entries[rows[name][0]].dtype, (len(rows[name][1]), *entries[rows[name][0]].shape[1:]))
              for name in hf_llama.hf_order(config)]  # fmt: skip
     shards = _shards(specs, parse_size(job.options.get("max_shard_size") or DEFAULT_MAX_SHARD_SIZE))
-    names = [hf_llama.SINGLE_FILE] if len(shards) == 1 else [f"model-{k:05d}-of-{len(shards):05d}.safetensors" for k in range(1, len(shards) + 1)]
+    names = [f"model-{k:05d}-of-{len(shards):05d}.safetensors" for k in range(1, len(shards) + 1)]
+    names = [hf_llama.SINGLE_FILE] if len(shards) == 1 else names
     job.path.mkdir()
     layouts = {}
     for file, shard in zip(names, shards):
@@ -175,14 +179,15 @@ def write(job: WriteJob) -> None:
             file = where[name]
             fd = os.open(job.path / file, os.O_WRONLY)
             try:
-                crcs[file][name] = safetensors_file.write_at(fd, layouts[file].offsets[name], values[torch.tensor(rows[name][1])])
-                os.fsync(fd)
+                piece = values[torch.tensor(rows[name][1])]
+                crcs[file][name] = safetensors_file.write_at(fd, layouts[file].offsets[name], piece)
             finally:
                 os.close(fd)
-    for file in names:
+    for file in names:  # (and syncs each file)
         safetensors_file.record_checksums(job.path / file, layouts[file], crcs[file])
     if len(names) > 1:
-        sizes = {"total_parameters": sum(math.prod(shape) for _, _, shape in specs), "total_size": sum(map(_nbytes, specs))}
-        index = {"metadata": sizes, "weight_map": {name: where[name] for name, _, _ in specs}}
+        parameters = sum(math.prod(shape) for _, _, shape in specs)
+        metadata = {"total_parameters": parameters, "total_size": sum(map(_nbytes, specs))}
+        index = {"metadata": metadata, "weight_map": {name: where[name] for name, _, _ in specs}}
         (job.path / hf_llama.INDEX_FILE).write_text(json.dumps(index, indent=2) + "\n")
-    (job.path / hf_llama.CONFIG_FILE).write_text(json.dumps(hf_json, indent=2, sort_keys=True) + "\n")
+    shutil.copyfile(config_file, job.path / hf_llama.CONFIG_FILE)

@@ -237,15 +237,14 @@ def read_config(directory: str | Path) -> tuple[LlamaConfig, dict | None]:
     return parse_config(_read_json(path), path)
 
 
-def read_config_file(path: str | Path) -> tuple[dict, LlamaConfig]:
-    """(the JSON, our LlamaConfig) of an HF config.json, or of the one in directory `path` (the HF writer's input)."""
+def read_config_file(path: str | Path) -> tuple[Path, LlamaConfig]:
+    """(the file, our LlamaConfig) of an HF config.json, or of the one in directory `path` (the HF writer's input)."""
     path = Path(path)
     path = path / CONFIG_FILE if path.is_dir() else path
-    hf = _read_json(path)
-    config, quantization = parse_config(hf, path)
+    config, quantization = parse_config(_read_json(path), path)
     if quantization is not None:
-        raise ValueError(f"{path}: quantization_config={quantization}; FP8 block-scaled export is not supported yet (docs/hf.md)")
-    return hf, config
+        raise ValueError(f"{path}: quantization_config={quantization}; FP8 block-scaled export is not supported yet")
+    return path, config
 
 
 def parse_config(hf: dict, path: Path) -> tuple[LlamaConfig, dict | None]:
