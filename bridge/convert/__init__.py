@@ -170,7 +170,9 @@ def convert(
 
     written_path = _on_rank0(lambda: commit.stage(target))
     try:
-        tensor_crcs = lambda: _tensor_crcs(plan.entries, produced)  # noqa: E731
+        def tensor_crcs() -> dict[str, int]:
+            return _tensor_crcs(plan.entries, produced)
+
         job = WriteJob(written_path, plan, rank, devices, produce, tensor_crcs, _barrier, target_options)
         WRITERS[target_format](job)
         _barrier()

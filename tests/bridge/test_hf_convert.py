@@ -19,6 +19,7 @@ from safetensors.torch import load_file, save_file
 
 from bridge import cli
 from bridge.convert import convert, hf
+from bridge.convert.plan import make_plan
 from jaxside.models import hf_llama
 from tests.bridge.hf_cases import TOLERANCE, hf_model, random_tokens, reference_logits, relative, save, torch_logits
 from torchside.models import llama as torch_llama
@@ -174,6 +175,13 @@ def test_to_hf_needs_a_config_that_fits(sources, tmp_path, capsys):
     assert cli.main([*argv, "--config", str(directory), "--dry-run"]) == 0
     assert "model.layers.0.layernorm_mlp.fc1_weight" in capsys.readouterr().out
     assert sorted(p.name for p in tmp_path.iterdir()) == ["dcp"]
+
+
+def test_an_hf_target_is_refused_for_several_writers(sources):
+    reader = hf.HfReader(sources["fp32_single"][0])
+    plan = make_plan(reader.tensors, "hf", "hf", owners=2)
+    with pytest.raises(ValueError, match="written by one process"):
+        hf.check_target(plan, {"config": sources["fp32_single"][0]})
 
 
 def test_an_hf_target_we_wrote_is_checked_when_converted_again(sources, tmp_path, capsys):
