@@ -9,7 +9,9 @@ into our torch Llama and give transformers' logits.
 from __future__ import annotations
 
 import json
+import math
 import shutil
+import threading
 from pathlib import Path
 
 import pytest
@@ -22,6 +24,7 @@ from bridge.convert import convert, hf
 from bridge.convert.plan import make_plan
 from jaxside.models import hf_llama
 from tests.bridge.hf_cases import TOLERANCE, hf_model, random_tokens, reference_logits, relative, save, torch_logits
+from tests.distributed import run_threads
 from torchside.models import llama as torch_llama
 
 SHARD = "20KB"  # the size tests/bridge/hf_cases.save shards with: a dozen files for the tiny model
@@ -88,6 +91,39 @@ def test_hf_to_dcp_loads_into_our_llama_with_transformers_logits(sources, tmp_pa
     logits = torch_logits(model, tokens)
     assert relative(logits, reference_logits(reference_model, tokens)) <= TOLERANCE
     assert (logits == torch_logits(torch_llama.load_hf(directory), tokens)).all()  # the same weights as load_hf's
+
+
+def _convert_on_ranks(rank: int, world: int, directory: Path, target: Path, read: dict):
+    result = convert(directory, "hf", target, "dcp")
+    mine = sum(math.prod(sizes) for entry in result.plan.entries for _, sizes in entry.boxes[rank])
+    return result.ok, mine, read.get(threading.current_thread().name, 0)
+
+
+def test_hf_to_dcp_on_two_ranks_each_reads_only_its_own_rows(sources, tmp_path, monkeypatch):
+    """Two writers (threaded process group): each reads exactly the elements of its own boxes; the result is the same."""
+    directory, _ = sources["bf16_sharded"]
+    read: dict[str, int] = {}  # by thread name: elements read
+    read_box = hf_llama.Checkpoint.read_box
+
+    def counting_read_box(self, ours, rows, cols, framework, put):
+        def counting_put(piece, values):
+            rank = threading.current_thread().name
+            read[rank] = read.get(rank, 0) + values.numel()
+            put(piece, values)
+
+        read_box(self, ours, rows, cols, framework, counting_put)
+
+    monkeypatch.setattr(hf_llama.Checkpoint, "read_box", counting_read_box)
+    results = run_threads(_convert_on_ranks, 2, directory, tmp_path / "two", read, timeout=120)
+    monkeypatch.undo()
+    assert all(ok and mine > 0 for ok, mine, _ in results)
+    assert [got for _, _, got in results] == [mine for _, mine, _ in results]  # (the read-back reads the DCP target)
+    assert convert(directory, "hf", tmp_path / "one", "dcp").ok
+    like = {k: torch.empty(info.shape, dtype=getattr(torch, info.dtype)) for k, info in hf.HfReader(directory).tensors.items()}
+    one, two = ({k: v.clone() for k, v in like.items()} for _ in range(2))
+    dcp.load(one, checkpoint_id=tmp_path / "one", no_dist=True)
+    dcp.load(two, checkpoint_id=tmp_path / "two", no_dist=True)
+    assert all(torch.equal(one[k].view(torch.uint8), two[k].view(torch.uint8)) for k in one)
 
 
 def test_a_torchside_save_of_our_llama_exports_to_hf(sources, tmp_path):
