@@ -237,3 +237,21 @@ def test_an_hf_target_we_wrote_is_checked_when_converted_again(sources, tmp_path
     assert cli.main(["convert", str(tmp_path / "hf"), str(tmp_path / "again"), "--from", "hf", "--to", "dcp"]) == 1
     assert "model.norm.weight" in capsys.readouterr().err
     assert not (tmp_path / "again").exists()
+
+
+def test_an_interrupted_hf_export_leaves_nothing(sources, tmp_path, monkeypatch, capsys):
+    directory, _ = sources["bf16_sharded"]
+    assert convert(directory, "hf", tmp_path / "dcp", "dcp").ok
+    calls = []
+    write_at = hf.safetensors_file.write_at
+
+    def interrupted(*args):
+        calls.append(1)
+        if len(calls) == 5:  # a few tensors in, several files created
+            raise KeyboardInterrupt
+        return write_at(*args)
+
+    monkeypatch.setattr(hf.safetensors_file, "write_at", interrupted)
+    argv = ["convert", str(tmp_path / "dcp"), str(tmp_path / "hf"), "--from", "dcp", "--to", "hf"]
+    assert cli.main([*argv, "--config", str(directory), "--max-shard-size", SHARD]) == 130
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["dcp"]
