@@ -1,8 +1,9 @@
-"""`shardbridge convert`: convert a checkpoint between DCP, Orbax and safetensors, streamed shard by shard.
+"""`shardbridge convert`: convert a checkpoint between DCP, Orbax, safetensors and HF, streamed shard by shard.
 
 Names and orientation follow the architecture's parameter rules (a torch `weight` [out, in] is a
-Flax `kernel` [in, out]); FP8 parameters travel as their bytes and scales, never upcast. Every
-written box is read back before the target is committed and a per-tensor CRC32 table is printed.
+Flax `kernel` [in, out]; a Hugging Face Llama directory's q/k/v and gate/up become our fused rows
+and back; `--to hf` needs the model's HF config.json as `--config`); FP8 parameters travel as their
+bytes and scales, never upcast. Every written box is read back before the target is committed and a per-tensor CRC32 table is printed.
 A source we wrote is checked against the checksums recorded with it. Under torchrun, each rank writes
 its own blocks of a DCP or safetensors target. Exit codes: 0 done, 1 a checksum differs (source or
 written copy; nothing is committed), 2 bad input, 130 interrupted (nothing left behind).
@@ -17,20 +18,26 @@ from rich.markup import escape
 from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn, TransferSpeedColumn
 from rich.table import Table
 
-FORMATS = ("dcp", "orbax", "safetensors")
+FORMATS = ("dcp", "orbax", "safetensors", "hf")
 
 
 def register(verbs) -> None:
     parser = verbs.add_parser(
         "convert",
-        help="convert a checkpoint DCP <-> Orbax <-> safetensors, streamed into the target sharding",
+        help="convert a checkpoint DCP <-> Orbax <-> safetensors <-> Hugging Face, streamed into the target sharding",
         description=__doc__.split("\n\n")[1],
     )
-    parser.add_argument("source", help="a DCP directory, an Orbax step directory or a .safetensors file")
+    parser.add_argument(
+        "source", help="a DCP directory, an Orbax step directory, a .safetensors file or an HF model directory"
+    )
     parser.add_argument("target", help="where to write (must not exist; written in full or not at all)")
     parser.add_argument("--from", dest="source_format", required=True, choices=FORMATS)
     parser.add_argument("--to", dest="target_format", required=True, choices=FORMATS)
     parser.add_argument("--arch", default="shardbridge", help="the parameter rule table (default: shardbridge)")
+    parser.add_argument("--config", help="--to hf: the model's HF config.json (or its directory), copied into the target")
+    parser.add_argument(
+        "--max-shard-size", default="5GB", help="--to hf: largest safetensors file, bytes or e.g. 5GB, 500MiB (default 5GB)"
+    )
     parser.add_argument("--with-optimizer", action="store_true", help="convert the optimizer states too")
     parser.add_argument("--dry-run", action="store_true", help="print the plan and write nothing")
     parser.add_argument("--no-verify", action="store_true", help="skip reading the target back")
@@ -55,7 +62,12 @@ def run(args: argparse.Namespace, console: Console) -> int:
     def on_box(key: str, nbytes: int) -> None:
         progress.update(task, advance=nbytes, description=f"writing {escape(key)}")
 
-    options = dict(with_optimizer=args.with_optimizer, architecture=args.arch, verify=not args.no_verify)
+    if args.config and args.target_format != "hf":
+        raise ValueError(f"--config is for --to hf (the target's config.json), not --to {args.target_format}; drop it")
+    target_options = {"config": args.config, "max_shard_size": args.max_shard_size}
+    options = dict(
+        with_optimizer=args.with_optimizer, architecture=args.arch, verify=not args.no_verify, target_options=target_options
+    )
     plan = convert(args.source, args.source_format, args.target, args.target_format, dry_run=True, **options).plan
     if args.dry_run:
         _print_plan(plan, console)

@@ -1,4 +1,4 @@
-"""Checkpoint conversion DCP <-> Orbax <-> safetensors, streamed box by box into the target's sharding.
+"""Checkpoint conversion DCP <-> Orbax <-> safetensors <-> HF (bridge.convert.hf), streamed box by box into the target's sharding.
 
     plan      bridge.convert.plan: names and orientation (the architecture's parameter rules), and
               which process (or JAX device) writes which dim-0 block of each target tensor
@@ -32,7 +32,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from bridge.convert import dcp, orbax, safetensors
+from bridge.convert import dcp, hf, orbax, safetensors
 from bridge.convert.plan import Box, Plan, PlanEntry, WriteJob, check_against, itemsize, make_plan
 from bridge.errors import CheckFailed
 from torchside.checkpoint import commit
@@ -45,12 +45,17 @@ READERS = {
     "dcp": dcp.DcpReader,
     "safetensors": safetensors.SafetensorsReader,
     "orbax": orbax.OrbaxReader,
+    "hf": hf.HfReader,
 }
 WRITERS: dict[str, Callable[[WriteJob], None]] = {
     "dcp": dcp.write,
     "safetensors": safetensors.write,
     "orbax": orbax.write,
+    "hf": hf.write,
 }
+# Targets whose own description fixes the tensors they hold: check(plan, target_options) raises
+# ValueError before anything is written (an HF target: its config.json).
+TARGET_CHECKS: dict[str, Callable[[Plan, Mapping], None]] = {"hf": hf.check_target}
 ProgressCallback = Callable[[str, int], None]  # (target key, bytes written)
 
 
@@ -129,8 +134,13 @@ def convert(
     dry_run: bool = False,
     verify: bool = True,
     on_box: ProgressCallback | None = None,
+    target_options: Mapping | None = None,
 ) -> ConvertResult:
-    """Convert a checkpoint (see the module docstring); ValueError before anything is written if it cannot."""
+    """Convert a checkpoint (see the module docstring); ValueError before anything is written if it cannot.
+
+    target_options: the target format's own (an HF target: `config`, `max_shard_size`; bridge.convert.hf).
+    """
+    target_options = dict(target_options or {})
     target = Path(target).absolute()
     if target_format not in WRITERS:
         raise ValueError(f"unknown checkpoint format {target_format!r}: use one of {', '.join(WRITERS)}")
@@ -141,6 +151,8 @@ def convert(
     plan = make_plan(reader.tensors, source_format, target_format, owners, with_optimizer=with_optimizer, architecture=architecture)
     if expected is not None:
         check_against(plan, expected)
+    if target_format in TARGET_CHECKS:
+        TARGET_CHECKS[target_format](plan, target_options)
     skipped = plan.skipped + tuple(reader.skipped)
     if dry_run:
         return ConvertResult(plan, skipped, (), reader.verifiable)
@@ -158,7 +170,10 @@ def convert(
 
     written_path = _on_rank0(lambda: commit.stage(target))
     try:
-        job = WriteJob(written_path, plan, rank, devices, produce, lambda: _tensor_crcs(plan.entries, produced), _barrier)
+        def tensor_crcs() -> dict[str, int]:
+            return _tensor_crcs(plan.entries, produced)
+
+        job = WriteJob(written_path, plan, rank, devices, produce, tensor_crcs, _barrier, target_options)
         WRITERS[target_format](job)
         _barrier()
         written = _read_back(written_path, target_format, produced) if verify else {}
@@ -229,4 +244,4 @@ def _checksums(entries, produced: dict, written: dict) -> tuple[TensorChecksum, 
     )
 
 
-__all__ = ["READERS", "WRITERS", "ConvertResult", "TensorChecksum", "convert", "open_reader"]
+__all__ = ["READERS", "TARGET_CHECKS", "WRITERS", "ConvertResult", "TensorChecksum", "convert", "open_reader"]

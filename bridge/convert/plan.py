@@ -26,7 +26,7 @@ from __future__ import annotations
 import math
 import re
 from collections.abc import Callable, Iterable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -36,7 +36,8 @@ Box = tuple[tuple[int, ...], tuple[int, ...]]  # (offsets, sizes)
 
 SECTIONS = ("model", "optim", "fp8_scaling", "train", "rng")
 SKIPPED_SECTIONS = ("rng",)
-FRAMEWORKS = {"dcp": "torch", "safetensors": "torch", "orbax": "jax"}
+FRAMEWORKS = {"dcp": "torch", "safetensors": "torch", "orbax": "jax", "hf": "torch"}  # hf: bridge.convert.hf
+MODEL_ONLY = ("hf",)  # formats that hold the model's weights only: other sections are left out
 FP8_BUFFERS = (
     "rowwise_data",
     "rowwise_scale_inv",
@@ -126,6 +127,7 @@ class WriteJob:
     produce: Callable[[str, Box], Any]  # (target key, box) -> the box's values (a CPU torch tensor)
     tensor_crcs: Callable[[], dict[str, int]]  # every target tensor's CRC32 once all boxes are produced (collective)
     barrier: Callable[[], None]
+    options: Mapping[str, Any] = field(default_factory=dict)  # the target format's own (an HF target: config, max_shard_size)
 
     def boxes(self) -> list[tuple[TensorInfo, Box]]:
         """This process's (tensor, box) pairs, in plan order."""
@@ -246,6 +248,9 @@ def make_plan(
             continue
         if section in SKIPPED_SECTIONS:
             skipped.append((key, "per-rank torch generator state"))
+            continue
+        if section != "model" and target_format in MODEL_ONLY:
+            skipped.append((key, f"a {target_format} checkpoint holds the model's weights only"))
             continue
         if section == "optim" and not with_optimizer:
             skipped.append((key, "optimizer state (pass --with-optimizer)"))

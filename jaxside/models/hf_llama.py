@@ -165,6 +165,29 @@ def _grouped_pieces(source: Source, config: LlamaConfig, start: int, stop: int) 
     return pieces
 
 
+def hf_order(config: LlamaConfig) -> list[str]:
+    """Every HF tensor name in the order transformers' LlamaForCausalLM lists its parameters (the writer's order)."""
+    names = ["model.embed_tokens.weight"]
+    for i in range(config.num_layers):
+        layer = f"model.layers.{i}."
+        suffixes = (".weight", ".bias") if config.bias else (".weight",)
+        names += [f"{layer}self_attn.{p}_proj{s}" for p in "qkvo" for s in suffixes]
+        names += [f"{layer}mlp.{p}_proj{s}" for p in ("gate", "up", "down") for s in suffixes]
+        names += [f"{layer}input_layernorm.weight", f"{layer}post_attention_layernorm.weight"]
+    names.append("model.norm.weight")
+    return names + ([] if config.tie_word_embeddings else ["lm_head.weight"])
+
+
+def our_shapes(config: LlamaConfig) -> dict[str, tuple[int, ...]]:
+    """The shape of each of our tensors made from a checkpoint of `config` (unpadded vocabulary)."""
+    shapes = hf_shapes(config)
+    result = {}
+    for ours, source in sources(config).items():
+        parts = [shapes[name] for name in source.hf_names]
+        result[ours] = (sum(p[0] for p in parts), *parts[0][1:])
+    return result
+
+
 def our_rows(source: Source, config: LlamaConfig, total_rows: int) -> dict[str, list[int]]:
     """The writer's direction: for each HF tensor of `source`, the rows of our full tensor it is made of."""
     rows: dict[str, list[int]] = {name: [] for name in source.hf_names}
@@ -211,7 +234,21 @@ def _rope(hf: dict, path: Path) -> tuple[float, RopeScaling | None]:
 def read_config(directory: str | Path) -> tuple[LlamaConfig, dict | None]:
     """(our LlamaConfig, the quantization_config or None) of an HF Llama directory; ValueError naming the file."""
     path = Path(directory) / CONFIG_FILE
-    hf = _read_json(path)
+    return parse_config(_read_json(path), path)
+
+
+def read_config_file(path: str | Path) -> tuple[Path, LlamaConfig]:
+    """(the file, our LlamaConfig) of an HF config.json, or of the one in directory `path` (the HF writer's input)."""
+    path = Path(path)
+    path = path / CONFIG_FILE if path.is_dir() else path
+    config, quantization = parse_config(_read_json(path), path)
+    if quantization is not None:
+        raise ValueError(f"{path}: quantization_config={quantization}; FP8 block-scaled export is not supported yet")
+    return path, config
+
+
+def parse_config(hf: dict, path: Path) -> tuple[LlamaConfig, dict | None]:
+    """`read_config` on JSON already read from `path` (named in errors)."""
     architectures = hf.get("architectures") or []
     if ARCHITECTURE not in architectures:
         raise ValueError(f"{path}: architectures={architectures}, not [{ARCHITECTURE!r}]; only Llama loads here")
@@ -300,7 +337,9 @@ class Checkpoint:
                         piece = file.get_slice(name)
                         tensors[name] = TensorInfo(path, tuple(piece.get_shape()), piece.get_dtype())
             except (SafetensorError, OSError) as error:
-                raise ValueError(f"{path}: not a readable safetensors file ({error}); re-download it") from error
+                held = sorted(name for name, file in files.items() if file == path)
+                names = f" (it holds tensor(s) {', '.join(held[:3])}{' ...' if len(held) > 3 else ''})" if held else ""
+                raise ValueError(f"{path}: not a readable safetensors file ({error}){names}; re-download it") from error
         for name, path in files.items():
             if name in tensors and tensors[name].file != path:
                 raise ValueError(f"{self.directory / INDEX_FILE}: tensor {name!r} is in {tensors[name].file.name}, "
@@ -356,10 +395,14 @@ __all__ = [
     "Piece",
     "Source",
     "TensorInfo",
+    "hf_order",
     "hf_shapes",
     "our_rows",
+    "our_shapes",
     "ours_of",
+    "parse_config",
     "read_config",
+    "read_config_file",
     "row_pieces",
     "sources",
 ]
