@@ -180,7 +180,26 @@ def read_metadata(step_path: Path) -> dict[str, Any]:
     missing = [key for key in ("step", "world_size", "param_groups", "fp8_params") if key not in metadata]
     if missing:
         raise damaged.damaged(path, f"keys {missing} are missing")
+    wrong = _malformed_entries(metadata)
+    if wrong:
+        raise damaged.damaged(path, "; ".join(wrong))
     return metadata
+
+
+def _malformed_entries(metadata: dict[str, Any]) -> list[str]:
+    """What in the entries load reads is not what save writes (a hand edit, or bytes that still parse)."""
+    wrong = [f"{key} is not an integer" for key in ("step", "world_size") if type(metadata[key]) is not int]
+    groups = metadata["param_groups"]
+    if groups is not None and not (
+        isinstance(groups, list)
+        and all(isinstance(g, dict) and isinstance(g.get("params"), list) for g in groups)
+        and all(isinstance(name, str) for g in groups for name in g["params"])
+    ):
+        wrong.append("param_groups is not null or a list of groups with a list of parameter names each")
+    fp8 = metadata["fp8_params"]
+    if not (isinstance(fp8, dict) and all(isinstance(facts, dict) for facts in fp8.values())):
+        wrong.append("fp8_params is not an object of objects")
+    return wrong
 
 
 def _fsync_dir(path: Path) -> None:

@@ -156,6 +156,14 @@ def _without_metadata_checksum(step: Path) -> None:
     (step / "shardbridge.json").write_text(json.dumps(metadata))
 
 
+def _garble_entries(path: Path) -> None:
+    """Valid JSON whose entries are not what save writes: a group without its parameter names, a list of facts."""
+    metadata = json.loads(path.read_text())
+    metadata["param_groups"] = [{"lr": 0.1}]
+    metadata["fp8_params"] = ["weight"]
+    path.write_text(json.dumps(metadata))
+
+
 DAMAGED_FILES = {  # name: (file, damage, message)
     "metadata-missing": (".metadata", "missing", "is missing"),
     "metadata-truncated": (".metadata", "truncated", "is damaged"),
@@ -165,6 +173,7 @@ DAMAGED_FILES = {  # name: (file, damage, message)
     "shardbridge-garbled": ("shardbridge.json", _garble_json, "is damaged .*JSONDecodeError"),
     "shardbridge-truncated": ("shardbridge.json", "truncated", "is damaged"),
     "shardbridge-not-an-object": ("shardbridge.json", lambda p: p.write_text("[1, 2]"), "JSON object was expected"),
+    "shardbridge-wrong-entries": ("shardbridge.json", _garble_entries, "is damaged .*param_groups is not .*fp8_params"),
     "checksums-garbled": ("__0_checksums.json", _garble_json, "is damaged .*JSONDecodeError"),
     "checksums-wrong-entry": ("__0_checksums.json", lambda p: p.write_text('{"__0_0.distcp": 7}'), "not \\[size"),
 }
