@@ -1,4 +1,4 @@
-"""benchmarks.harness's pure parts: fractions of the floor, speedups, cells, tables, the environment line, JSON, the page-cache probe."""
+"""benchmarks.harness: fractions of the floor, speedups, cells, tables, the environment line, JSON, the page cache."""
 
 import datetime
 import json
