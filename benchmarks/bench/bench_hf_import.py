@@ -173,6 +173,38 @@ def timed_load(loader: Loader, directory: Path, expected: torch.Tensor) -> tuple
     return seconds, peak
 
 
+def read_floors(files: list[Path], nbytes: int) -> tuple[dict[str, float], list[Result], float]:
+    """({"cold": s, "hot": s} of reading the files once in order, after dropping them and again), their rows, and
+    the fraction of the files' pages that stayed cached through the drop."""
+    floors, rows, cached = {}, [], {}
+    for cache in ("cold", "hot"):
+        if cache == "cold":
+            drop_from_page_cache(files)
+        cached[cache] = cached_fraction(files)
+        floors[cache] = sequential_read_s(files)
+        extra = {"GB/s": nbytes / floors[cache] / 1e9, "cached before": f"{cached[cache]:.0%}"}
+        rows.append(Result(f"sequential read, {cache} cache", floors[cache], None, unit="s", extra=extra))
+    return floors, rows, cached["cold"]
+
+
+def notes(nbytes: int, floors: dict[str, float], cold_cached: float, device: str) -> list[str]:
+    bandwidth = {cache: f"{nbytes / seconds / 1e9:.2f} GB/s {cache}" for cache, seconds in floors.items()}
+    if cold_cached < 0.01:
+        cache = "dropped before each cold row (mincore: under 1% of the files' pages cached)"
+    else:
+        cache = (f"NOT dropped ({cold_cached:.0%} of the files' pages stayed cached: tmpfs, or the kernel ignored "
+                 "posix_fadvise): the cold rows read the page cache")  # fmt: skip
+    placement = (
+        f"device_map={device!r}" if HAS_ACCELERATE else f"no accelerate: loaded on the host, then .to({device!r})"
+    )
+    checked = "every load was checked against the file's bytes (the last layer's down_proj)"
+    return [
+        f"- floor: {nbytes / 1e9:.2f} GB / the sequential read of the same files in this run ({', '.join(bandwidth.values())})",
+        f"- page cache: {cache}",
+        f"- device: {device}; each loader loaded a tiny checkpoint first (imports, start-up); {checked}; transformers: {placement}",
+    ]  # fmt: skip
+
+
 def main() -> None:
     parser = argument_parser(__doc__)
     parser.add_argument("--small", action="store_true", help="a tiny model (seconds on a CPU): checks the script")
@@ -184,25 +216,16 @@ def main() -> None:
     sizes = SMALL if args.small else LLAMA_3_2_1B | ({"layers": args.layers} if args.layers else {})
     root = Path(tempfile.mkdtemp(prefix="bench_hf_import_", dir=args.dir))
     try:
-        write_checkpoint(root / "warmup", SMALL, 2, device)
-        files = write_checkpoint(root / "hf", sizes, args.files, device)
-        directory = root / "hf"
-        config, _ = hf_llama.parse_config(hf_config(sizes), directory / hf_llama.CONFIG_FILE)
+        warmup, directory = root / "warmup", root / "hf"
+        write_checkpoint(warmup, SMALL, 2, device)
+        files = write_checkpoint(directory, sizes, args.files, device)
         nbytes = sum(path.stat().st_size for path in files)
         expected = expected_down_proj(directory, sizes["layers"])
-        warmup_expected = expected_down_proj(root / "warmup", SMALL["layers"])
-
-        drop_from_page_cache(files)
-        cached_before = cached_fraction(files)
-        floors = {"cold": sequential_read_s(files), "hot": sequential_read_s(files)}  # the floor: these reads
-        rows = [
-            Result(f"sequential read, {cache} cache", seconds, None, unit="s",
-                   extra={"GB/s": nbytes / seconds / 1e9, "cached before": f"{cached_before if cache == 'cold' else 1:.0%}"})
-            for cache, seconds in floors.items()
-        ]  # fmt: skip
+        warmup_expected = expected_down_proj(warmup, SMALL["layers"])
+        floors, rows, cold_cached = read_floors(files, nbytes)
         timings = {}  # (cache, loader name) -> (seconds, device peak GiB, cached fraction before)
         for loader in loaders(device):
-            timed_load(loader, root / "warmup", warmup_expected)  # imports, CUDA / JAX start-up
+            timed_load(loader, warmup, warmup_expected)  # imports, CUDA / JAX start-up
             for cache in floors:
                 if cache == "cold":
                     drop_from_page_cache(files)
@@ -213,23 +236,10 @@ def main() -> None:
             extra = {"GB/s": nbytes / seconds / 1e9, "cached before": f"{cached:.0%}", "device peak GiB": peak}
             rows.append(Result(f"import, {cache} cache", seconds, floors[cache], unit="s", provider=name,
                                peer=peer_s, peer_name=PEER if peer_s else "", extra=extra))  # fmt: skip
-        floor_note = (
-            f"- floor: {nbytes / 1e9:.2f} GB / the sequential read of the same files in this run "
-            f"({nbytes / floors['cold'] / 1e9:.2f} GB/s cold, {nbytes / floors['hot'] / 1e9:.2f} GB/s hot)"
-        )
-        if cached_before < 0.01:
-            cache_note = "- page cache: dropped before each cold row (mincore: under 1% of the files' pages cached)"
-        else:
-            cache_note = (
-                f"- page cache: NOT dropped ({cached_before:.0%} of the files' pages stayed cached: tmpfs, or "
-                "the kernel ignored posix_fadvise): the cold rows read the page cache"
-            )
-        device_note = (f"- device: {device}; each loader loaded a tiny checkpoint first (imports, start-up); every load "
-                       "was checked against the file's bytes (the last layer's down_proj); transformers: "
-                       + (f"device_map={device!r}" if HAS_ACCELERATE else f"no accelerate: loaded on the host, then .to({device!r})"))  # fmt: skip
+        config, _ = hf_llama.parse_config(hf_config(sizes), directory / hf_llama.CONFIG_FILE)
         params = sum(math.prod(shape) for shape in hf_llama.hf_shapes(config).values())
         title = f"bench_hf_import, random Llama {params / 1e9:.2f}B parameters bf16, {len(files)} files, {nbytes / 1e9:.2f} GB"
-        report(title, rows, args.json, [floor_note, cache_note, device_note])
+        report(title, rows, args.json, notes(nbytes, floors, cold_cached, device))
     finally:
         shutil.rmtree(root, ignore_errors=True)
 
