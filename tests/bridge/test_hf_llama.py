@@ -165,6 +165,7 @@ READ_SLACK_BYTES = 0
 
 
 @pytest.mark.multiprocess
+@pytest.mark.slow  # ~13 s of CPU over the 4 ranks, most of it importing torch
 def test_fsdp2_x_tp_ranks_on_gloo_processes_read_only_their_own_bytes(checkpoints):
     """4 gloo processes (2 x 2): transformers' logits, and each rank reads about a quarter of the checkpoint.
 
