@@ -6,6 +6,8 @@ rchar sees the headers and none of the weights, and page counts are too coarse f
 (4 KiB pages, a 64 KiB fault-around window, rows of a few hundred bytes). So every tensor safetensors
 returns (`get_slice(name)[...]`, `get_tensor(name)`) is counted by its bytes, whatever the caller does
 with it: a loader that read whole tensors and cut its shard out afterwards counts the whole tensors.
+Reads that bypass `safetensors.safe_open` (a name bound before `count_reads`, as `safetensors.torch`
+binds it) are not seen: the test therefore also requires each rank's count to be positive.
 
 Kept apart from the test modules so that a spawned rank imports torch and the loader only.
 """
