@@ -27,6 +27,7 @@ import importlib.metadata
 import io
 import json
 import math
+import os
 import statistics
 import subprocess
 import sys
@@ -123,6 +124,61 @@ def slowest_rank(value: float) -> float:
 def relative_error(got, want) -> float:
     """||got - want|| / ||want|| of two torch tensors, in fp32: a fast wrong kernel must not pass unnoticed."""
     return float((got.float() - want.float()).norm() / want.float().norm())
+
+
+# --- the page cache -------------------------------------------------------------------------------------------
+def drop_from_page_cache(paths: Sequence[Path]) -> None:
+    """Write the files' dirty pages back, then ask the kernel to evict them (posix_fadvise DONTNEED).
+
+    The kernel may ignore the advice (tmpfs keeps files in memory by nature): `cached_fraction` says what stayed.
+    """
+    for path in paths:
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+
+
+def cached_fraction(paths: Sequence[Path]) -> float:
+    """The fraction of the files' pages in the page cache (mincore on a private mapping; touches no page)."""
+    import ctypes
+    import mmap
+
+    import numpy as np
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    page = os.sysconf("SC_PAGE_SIZE")
+    resident = total = 0
+    for path in paths:
+        size = os.path.getsize(path)
+        if size == 0:
+            continue
+        pages = (size + page - 1) // page
+        flags = (ctypes.c_ubyte * pages)()
+        with open(path, "rb") as file, mmap.mmap(file.fileno(), size, access=mmap.ACCESS_COPY) as mapping:
+            anchor = ctypes.c_char.from_buffer(mapping)  # the mapping's address (released before it closes)
+            try:
+                failed = libc.mincore(ctypes.c_void_p(ctypes.addressof(anchor)), ctypes.c_size_t(size), flags)
+            finally:
+                del anchor
+        if failed:
+            raise OSError(ctypes.get_errno(), f"mincore on {path} failed")
+        resident += int((np.frombuffer(flags, np.uint8) & 1).sum())
+        total += pages
+    return resident / total if total else 0.0
+
+
+def sequential_read_s(paths: Sequence[Path], chunk: int = 64 << 20) -> float:
+    """Wall seconds to read the files once, in order, by `chunk`-byte reads into one buffer (the disk floor's probe)."""
+    buffer = bytearray(chunk)
+    start = time.perf_counter()
+    for path in paths:
+        with open(path, "rb", buffering=0) as file:
+            while file.readinto(buffer):
+                pass
+    return time.perf_counter() - start
 
 
 # --- the environment line -------------------------------------------------------------------------------------

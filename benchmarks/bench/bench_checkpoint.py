@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from benchmarks.harness import Result, argument_parser, report
+from benchmarks.harness import Result, argument_parser, drop_from_page_cache, report
 from torchside.autocast import quantized_model_init
 from torchside.checkpoint import load, save
 from torchside.modules import LayerNormMLP
@@ -35,12 +35,7 @@ DISK_PROBE_BYTES = 2 << 30
 
 
 def _drop_from_page_cache(directory: Path) -> None:
-    for path in directory.rglob("*"):
-        if path.is_file():
-            fd = os.open(path, os.O_RDONLY)
-            os.fsync(fd)
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-            os.close(fd)
+    drop_from_page_cache([path for path in directory.rglob("*") if path.is_file()])
 
 
 def _disk_gbps(directory: Path) -> tuple[float, float]:

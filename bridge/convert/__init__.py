@@ -10,15 +10,17 @@
     stage     everything is written into `.<name>.partial/` beside the target, created exclusively
               (torchside.checkpoint.commit's rule): a second conversion into the same target is refused
     verify    every written box is read back from the staging copy; a per-tensor CRC32 of the bytes as
-              produced and as read back must agree (CheckFailed if not)
+              produced and as read back must agree (CheckFailed if not). A writer may produce a box
+              in dim-0 blocks (the HF writer does): the blocks' CRC32s join into the tensor's
     commit    only then is the staging copy renamed to the target: a failed, refused or interrupted
               conversion leaves no target and no temporary files
 
 Processes: with torch.distributed initialized, each rank writes its own boxes of a DCP or safetensors
 target (owners = ranks). An Orbax target is written by one process over its JAX devices (owners =
-devices). Peak host memory per process: one target box plus what the source reader holds for it (a
-DCP source: the saved chunks overlapping the box; safetensors and Orbax: the box), except for an Orbax
-target, where Orbax keeps the process's shards of the whole tree until it commits.
+devices). Peak host memory per process: one target box (an HF target: one block, about one HF tensor)
+plus what the source reader holds for it (a DCP source: the saved chunks overlapping the box;
+safetensors and Orbax: the box), except for an Orbax target, where Orbax keeps the process's shards
+of the whole tree until it commits.
 """
 
 from __future__ import annotations
@@ -216,29 +218,43 @@ def _gather(crcs: dict[tuple[str, Box], int]) -> dict[tuple[str, Box], int]:
     return {k: v for part in gathered for k, v in part.items()}
 
 
-def _tensor_crc(entry: PlanEntry, crcs: Mapping[tuple[str, Box], int]) -> int | None:
-    """CRC32 of a whole target tensor's bytes from its boxes' (dim-0 blocks, joined in row order)."""
-    boxes = sorted(box for owner in entry.boxes for box in owner)
-    if any((entry.target.key, box) not in crcs for box in boxes):
-        return None
-    crc = crcs[(entry.target.key, boxes[0])]
-    for offsets, sizes in boxes[1:]:
+def _by_tensor(crcs: Mapping[tuple[str, Box], int]) -> dict[str, list[tuple[Box, int]]]:
+    by_key: dict[str, list[tuple[Box, int]]] = {}
+    for (key, box), crc in crcs.items():
+        by_key.setdefault(key, []).append((box, crc))
+    return by_key
+
+
+def _tensor_crc(entry: PlanEntry, boxes: list[tuple[Box, int]]) -> int | None:
+    """CRC32 of a whole target tensor's bytes from the (box, CRC32) of the dim-0 blocks produced of it, joined
+    in row order; None unless they tile the tensor (a writer may produce its plan box in row blocks)."""
+    shape, crc, row = entry.target.shape, None, 0
+    for (offsets, sizes), block_crc in sorted(boxes):
+        if not shape:  # 0-d: one box
+            return block_crc if len(boxes) == 1 else None
+        if offsets[0] != row or any(offsets[1:]) or tuple(sizes[1:]) != tuple(shape[1:]):
+            return None
         nbytes = math.prod(sizes) * itemsize(entry.target.dtype)
-        crc = crc32_combine(crc, crcs[(entry.target.key, (offsets, sizes))], nbytes)
-    return crc
+        crc = block_crc if crc is None else crc32_combine(crc, block_crc, nbytes)
+        row += sizes[0]
+    return crc if shape and row == shape[0] else None
 
 
 def _tensor_crcs(entries, produced: dict) -> dict[str, int]:
-    everything = _gather(produced)
-    return {e.target.key: _tensor_crc(e, everything) for e in entries}
+    everything = _by_tensor(_gather(produced))
+    return {e.target.key: _tensor_crc(e, everything.get(e.target.key, [])) for e in entries}
 
 
 def _checksums(entries, produced: dict, written: dict) -> tuple[TensorChecksum, ...]:
-    produced, written = _gather(produced), _gather(written)
+    produced, written = _by_tensor(_gather(produced)), _by_tensor(_gather(written))
     verified = bool(written)
     return tuple(
         TensorChecksum(
-            e.target.key, e.target.shape, e.target.dtype, _tensor_crc(e, produced), _tensor_crc(e, written) if verified else None
+            e.target.key,
+            e.target.shape,
+            e.target.dtype,
+            _tensor_crc(e, produced.get(e.target.key, [])),
+            _tensor_crc(e, written.get(e.target.key, [])) if verified else None,
         )
         for e in entries
     )

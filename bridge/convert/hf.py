@@ -17,9 +17,11 @@ needs the HF `config.json` to write (`target_options["config"]`: the file or its
 `--config`). It is copied as it is; the plan's tensors are checked against it before anything is
 written. Files: `model.safetensors`, or `model-0000k-of-0000n.safetensors` plus
 `model.safetensors.index.json` once the tensors exceed `max_shard_size` (transformers' rule: tensors
-in its parameter order, a new shard when the next one would not fit). Written by one process: each
-of our tensors is produced whole (one box), split into its HF tensors, and each written at its
-offset (torchside.checkpoint.safetensors_file, with its CRC32 table) before the next is produced.
+in its parameter order, a new shard when the next one would not fit). Written by one process,
+streamed: each of our tensors is produced in dim-0 blocks as tall as the largest of its HF tensors
+(`_row_blocks`), and each block's row pieces are written at their offsets in their HF tensors
+(torchside.checkpoint.safetensors_file, each tensor's CRC32 running on piece by piece): peak memory
+is about one HF tensor, never a whole fused QKV or fc1.
 """
 
 from __future__ import annotations
@@ -35,7 +37,7 @@ from typing import Any
 
 import torch
 
-from bridge.convert.plan import Box, Plan, TensorInfo, WriteJob, check_against
+from bridge.convert.plan import Box, Plan, PlanEntry, TensorInfo, WriteJob, check_against, itemsize
 from bridge.errors import CheckFailed
 from jaxside.models import hf_llama
 from torchside.checkpoint import safetensors_file
@@ -154,14 +156,9 @@ def _shards(specs: list[safetensors_file.TensorSpec], max_bytes: int) -> list[li
 def write(job: WriteJob) -> None:
     """config.json, the safetensors file(s) and (sharded) the index, into the directory `job.path`."""
     config_file, config = _target_config(job.options)
-    entries = {e.target.key.removeprefix("model."): e.target for e in job.plan.entries}
-    table = hf_llama.sources(config)
-    rows: dict[str, tuple[str, list[int]]] = {}  # HF name -> (our name, our rows it is made of)
-    for ours, source in table.items():
-        for name, picked in hf_llama.our_rows(source, config, entries[ours].shape[0]).items():
-            rows[name] = (ours, picked)
-    specs = [(name, entries[rows[name][0]].dtype, (len(rows[name][1]), *entries[rows[name][0]].shape[1:]))
-             for name in hf_llama.hf_order(config)]  # fmt: skip
+    entries = {e.target.key.removeprefix("model."): e for e in job.plan.entries}
+    ours_of, shapes = hf_llama.ours_of(config), hf_llama.hf_shapes(config)
+    specs = [(name, entries[ours_of[name]].target.dtype, shapes[name]) for name in hf_llama.hf_order(config)]
     shards = _shards(specs, parse_size(job.options.get("max_shard_size") or DEFAULT_MAX_SHARD_SIZE))
     names = [f"model-{k:05d}-of-{len(shards):05d}.safetensors" for k in range(1, len(shards) + 1)]
     names = [hf_llama.SINGLE_FILE] if len(shards) == 1 else names
@@ -171,23 +168,39 @@ def write(job: WriteJob) -> None:
         layouts[file] = safetensors_file.layout(shard, {"format": "pt"})
         safetensors_file.create(job.path / file, layouts[file])
     where = {spec[0]: file for file, shard in zip(names, shards) for spec in shard}
-    crcs: dict[str, dict[str, int]] = {file: {} for file in names}
-    for entry in job.plan.entries:  # one box each: the whole tensor (one owner)
-        (box,) = entry.boxes[0]
-        values = job.produce(entry.target.key, box)
-        for name in table[entry.target.key.removeprefix("model.")].hf_names:
-            file = where[name]
-            fd = os.open(job.path / file, os.O_WRONLY)
-            try:
-                piece = values[torch.tensor(rows[name][1])]
-                crcs[file][name] = safetensors_file.write_at(fd, layouts[file].offsets[name], piece)
-            finally:
-                os.close(fd)
-    for file in names:  # (and syncs each file)
-        safetensors_file.record_checksums(job.path / file, layouts[file], crcs[file])
+    crcs: dict[str, int] = {}
+    fds = {file: os.open(job.path / file, os.O_WRONLY) for file in names}
+    try:
+        for ours, source in hf_llama.sources(config).items():
+            for name, offset, rows in _row_blocks(job, entries[ours], source, config, shapes):
+                file, start = where[name], layouts[where[name]].offsets[name] + offset
+                crcs[name] = safetensors_file.write_at(fds[file], start, rows, crcs.get(name, 0))
+    finally:
+        for fd in fds.values():
+            os.close(fd)
+    for file, shard in zip(names, shards):  # (and syncs each file)
+        safetensors_file.record_checksums(job.path / file, layouts[file], {spec[0]: crcs[spec[0]] for spec in shard})
     if len(names) > 1:
         parameters = sum(math.prod(shape) for _, _, shape in specs)
         metadata = {"total_parameters": parameters, "total_size": sum(map(_nbytes, specs))}
         index = {"metadata": metadata, "weight_map": {name: where[name] for name, _, _ in specs}}
         (job.path / hf_llama.INDEX_FILE).write_text(json.dumps(index, indent=2) + "\n")
     shutil.copyfile(config_file, job.path / hf_llama.CONFIG_FILE)
+
+
+def _row_blocks(job: WriteJob, entry: PlanEntry, source: hf_llama.Source, config, shapes):
+    """(HF name, byte offset in it, its rows) of one of our tensors, produced a dim-0 block at a time.
+
+    A block has as many rows as the largest of the HF tensors it is made of (peak memory: about one
+    HF tensor, not the fused one); its rows go to the HF tensors by `row_pieces`, the reader's table,
+    in increasing HF row order (each HF tensor's CRC32 runs on in that order).
+    """
+    key, shape = entry.target.key, entry.target.shape
+    block = max(shapes[name][0] for name in source.hf_names)
+    row_bytes = math.prod(shape[1:]) * itemsize(entry.target.dtype)
+    for start in range(0, shape[0], block):
+        stop = min(shape[0], start + block)
+        values = job.produce(key, ((start, *[0] * (len(shape) - 1)), (stop - start, *shape[1:])))
+        for piece in hf_llama.row_pieces(source, config, start, stop):
+            rows = values[piece.dest : piece.dest + (piece.stop - piece.start) * piece.step : piece.step]
+            yield piece.hf_name, piece.start * row_bytes, rows

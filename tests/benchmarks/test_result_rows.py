@@ -1,12 +1,14 @@
-"""benchmarks.harness's pure parts: fractions of the floor, speedups, cells, tables, the environment line, JSON."""
+"""benchmarks.harness: fractions of the floor, speedups, cells, tables, the environment line, JSON, the page cache."""
 
 import datetime
 import json
+import os
 
 import pytest
 
 from benchmarks.harness import (
-    Result, format_environment, format_value, fraction_of_floor, markdown_table, report, speedup, table_rows, wall_ms,
+    Result, cached_fraction, format_environment, format_value, fraction_of_floor, markdown_table, report,
+    sequential_read_s, speedup, table_rows, wall_ms,
 )  # fmt: skip
 
 
@@ -87,3 +89,11 @@ def test_wall_ms_runs_before_each_timed_call_and_returns_the_median(monkeypatch)
     ms = wall_ms(lambda: calls.append("fn"), repeats=3, warmup=1, before=lambda: calls.append("before"))
     assert ms == pytest.approx(3.0)
     assert calls == ["fn", "before", "fn", "before", "fn", "before", "fn"]
+
+
+def test_a_file_just_read_is_all_in_the_page_cache(tmp_path):
+    """mincore through cached_fraction: every page of a file read a moment ago is cached (0 if the address were wrong)."""
+    path = tmp_path / "data"
+    path.write_bytes(os.urandom(3 << 20) + b"tail")  # a last partial page
+    assert sequential_read_s([path], chunk=1 << 20) > 0
+    assert cached_fraction([path]) == 1.0

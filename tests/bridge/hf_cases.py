@@ -8,13 +8,15 @@ size the 256-wide grid model amplifies fp32 reordering to 1.1e-5 relative.
 from __future__ import annotations
 
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
-from transformers import LlamaConfig as HFConfig
-from transformers import LlamaForCausalLM
 
 from jaxside.models import hf_llama
+
+if TYPE_CHECKING:  # imported where used: a spawned rank (tests/bridge/hf_reads.py) needs no transformers
+    from transformers import LlamaForCausalLM
 
 TOLERANCE = 1e-5  # relative, fp32: both sides sum the same products in different orders
 LLAMA3 = {
@@ -43,6 +45,9 @@ CASES = {
 
 
 def hf_model(case: str, *, vocab: int = 129, hidden: int = 64, layers: int = 2) -> LlamaForCausalLM:
+    from transformers import LlamaConfig as HFConfig
+    from transformers import LlamaForCausalLM
+
     config = HFConfig(
         vocab_size=vocab,
         hidden_size=hidden,

@@ -137,6 +137,26 @@ def test_a_torchside_save_of_our_llama_exports_to_hf(sources, tmp_path):
     assert_same_checkpoint(tmp_path / "hf", directory)
 
 
+def test_an_hf_export_produces_no_more_than_one_hf_tensor_at_a_time_and_verifies_every_tensor(sources, tmp_path):
+    """Each of our tensors is produced in row blocks no larger than the largest of its HF tensors (the fused QKV
+    and fc1 never whole), and the blocks' checksums still verify every tensor against the files written."""
+    directory, _ = sources["bf16_sharded"]  # MHA: q, k, v of 64 rows each, fused into 192
+    assert convert(directory, "hf", tmp_path / "dcp", "dcp").ok
+    produced: list[tuple[str, int]] = []
+    options = {"config": directory, "max_shard_size": SHARD}
+    result = convert(tmp_path / "dcp", "dcp", tmp_path / "hf", "hf", target_options=options,
+                     on_box=lambda key, nbytes: produced.append((key, nbytes)))  # fmt: skip
+    assert result.ok and all(c.produced is not None and c.written is not None for c in result.checksums)
+    assert_same_checkpoint(tmp_path / "hf", directory)
+    hf_bytes = {name: tensor.nbytes for name, tensor in tensors_of(directory).items()}
+    table = hf_llama.sources(hf_llama.read_config(directory)[0])
+    for key, nbytes in produced:
+        assert nbytes <= max(hf_bytes[name] for name in table[key.removeprefix("model.")].hf_names), key
+    for fused in ("self_attention.layernorm_qkv.weight", "layernorm_mlp.fc1_weight"):
+        blocks = [nbytes for key, nbytes in produced if key == f"model.layers.0.{fused}"]
+        assert len(blocks) > 1 and sum(blocks) == sum(hf_bytes[n] for n in table[f"layers.0.{fused}"].hf_names)
+
+
 def test_max_shard_size_spelling():
     assert hf.parse_size("5GB") == 5 * 10**9 and hf.parse_size("2GiB") == 2 * 2**30 and hf.parse_size(123) == 123
     with pytest.raises(ValueError, match="max-shard-size"):

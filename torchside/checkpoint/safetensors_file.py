@@ -99,10 +99,11 @@ def create(path: str | os.PathLike, file_layout: Layout) -> None:
         f.truncate(file_layout.size)
 
 
-def write_at(fd: int, offset: int, values: torch.Tensor) -> int:
-    """Write a CPU tensor's bytes at `offset` (retrying short writes); their CRC32."""
+def write_at(fd: int, offset: int, values: torch.Tensor, crc: int = 0) -> int:
+    """Write a CPU tensor's bytes at `offset` (retrying short writes); their CRC32, continuing `crc`, the CRC32
+    of the bytes before them (a tensor written in pieces, in order)."""
     data = memoryview(values.contiguous().reshape(-1).view(torch.uint8).numpy())
-    crc = zlib.crc32(data)
+    crc = zlib.crc32(data, crc)
     while data:
         written = os.pwrite(fd, data, offset)
         data, offset = data[written:], offset + written
