@@ -104,7 +104,7 @@ class Quantizer:
     device: torch.device | str = "cpu"  # where the state tensors live: the device of the tensors quantized
     scale: Tensor | None = field(init=False, default=None)  # DelayedScaling: fp32 (1,)
     amax_history: Tensor | None = field(init=False, default=None)  # DelayedScaling: fp32 (len,), row 0 = now
-    stochastic_step: Tensor | None = field(init=False, default=None)  # NVFP4 grads: int64 (1,), seed offset
+    stochastic_step: Tensor | None = field(init=False, default=None)  # NVFP4 grads: int64 (1,), seed offset, on device
 
     def __post_init__(self) -> None:
         family = _FAMILIES.get(type(self.recipe))
@@ -125,7 +125,7 @@ class Quantizer:
             set_state(self, "scale", torch.ones(1, device=self.device))
             set_state(self, "amax_history", torch.zeros(self.recipe.amax_history_len, device=self.device))
         if isinstance(self.recipe, NVFP4BlockScaling) and self.recipe.stochastic_for(self.role):
-            set_state(self, "stochastic_step", torch.zeros(1, dtype=torch.int64))
+            set_state(self, "stochastic_step", torch.zeros(1, dtype=torch.int64, device=self.device))
 
     @property
     def fmax(self) -> float:
@@ -156,7 +156,9 @@ class Quantizer:
             # launches slower than the GPU runs these casts. The same amax, so the same scale and bytes.
             kwargs["amax"] = local_amax(x)
         if self.stochastic_step is not None:
-            kwargs["stochastic_seed"] = self.recipe.stochastic_rounding_seed + int(self.stochastic_step)
+            # The seed stays a device tensor and the counter advances by a device op: no host read, so a CUDA
+            # graph that captured this cast draws new random bits on every replay.
+            kwargs["stochastic_seed"] = self.stochastic_step + self.recipe.stochastic_rounding_seed
             self.stochastic_step.add_(1)
         return family.kernel, kwargs
 
