@@ -14,6 +14,7 @@ import traceback
 
 import pytest
 import torch
+from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from torchside.corpus import SyntheticCorpus
@@ -118,18 +119,15 @@ def _state(model, optimizer) -> dict[str, torch.Tensor]:
 @pytest.mark.gpu
 @pytest.mark.parametrize("recipe", ["off", "delayed", "current", "block", "mxfp8", "nvfp4"])
 def test_a_graphed_step_equals_the_eager_step_bit_for_bit(recipe):
-    deterministic = torch.are_deterministic_algorithms_enabled()
-    torch.use_deterministic_algorithms(True, warn_only=True)  # attention's backward without atomics
-    try:
-        runs = {}
+    runs = {}
+    # SDPA's math backend: flash attention's backward sums dQ with atomics, so two eager runs could differ
+    with sdpa_kernel(SDPBackend.MATH):
         for capture in (False, True):
             options, model, optimizer, _, step = _setup(recipe, "cuda", capture=capture, cuda_graphs=True)
             records = [step(i) for i in range(options.steps)]
             torch.cuda.synchronize()
             assert (step.call.graph is not None) == capture
             runs[capture] = ([r[1] for r in records], [r[2] for r in records], _state(model, optimizer))
-    finally:
-        torch.use_deterministic_algorithms(deterministic)
     (eager_losses, eager_norms, eager_state), (losses, norms, state) = runs[False], runs[True]
     differing = [i for i, (a, b) in enumerate(zip(losses, eager_losses)) if not torch.equal(a, b)]
     assert not differing, f"losses differ from step {differing[0]}: {losses[differing[0]]} vs {eager_losses[differing[0]]}"
@@ -141,6 +139,6 @@ def test_a_graphed_step_equals_the_eager_step_bit_for_bit(recipe):
     if recipe == "nvfp4":  # advanced by every replay: 20 steps, the counter read once per grad cast
         counters = [t for name, t in state.items() if name.endswith("fp8_stochastic_step")]
         assert all(bool((c == options.steps).all()) for c in counters), counters
-    if recipe == "delayed":  # the histories rolled inside the graph: rows 1.. hold past amaxes
+    if recipe == "delayed":  # the histories rolled inside the graph: each step's amaxes moved to the end
         histories = [t for name, t in state.items() if name.endswith("amax_history")]
-        assert all(bool((h[1 : options.steps] > 0).all()) for h in histories)
+        assert all(bool((h[-options.steps :] > 0).all()) and not h[: -options.steps].any() for h in histories)
