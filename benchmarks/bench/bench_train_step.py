@@ -79,8 +79,9 @@ def main() -> None:
                 extra={"graphed/eager": graphed_vs_eager, "final loss": m["final_loss"], "NaN/Inf": m["nonfinite"]},
             ))  # fmt: skip
     tokens = args.batch_size * args.seq_len
-    notes = [f"batch {args.batch_size} x {args.seq_len} = {tokens} tokens/step, {args.steps} steps, timed after "
-             f"{args.log_every}; floor = GEMM flops (6 x params per token) at the bf16 / FP8 peak"]  # fmt: skip
+    note = (f"batch {args.batch_size} x {args.seq_len} = {tokens} tokens/step, {args.steps} steps, timed after "
+            f"{args.log_every}; floor = GEMM flops (6 x params per token) at the bf16 / FP8 peak")  # fmt: skip
+    notes = [note]
     report("bench_train_step", rows, args.json, notes)
 
 
