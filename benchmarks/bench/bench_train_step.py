@@ -38,6 +38,8 @@ def run(config: str, recipe: str, graphed: bool, args) -> dict:
         progress=False, cuda_graphs=graphed,
     )  # fmt: skip
     summary = train(options)
+    mode = "graphed" if graphed else "eager"
+    print(f"{config} {recipe} {mode}: {summary.tokens_per_s:.0f} tokens/s, final loss {summary.final_loss:.4f}", flush=True)
     gc.collect()
     torch.cuda.empty_cache()
     return {"tokens_per_s": summary.tokens_per_s, "final_loss": summary.final_loss,
