@@ -284,7 +284,7 @@ class GraphedTrainStep:
         self.model, self.optimizer, self.corpus, self.options, self.recipe = model, optimizer, corpus, options, recipe
         self.params = [p for p in model.parameters() if p.requires_grad]
         for p in self.params:
-            if p.device != device:
+            if p.device.type != device.type:
                 raise ValueError(f"GraphedTrainStep: a parameter is on {p.device}, the step on {device}: move the model")
             p.grad = torch.zeros_like(p)
         self.grads = [p.grad for p in self.params]
