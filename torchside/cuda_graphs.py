@@ -77,7 +77,8 @@ class CapturedCall(Generic[T]):
     def _capture(self) -> None:
         graph = torch.cuda.CUDAGraph()
         try:
-            with torch.cuda.graph(graph):
+            # thread_local: another thread's CUDA work (an async checkpoint's staging copies) may go on meanwhile
+            with torch.cuda.graph(graph, capture_error_mode="thread_local"):
                 self._result = self.fn()
         except Exception as error:
             raise CaptureError(
