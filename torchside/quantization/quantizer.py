@@ -104,7 +104,7 @@ class Quantizer:
     device: torch.device | str = "cpu"  # where the state tensors live: the device of the tensors quantized
     scale: Tensor | None = field(init=False, default=None)  # DelayedScaling: fp32 (1,)
     amax_history: Tensor | None = field(init=False, default=None)  # DelayedScaling: fp32 (len,), row 0 = now
-    stochastic_step: Tensor | None = field(init=False, default=None)  # NVFP4 grads: int64 (1,), seed offset, on device
+    stochastic_step: Tensor | None = field(init=False, default=None)  # NVFP4 grads: int64 (1,), seed offset
 
     def __post_init__(self) -> None:
         family = _FAMILIES.get(type(self.recipe))
@@ -157,8 +157,9 @@ class Quantizer:
             kwargs["amax"] = local_amax(x)
         if self.stochastic_step is not None:
             # The seed stays a device tensor and the counter advances by a device op: no host read, so a CUDA
-            # graph that captured this cast draws new random bits on every replay.
-            kwargs["stochastic_seed"] = self.stochastic_step + self.recipe.stochastic_rounding_seed
+            # graph that captured this cast draws new random bits on every replay. The bits use the seed mod
+            # 2^32 (kernels.formats.stochastic_key), so the recipe's seed is reduced first: no int64 overflow.
+            kwargs["stochastic_seed"] = self.stochastic_step + self.recipe.stochastic_rounding_seed % 2**32
             self.stochastic_step.add_(1)
         return family.kernel, kwargs
 
