@@ -94,6 +94,20 @@ def _check_one_fp32(value: Tensor, name: str, meaning: str, device: torch.device
         raise ValueError(f"{name} is on {value.device} but x is on {device}; move it to {device}")
 
 
+def check_stochastic_seed(seed: object) -> None:
+    """None (round to nearest), an int, or an integer tensor of one element (a seed that stays on the device)."""
+    if seed is None or (isinstance(seed, int) and not isinstance(seed, bool)):
+        return
+    if isinstance(seed, Tensor) and not seed.is_floating_point() and not seed.is_complex() and seed.numel() == 1:
+        if seed.dtype == torch.bool:
+            raise TypeError(f"stochastic_seed must be an integer tensor, got a bool one: {seed!r}")
+        return
+    raise TypeError(
+        f"stochastic_seed must be an int or an integer tensor of one element (or None for round-to-nearest), "
+        f"got {seed!r}"
+    )
+
+
 def check_global_amax(global_amax: Tensor | None, rotated_columnwise: bool, device: torch.device) -> None:
     """An NVFP4 global amax given for a shard: fp32, one element, on x's device, for unrotated copies."""
     if global_amax is None:

@@ -521,10 +521,11 @@ def _transposed_nibble_words(words):
 
 
 @triton.heuristics({"EVEN": lambda args: args["M"] % args["BLOCK_M"] == 0 and args["K"] % args["BLOCK_K"] == 0})
-@triton.jit(do_not_specialize=["key"])
+@triton.jit
 def _nvfp4_kernel(
     x_ptr, data_ptr, scale_ptr, columnwise_ptr, columnwise_scale_ptr, amax_bits_ptr,
-    M, K, stride_m, stride_k, key,  # key: hash32(seed) as a signed int32, for stochastic rounding
+    key_ptr,  # int32 (1,): hash32(seed), for stochastic rounding; read from memory so a CUDA graph follows it
+    M, K, stride_m, stride_k,
     SQUARE: tl.constexpr, HADAMARD: tl.constexpr, STOCHASTIC: tl.constexpr,
     ROWWISE: tl.constexpr, COLUMNWISE: tl.constexpr, HARDWARE_CAST: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, EVEN: tl.constexpr,
@@ -539,6 +540,7 @@ def _nvfp4_kernel(
     first_col = tl.program_id(1) * BLOCK_K
     SHARED: tl.constexpr = SQUARE and not HADAMARD and not STOCHASTIC and ROWWISE and COLUMNWISE
     global_encode = _nvfp4_global_encode(amax_bits_ptr)
+    key = tl.load(key_ptr) if STOCHASTIC else 0
     if ROWWISE:
         codes, block_scale = _nvfp4_codes(
             x, first_row, first_col, K, global_encode, key, SQUARE, False, STOCHASTIC, HARDWARE_CAST,

@@ -197,10 +197,22 @@ def hash32(x: Tensor) -> Tensor:
     return x ^ (x >> HASH_SHIFTS[2])
 
 
-def stochastic_rounding_bits(seed: int, index: Tensor) -> Tensor:
-    """32 random bits per element: hash32(index mod 2^32 XOR hash32(seed mod 2^32))."""
-    key = hash32(torch.tensor(seed & _MASK32, dtype=torch.int64, device=index.device))
-    return hash32((index.long() & _MASK32) ^ key)
+def stochastic_key(seed: int | Tensor, device: torch.device) -> Tensor:
+    """hash32(seed mod 2^32) as an int64 scalar on `device`.
+
+    A tensor seed (an integer tensor of one element, e.g. a step counter on the GPU) is read on the device, so
+    a CUDA graph that captured the cast draws new bits as the counter advances; an int becomes a fill (no copy).
+    """
+    if isinstance(seed, Tensor):
+        value = seed.reshape(()).to(device=device, dtype=torch.int64)
+    else:
+        value = torch.full((), seed & _MASK32, dtype=torch.int64, device=device)
+    return hash32(value)
+
+
+def stochastic_rounding_bits(seed: int | Tensor, index: Tensor) -> Tensor:
+    """32 random bits per element: hash32(index mod 2^32 XOR hash32(seed mod 2^32)) (seed: see stochastic_key)."""
+    return hash32((index.long() & _MASK32) ^ stochastic_key(seed, index.device))
 
 
 HADAMARD_SIZE = 16

@@ -44,6 +44,12 @@ class TensorTable:
         """Make row `row` hold these tensors' addresses; uploads only what changed."""
         addresses = [t.data_ptr() for t in tensors]
         if addresses != self._rows[row]:
+            if self.addresses.is_cuda and torch.cuda.is_current_stream_capturing():
+                raise RuntimeError(
+                    "a multi-tensor launch table must be re-pointed (a tensor moved, e.g. a grad was re-allocated) "
+                    "during a CUDA graph capture, where a host-to-device copy cannot run: keep the tensors in place "
+                    "(allocate grads once and zero them in place) and warm up before capturing"
+                )
             # Stream-ordered after earlier launches, so a table in use never changes under them.
             self.addresses[row].copy_(torch.tensor(addresses, dtype=torch.int64), non_blocking=True)
             self._rows[row] = addresses

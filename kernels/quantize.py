@@ -30,11 +30,12 @@ from kernels._checks import (
     check_roles,
     check_scale_or_amax,
     check_splits,
+    check_stochastic_seed,
     element_format,
     matrix_view,
 )
 from kernels._quantize_kernels import _amax_kernel, _blockwise_kernel, _mxfp8_kernel, _nvfp4_kernel, _tensorwise_kernel
-from kernels.formats import FP8_FORMATS, hash32
+from kernels.formats import FP8_FORMATS, stochastic_key
 from kernels.reference import Quantized
 
 
@@ -354,10 +355,11 @@ def quantize_mxfp8(
     )
 
 
-def _hash_key(seed: int) -> int:
-    """hash32(seed mod 2^32) as a signed int32, so the kernel argument always has one type."""
-    key = int(hash32(torch.tensor(seed & 0xFFFFFFFF, dtype=torch.int64)))
-    return key - (1 << 32) if key >= (1 << 31) else key
+def _key_on_device(seed: int | Tensor, device: torch.device) -> Tensor:
+    """hash32(seed mod 2^32) as an int32 (1,) device tensor the kernel loads: never a host value, so a captured
+    cast follows a seed counter that advances on the device."""
+    key = stochastic_key(seed, device)
+    return torch.where(key >= 1 << 31, key - (1 << 32), key).to(torch.int32).reshape(1)
 
 
 @_reference_when_nothing_to_launch
@@ -366,7 +368,7 @@ def quantize_nvfp4(
     *,
     block: tuple[int, int] = (1, 16),
     hadamard: bool = False,
-    stochastic_seed: int | None = None,
+    stochastic_seed: int | Tensor | None = None,
     rowwise: bool = True,
     columnwise: bool = False,
     global_amax: Tensor | None = None,
@@ -375,8 +377,7 @@ def quantize_nvfp4(
     (or a given `global_amax`: see kernels.reference.quantize_nvfp4)."""
     block = check_block(block, ((1, 16), (16, 16)), "quantize_nvfp4")
     check_roles(rowwise, columnwise)
-    if stochastic_seed is not None and not isinstance(stochastic_seed, int):
-        raise TypeError(f"stochastic_seed must be an int (or None for round-to-nearest), got {stochastic_seed!r}")
+    check_stochastic_seed(stochastic_seed)
     check_global_amax(global_amax, hadamard and columnwise, x.device)
     x2d, shape = matrix_view(x)
     M, K = x2d.shape
@@ -395,9 +396,9 @@ def quantize_nvfp4(
     scale = _bytes((triton.cdiv(M, 16) if square else M, K // 16), rowwise, x.device)
     columnwise_data = _bytes((K, M // 2), columnwise, x.device)
     columnwise_scale = _bytes((triton.cdiv(K, 16) if square else K, M // 16), columnwise, x.device)
+    key = amax_bits if stochastic_seed is None else _key_on_device(stochastic_seed, x.device)  # unread if None
     _launch(
-        "nvfp4", x2d, data, scale, columnwise_data, columnwise_scale, amax_bits,
-        key=0 if stochastic_seed is None else _hash_key(stochastic_seed),
+        "nvfp4", x2d, data, scale, columnwise_data, columnwise_scale, amax_bits, key,
         SQUARE=square, HADAMARD=rotate, STOCHASTIC=stochastic_seed is not None,
         ROWWISE=rowwise, COLUMNWISE=columnwise, HARDWARE_CAST=_hardware_cast(x),
     )

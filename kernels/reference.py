@@ -25,6 +25,7 @@ from kernels._checks import (
     check_roles,
     check_scale_or_amax,
     check_splits,
+    check_stochastic_seed,
     element_format,
     matrix_view,
 )
@@ -236,7 +237,7 @@ def nvfp4_global_encode(global_amax: Tensor) -> Tensor:
 
 
 def _nvfp4_operand(
-    operand: Tensor, global_amax: Tensor, block: tuple[int, int], stochastic_seed: int | None
+    operand: Tensor, global_amax: Tensor, block: tuple[int, int], stochastic_seed: int | Tensor | None
 ) -> tuple[Tensor, Tensor]:
     """(packed e2m1 bytes, e4m3 scale per block) of one operand."""
     global_encode = nvfp4_global_encode(global_amax)
@@ -259,7 +260,7 @@ def quantize_nvfp4(
     *,
     block: tuple[int, int] = (1, 16),
     hadamard: bool = False,
-    stochastic_seed: int | None = None,
+    stochastic_seed: int | Tensor | None = None,
     rowwise: bool = True,
     columnwise: bool = False,
     global_amax: Tensor | None = None,
@@ -272,8 +273,7 @@ def quantize_nvfp4(
     """
     block = check_block(block, ((1, 16), (16, 16)), "quantize_nvfp4")
     check_roles(rowwise, columnwise)
-    if stochastic_seed is not None and not isinstance(stochastic_seed, int):
-        raise TypeError(f"stochastic_seed must be an int (or None for round-to-nearest), got {stochastic_seed!r}")
+    check_stochastic_seed(stochastic_seed)
     check_global_amax(global_amax, hadamard and columnwise, x.device)
     x2d, shape = matrix_view(x)
     x2d = x2d.float()

@@ -14,6 +14,10 @@ a summary (final loss, tokens/s, non-finite losses) as one JSON line on stdout. 
 from the latest one, on any mesh: the steps before it stay in the log, the later ones are redone.
 
 Losses are copied to the host once per `--log-every` steps, so that the GPU is never waited on.
+
+`--cuda-graphs` (one CUDA device): after 3 eager warm-up steps the whole step (forward, backward, FP8
+scale and amax-history updates, gradient clipping, FusedAdam with the learning rate and step counts on the
+device) is captured once in a CUDA graph and replayed; see `GraphedTrainStep` and torchside.cuda_graphs.
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
+import functools
 import json
 import math
 import os
@@ -41,6 +46,7 @@ from torchside import checkpoint
 from torchside.autocast import fp8_autocast
 from torchside.checkpoint.commit import committed_steps
 from torchside.corpus import SyntheticCorpus
+from torchside.cuda_graphs import CapturedCall
 from torchside.models.llama import LLAMA_CONFIGS, Llama
 from torchside.models.llama_parallel import (
     LlamaMeshes,
@@ -84,6 +90,7 @@ class TrainOptions:
     resume: bool = False
     log_every: int = 10
     progress: bool = True
+    cuda_graphs: bool = False  # capture the whole step in a CUDA graph (GraphedTrainStep)
 
     def __post_init__(self) -> None:
         choices = {"config": LLAMA_CONFIGS, "recipe": recipe_names(), "dtype": DTYPES}
@@ -103,6 +110,11 @@ class TrainOptions:
             raise ValueError(f"TrainOptions: sequence parallelism splits seq_len={self.seq_len} over tp={self.tp}")
         if (self.checkpoint_every or self.resume) and not self.checkpoint_dir:
             raise ValueError("TrainOptions: --checkpoint-every and --resume need --checkpoint-dir")
+        if self.cuda_graphs and (self.device != "cuda" or self.world_size > 1):
+            raise ValueError(
+                f"TrainOptions: --cuda-graphs captures the step of one CUDA device (got --device {self.device}, "
+                f"{self.world_size} ranks): pass --device cuda without --dp/--tp/--replicate, or drop --cuda-graphs"
+            )
 
     @property
     def world_size(self) -> int:
@@ -169,25 +181,32 @@ def build_model(options: TrainOptions) -> tuple[Llama, LlamaMeshes | None]:
     return model, meshes
 
 
-def build_optimizer(model: Llama, options: TrainOptions) -> FusedAdam:
-    """AdamW with decay on matrices only; fp32 masters for bf16 parameters."""
+def build_optimizer(model: Llama, options: TrainOptions, *, capturable: bool | None = None) -> FusedAdam:
+    """AdamW with decay on matrices only; fp32 masters for bf16 parameters; capturable (default: under --cuda-graphs)."""
     matrices = [p for p in model.parameters() if p.dim() >= 2]
     vectors = [p for p in model.parameters() if p.dim() < 2]
     groups = [{"params": matrices, "weight_decay": options.weight_decay}, {"params": vectors, "weight_decay": 0.0}]
-    return FusedAdam(groups, lr=options.lr, betas=(0.9, 0.95), master_weights=options.dtype == "bf16")
+    capturable = options.cuda_graphs if capturable is None else capturable
+    master_weights = options.dtype == "bf16"
+    return FusedAdam(groups, lr=options.lr, betas=(0.9, 0.95), master_weights=master_weights, capturable=capturable)
 
 
 # ---- one step
 
 
-def local_batch(corpus: SyntheticCorpus, options: TrainOptions, meshes: LlamaMeshes | None, step: int):
-    """(inputs [b, S], targets [b, S]) of this rank's data-parallel rows of batch `step`, on the device."""
+def _host_tokens(corpus: SyntheticCorpus, options: TrainOptions, meshes: LlamaMeshes | None, step: int):
+    """This rank's data-parallel rows of batch `step` [b, S + 1] on the host (pinned for a CUDA device)."""
     tokens = corpus.batch(step, options.batch_size, options.seq_len)
     if meshes is not None:
         tokens = tokens.chunk(meshes.data_parallel_size)[meshes.data_parallel_rank()]
     if torch.device(options.device).type == "cuda":
         tokens = tokens.pin_memory()  # an asynchronous copy: the host runs ahead of the GPU
-    tokens = tokens.to(options.device, non_blocking=True)
+    return tokens
+
+
+def local_batch(corpus: SyntheticCorpus, options: TrainOptions, meshes: LlamaMeshes | None, step: int):
+    """(inputs [b, S], targets [b, S]) of this rank's data-parallel rows of batch `step`, on the device."""
+    tokens = _host_tokens(corpus, options, meshes, step).to(options.device, non_blocking=True)
     return tokens[:, :-1], tokens[:, 1:]
 
 
@@ -235,6 +254,62 @@ def train_step(
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
     return lr, loss, grad_norm
+
+
+class GraphedTrainStep:
+    """train_step on one device, captured in a CUDA graph after 3 eager warm-up steps (`--cuda-graphs`).
+
+    Static state the graph reads: the token buffer (refilled per step by an asynchronous copy), the
+    learning rate (a device scalar in every param group: FusedAdam must be `capturable`) and the grads,
+    allocated once and zeroed in place at the start of each step (backward then accumulates into them),
+    because FusedAdam's launch tables hold their addresses. The FP8 state (DelayedScaling scales and amax
+    histories, rolled by torch ops at the regions' ends) updates inside the graph. `capture=False` runs the
+    same work eagerly: the reference a graphed run equals bit for bit. A call returns (lr, loss, grad norm)
+    like train_step, the tensors copied out of the graph's static outputs.
+    """
+
+    def __init__(
+        self,
+        model: Llama,
+        optimizer: FusedAdam,
+        corpus: SyntheticCorpus,
+        options: TrainOptions,
+        recipe: Recipe | None,
+        *,
+        capture: bool = True,
+    ) -> None:
+        if not optimizer.capturable:
+            raise ValueError("GraphedTrainStep needs FusedAdam(capturable=True): the step count and lr stay on the device")
+        device = torch.device(options.device)
+        self.model, self.optimizer, self.corpus, self.options, self.recipe = model, optimizer, corpus, options, recipe
+        self.params = [p for p in model.parameters() if p.requires_grad]
+        for p in self.params:
+            if p.device.type != device.type:
+                raise ValueError(f"GraphedTrainStep: a parameter is on {p.device}, the step on {device}: move the model")
+            p.grad = torch.zeros_like(p)
+        self.grads = [p.grad for p in self.params]
+        self.tokens = torch.zeros(options.batch_size, options.seq_len + 1, dtype=torch.long, device=device)
+        self.lr = torch.zeros((), dtype=torch.float32, device=device)
+        for group in optimizer.param_groups:
+            group["lr"] = self.lr
+        self.call = CapturedCall(self._step, capture=capture)
+
+    def _step(self) -> tuple[torch.Tensor, torch.Tensor]:
+        torch._foreach_zero_(self.grads)
+        global_tokens = self.options.batch_size * self.options.seq_len
+        loss = loss_of(self.model, self.tokens[:, :-1], self.tokens[:, 1:], self.recipe, None, global_tokens)
+        grad_norm = torch.nn.utils.clip_grad_norm_(self.params, self.options.clip or math.inf)
+        self.optimizer.step()
+        return loss.detach(), grad_norm
+
+    def __call__(self, step: int) -> tuple[float, torch.Tensor, torch.Tensor]:
+        lr = learning_rate(self.options, step)
+        self.lr.fill_(lr)
+        self.tokens.copy_(_host_tokens(self.corpus, self.options, None, step), non_blocking=True)
+        loss, grad_norm = self.call()
+        if any(grad is not p.grad for grad, p in zip(self.grads, self.params, strict=True)):
+            raise RuntimeError("GraphedTrainStep: a parameter's .grad was replaced; the graph writes the old one")
+        return lr, loss.clone(), grad_norm.clone()
 
 
 # ---- checkpoints
@@ -374,6 +449,10 @@ def train(options: TrainOptions) -> TrainSummary:
     checkpoints = _Checkpoints(options, model, optimizer)
     first_step = checkpoints.resume() if options.resume else 0
     recipe = recipe_from_name(options.recipe)
+    if options.cuda_graphs:  # built after the resume, which loads the optimizer's lr values
+        run_step = GraphedTrainStep(model, optimizer, corpus, options, recipe)
+    else:
+        run_step = functools.partial(train_step, model, optimizer, corpus, options, meshes, recipe)
     log = LossLog(options, first_step, device, writes=is_rank0)
     timed_from = min(first_step + options.log_every, options.steps)
     with _progress(options.progress and is_rank0) as progress:
@@ -382,7 +461,7 @@ def train(options: TrainOptions) -> TrainSummary:
             if step == timed_from:
                 _sync(device)
                 started = time.perf_counter()
-            log.add(step, *train_step(model, optimizer, corpus, options, meshes, recipe, step))
+            log.add(step, *run_step(step))
             done = step + 1
             if done % options.log_every == 0 or done == options.steps:
                 log.flush(options.tp)

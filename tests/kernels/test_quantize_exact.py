@@ -295,3 +295,19 @@ def test_nvfp4_global_amax_is_refused_where_it_cannot_apply(device):
         triton_quantize.quantize_nvfp4(x, hadamard=True, columnwise=True, global_amax=x.abs().amax().reshape(1))
     with pytest.raises(TypeError, match="fp32 tensor of one element"):
         reference.quantize_nvfp4(x, global_amax=torch.ones(2, device=device))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_nvfp4_seed_in_a_device_tensor_draws_the_int_seeds_bits(device):
+    """A seed counter on the device (what a CUDA graph replays) rounds like the same seed as an int."""
+    x = random_input((48, 80), torch.bfloat16, device, seed=4)
+    seed = 2**33 + 5  # beyond 32 bits: both spellings keep seed mod 2^32
+    for implementation in (triton_quantize, reference):
+        as_int = implementation.quantize_nvfp4(x, hadamard=True, columnwise=True, stochastic_seed=seed)
+        seed_tensor = torch.tensor([seed], dtype=torch.int64, device=device)
+        as_tensor = implementation.quantize_nvfp4(x, hadamard=True, columnwise=True, stochastic_seed=seed_tensor)
+        assert_same_bytes(as_tensor, as_int, x)
+        other = implementation.quantize_nvfp4(x, hadamard=True, columnwise=True, stochastic_seed=seed_tensor + 1)
+        assert not torch.equal(other.data, as_int.data), "another seed must draw other bits"
+    with pytest.raises(TypeError, match="stochastic_seed"):
+        triton_quantize.quantize_nvfp4(x, stochastic_seed=torch.tensor([1.5], device=device))

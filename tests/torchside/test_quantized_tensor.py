@@ -357,3 +357,13 @@ def test_stochastic_rounding_seed_advances_per_quantization():
     for seed in (5, 6):
         expected = R.quantize_nvfp4(x, block=(1, 16), hadamard=True, stochastic_seed=seed)
         assert same_bytes(quantizer.quantize(x, backend=Backend.REFERENCE).rowwise_data, expected.data)
+
+
+def test_stochastic_rounding_counter_stays_a_tensor_and_a_huge_seed_wraps_mod_2_32():
+    """The seed is read on the device (what a CUDA graph replays), and only its low 32 bits count."""
+    quantizer = Quantizer(NVFP4BlockScaling(stochastic_rounding_seed=2**70 + 9), "grad", columnwise=False)
+    x = torch.randn(16, 32, generator=torch.Generator().manual_seed(4))
+    _, kwargs = quantizer.kernel_call(x)
+    assert isinstance(kwargs["stochastic_seed"], torch.Tensor) and int(quantizer.stochastic_step) == 1
+    expected = R.quantize_nvfp4(x, block=(1, 16), hadamard=True, stochastic_seed=(2**70 + 10) % 2**32)
+    assert same_bytes(quantizer.quantize(x, backend=Backend.REFERENCE).rowwise_data, expected.data)

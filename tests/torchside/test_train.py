@@ -74,6 +74,7 @@ def test_learning_rate_warms_up_then_decays_to_a_tenth():
         (["--dp", "3", "--batch-size", "8"], "must divide"),
         (["--tp", "2", "--sequence-parallel", "--seq-len", "33"], "splits seq_len"),
         (["--resume"], "need --checkpoint-dir"),
+        (["--cuda-graphs"], "one CUDA device"),
     ],
 )
 def test_bad_flags_exit_with_the_reason(flags, match, capsys):

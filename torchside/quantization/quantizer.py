@@ -125,7 +125,7 @@ class Quantizer:
             set_state(self, "scale", torch.ones(1, device=self.device))
             set_state(self, "amax_history", torch.zeros(self.recipe.amax_history_len, device=self.device))
         if isinstance(self.recipe, NVFP4BlockScaling) and self.recipe.stochastic_for(self.role):
-            set_state(self, "stochastic_step", torch.zeros(1, dtype=torch.int64))
+            set_state(self, "stochastic_step", torch.zeros(1, dtype=torch.int64, device=self.device))
 
     @property
     def fmax(self) -> float:
@@ -156,7 +156,10 @@ class Quantizer:
             # launches slower than the GPU runs these casts. The same amax, so the same scale and bytes.
             kwargs["amax"] = local_amax(x)
         if self.stochastic_step is not None:
-            kwargs["stochastic_seed"] = self.recipe.stochastic_rounding_seed + int(self.stochastic_step)
+            # The seed stays a device tensor and the counter advances by a device op: no host read, so a CUDA
+            # graph that captured this cast draws new random bits on every replay. The bits use the seed mod
+            # 2^32 (kernels.formats.stochastic_key), so the recipe's seed is reduced first: no int64 overflow.
+            kwargs["stochastic_seed"] = self.stochastic_step + self.recipe.stochastic_rounding_seed % 2**32
             self.stochastic_step.add_(1)
         return family.kernel, kwargs
 
