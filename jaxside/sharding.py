@@ -37,8 +37,8 @@ import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-DP_REPLICATE, DP_SHARD, TP = "dp_replicate", "dp_shard", "tp"
-MESH_AXES = (DP_REPLICATE, DP_SHARD, TP)  # the mesh's axis order: replicas outermost, as torch's HSDP mesh
+# The mesh axes (outermost first, as torch's HSDP mesh) and placement plans: framework-free, shared with torch.
+from jaxside.plan import DP_REPLICATE, DP_SHARD, MESH_AXES, TP, PlannedParam, spec_entries
 
 PARALLEL_MODES = ("column", "row", None)  # torchside's `parallel_mode`
 PARAM_ROLES = ("kernel", "bias", "norm")  # torch's rows: linear weight, linear bias, norm weight/bias
@@ -126,6 +126,16 @@ def spec_for(logical_axes: Sequence[str], mode: str | None = None, role: str | N
                 f"over tp, so the layer's output would not match its kernel; name that axis one of {tp_names}"
             )
     return PartitionSpec(*entries)
+
+
+def plan_spec(planned: PlannedParam, *, transpose: bool) -> PartitionSpec:
+    """The PartitionSpec holding what torch holds of a parameter placed by a plan (jaxside.plan.Resolution).
+
+    `planned` is in torch's dims; `transpose`: the JAX parameter is the torch one transposed (a Flax
+    kernel [in, out] of a torch weight [out, in]). One axis on a dim is its name, two a tuple.
+    """
+    entries = [axes[0] if len(axes) == 1 else axes or None for axes in spec_entries(planned)]
+    return PartitionSpec(*(entries[::-1] if transpose else entries))
 
 
 def named_sharding(

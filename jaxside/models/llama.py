@@ -27,7 +27,6 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
-import re
 from pathlib import Path
 
 import jax
@@ -43,6 +42,7 @@ from jaxside.modules import ModuleConfig, RMSNorm, RotaryPositionEmbedding, Tran
 from jaxside.modules.base import parameter
 from jaxside.modules.placement import gathered, shardings
 from jaxside.modules.tokens import batch_dim
+from jaxside.plan import torch_name
 from jaxside.sharding import DP_SHARD, TP, constrain, make_mesh, spec_for
 
 
@@ -62,6 +62,8 @@ def transformer_config(config: LlamaConfig, module_config: ModuleConfig) -> Tran
 
 class VocabKernel(nnx.Module):
     """`kernel` [D, Vp]: the token embedding (`embed`) or an untied head (`logits`)."""
+
+    tp_unit = "embedding"  # the kind of unit whose TP mode a placement plan chooses (jaxside.plan)
 
     def __init__(self, hidden_size: int, vocab_size: int, init, dtype, rngs: nnx.Rngs) -> None:
         self.kernel = parameter(rngs, init, (hidden_size, vocab_size), dtype, ("embed", "vocab"), "kernel", "column")
@@ -148,11 +150,6 @@ class Llama(nnx.Module):
         return head.logits(h_SBD)[..., : self.config.vocab_size]
 
 
-def torch_name(jax_name: str, ndim: int) -> str:
-    """The torch parameter name of a JAX path (dotted): bridge.params' rule backwards (module docstring)."""
-    return re.sub(r"kernel(\d*)$", r"weight\1", jax_name) if ndim == 2 else jax_name
-
-
 def _read(checkpoint: Checkpoint, name: str, shape: tuple[int, ...], index: tuple[slice, ...], *, dtype) -> np.ndarray:
     """The values at `index` of the JAX parameter `name` (torch name) of global `shape`, read from the checkpoint."""
     bounds = [s.indices(n)[:2] for s, n in zip(index, shape)]
@@ -209,6 +206,7 @@ def load_hf(path: str | Path, *, mesh: Mesh | None = None, dtype=None) -> Llama:
     rest_placement = nnx.from_flat_state({path: placements[path] for path, _ in nnx.to_flat_state(rest)})
     rest_values = jax.jit(lambda: nnx.state(build(), nnx.Not(nnx.Param)), out_shardings=rest_placement)()
     return nnx.merge(graphdef, nnx.from_flat_state(flat_params), rest_values)
+
 
 __all__ = [
     "LLAMA_CONFIGS",

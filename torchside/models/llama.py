@@ -56,6 +56,8 @@ def transformer_config(config: LlamaConfig, module_config: ModuleConfig) -> Tran
 class TokenEmbedding(nn.Embedding):
     """nn.Embedding initialized N(0, init_std) (torch's default is N(0, 1)), also by materialize after meta."""
 
+    tp_unit = "embedding"  # the kind of unit whose TP mode a placement plan chooses (jaxside.plan)
+
     def __init__(self, vocab_size: int, hidden_size: int, init_std: float, **factory) -> None:
         self.init_std = init_std  # read by reset_parameters, which nn.Embedding.__init__ calls
         super().__init__(vocab_size, hidden_size, **factory)
@@ -66,6 +68,8 @@ class TokenEmbedding(nn.Embedding):
 
 class LMHead(nn.Module):
     """logits = h @ weight.T: its own weight [Vp, D] when untied, else the embedding's, passed in by Llama."""
+
+    tp_unit = "embedding"  # untied: split as the embedding (jaxside.plan); tied, it holds no parameter
 
     def __init__(self, vocab_size: int | None = None, hidden_size: int = 0, init_std: float = 0.02, **factory) -> None:
         super().__init__()

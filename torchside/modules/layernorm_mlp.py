@@ -69,6 +69,8 @@ ACTIVATIONS: dict[str, Activation] = {
 class LayerNormMLP(FP8Module):
     """Norm + MLP with TransformerEngine's te.LayerNormMLP arguments; TP settings come from `config`."""
 
+    tp_unit = "mlp"  # the kind of unit whose TP mode a placement plan chooses (jaxside.plan)
+
     def __init__(
         self,
         hidden_size: int,
