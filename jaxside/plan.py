@@ -5,7 +5,9 @@ A plan names the mesh axes' sizes and lists rules; each rule matches module or p
 
     tp                     a module's tensor-parallel mode: an embedding (or untied head) splits
                            its "vocab" rows (default) or its "hidden" columns; an attention block
-                           or MLP is "split" (QKV and fc1 column-parallel, proj and fc2 row-parallel)
+                           or MLP is "split" (default: QKV and fc1 column-parallel, proj and fc2
+                           row-parallel) or "replicate" (every TP rank computes all of it, which
+                           takes the whole sequence: no sequence parallelism with it)
     sequence_parallel      split the activations between TP modules over the sequence (one value
                            for the whole model; no rule: as the model was built)
     fsdp_dim               the dim of a parameter FSDP shards over dp_shard (0, the default, or 1)
@@ -54,12 +56,13 @@ TP_SHARD_DIM: Mapping[tuple[str, str | None], int | None] = {
     ("norm", None): None,
 }
 
-# Unit kind -> the TP modes a plan may give it (the first is the default) and, per mode, how it
-# changes the parallel mode its parameters were declared with (None: kept).
+# Unit kind -> the TP modes a plan may give it (the first is the default) and, per mode, the
+# parallel mode of its parameters: DECLARED keeps the one each was declared with.
+DECLARED = "declared"
 UNIT_MODES: Mapping[str, Mapping[str, str | None]] = {
-    "embedding": {"vocab": None, "hidden": "row"},  # weight [V, D]: declared "column" (rows split)
-    "attention": {"split": None},
-    "mlp": {"split": None},
+    "embedding": {"vocab": DECLARED, "hidden": "row"},  # weight [V, D]: declared "column" (rows split)
+    "attention": {"split": DECLARED, "replicate": None},  # a replicated unit is built unsplit (mode None)
+    "mlp": {"split": DECLARED, "replicate": None},
 }
 RULE_FIELDS = ("match", "tp", "sequence_parallel", "fsdp_dim", "reshard_after_forward")
 FSDP_DIMS = (0, 1)
@@ -186,13 +189,15 @@ class Plan:
         """Apply the plan to a model's units (name -> kind) and parameters, checking it (module docstring)."""
         if sizes is not None:
             self.check_mesh(sizes)
-        tp_modes = {name: self._tp_mode(name, kind) for name, kind in units.items()}
+        tp_modes = {name: self.tp_mode(name, kind) for name, kind in units.items()}
         sequence_parallel = self._sequence_parallel(units)
+        self._check_replicated_without_sequence_parallel(tp_modes, sequence_parallel)
         planned = {name: self._place(name, param, units, tp_modes, sizes) for name, param in params.items()}
         self._check_every_rule_matches(units, params)
         return Resolution(tp_modes, sequence_parallel, planned, self)
 
-    def _tp_mode(self, name: str, kind: str) -> str:
+    def tp_mode(self, name: str, kind: str) -> str:
+        """The TP mode of unit `name` of `kind` (a key of UNIT_MODES); ValueError naming a rule giving it another."""
         modes = UNIT_MODES[kind]
         mode, rule = self.setting(name, "tp", next(iter(modes)))
         if mode not in modes:
@@ -214,11 +219,29 @@ class Plan:
             )
         return next(iter(chosen), None)
 
+    def _check_replicated_without_sequence_parallel(self, tp_modes, sequence_parallel) -> None:
+        replicated = [name for name, mode in tp_modes.items() if mode == "replicate"]
+        if sequence_parallel and replicated:
+            _, sp_rule = self.setting(replicated[0], "sequence_parallel", None)
+            sp_rule = sp_rule or next(r.label for r in self.rules if r.sequence_parallel)
+            _, tp_rule = self.setting(replicated[0], "tp", None)
+            raise ValueError(
+                f"{sp_rule} and {tp_rule} contradict: {replicated[0]} is replicated over tp, so it computes on the "
+                "whole sequence, but sequence parallelism splits it: set sequence_parallel = false, or split it"
+            )
+
     def _place(self, name, param: Param, units, tp_modes, sizes) -> PlannedParam:
         unit = _owning_unit(name, units)
         mode = param.mode
         if unit is not None:
-            mode = UNIT_MODES[units[unit]][tp_modes[unit]] or mode
+            planned = UNIT_MODES[units[unit]][tp_modes[unit]]
+            if planned is None and param.mode is not None:
+                _, rule = self.setting(unit, "tp", None)
+                raise ValueError(
+                    f"{rule} replicates {unit}, but {name} was built {param.mode}-parallel: build the model with the "
+                    "plan (torchside.models.Llama(config, plan=...), or TransformerConfig(attention_tp=..., mlp_tp=...))"
+                )
+            mode = mode if planned == DECLARED else planned
         tp_dim = tp_shard_dim(param.role, mode)
         fsdp_dim, rule = self.setting(name, "fsdp_dim", 0)
         shape = tuple(param.shape)
@@ -341,6 +364,7 @@ def _check_same_pattern_contradictions(rules: tuple[Rule, ...]) -> None:
 DEFAULT_PLAN = Plan()
 
 __all__ = [
+    "DECLARED",
     "DEFAULT_PLAN",
     "DP_REPLICATE",
     "DP_SHARD",

@@ -42,13 +42,17 @@ from jaxside.modules import ModuleConfig, RMSNorm, RotaryPositionEmbedding, Tran
 from jaxside.modules.base import parameter
 from jaxside.modules.placement import gathered, shardings
 from jaxside.modules.tokens import batch_dim
-from jaxside.plan import torch_name
+from jaxside.plan import DEFAULT_PLAN, Plan, torch_name
 from jaxside.sharding import DP_SHARD, TP, constrain, make_mesh, spec_for
 
 
-def transformer_config(config: LlamaConfig, module_config: ModuleConfig) -> TransformerConfig:
-    """The TransformerLayer settings of a Llama block (torchside.models.llama.transformer_config's twin)."""
+def transformer_config(
+    config: LlamaConfig, module_config: ModuleConfig, plan: Plan = DEFAULT_PLAN, index: int = 0
+) -> TransformerConfig:
+    """The TransformerLayer settings of Llama block `index` (torchside.models.llama.transformer_config's twin)."""
     return TransformerConfig(
+        attention_tp=plan.tp_mode(f"layers.{index}.self_attention", "attention"),
+        mlp_tp=plan.tp_mode(f"layers.{index}.layernorm_mlp", "mlp"),
         kv_channels=config.head_dim,
         normalization="RMSNorm",
         layernorm_epsilon=config.norm_eps,
@@ -99,6 +103,7 @@ class Llama(nnx.Module):
         params_dtype=jnp.float32,
         module_config: ModuleConfig | None = None,
         kernel_init=None,
+        plan: Plan = DEFAULT_PLAN,
         rngs: nnx.Rngs,
     ) -> None:
         if not isinstance(config, LlamaConfig):
@@ -111,7 +116,6 @@ class Llama(nnx.Module):
         output_init = output_init if kernel_init is None else kernel_init
         vocab = (config.hidden_size, self.padded_vocab_size, init, params_dtype, rngs)
         self.embedding = VocabKernel(*vocab)
-        layer_config = transformer_config(config, module_config)
         self.layers = nnx.List(
             [
                 TransformerLayer(
@@ -122,10 +126,10 @@ class Llama(nnx.Module):
                     params_dtype=params_dtype,
                     kernel_init=init,
                     output_kernel_init=output_init,
-                    config=layer_config,
+                    config=transformer_config(config, module_config, plan, index),
                     rngs=rngs,
                 )
-                for _ in range(config.num_layers)
+                for index in range(config.num_layers)
             ]
         )
         self.norm = RMSNorm(

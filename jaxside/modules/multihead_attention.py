@@ -103,8 +103,9 @@ class MultiheadAttention(nnx.Module):
         )
         groups = self.core_attention.num_gqa_groups
         self.split_features = (heads * head_dim, groups * head_dim, groups * head_dim)  # q, k, v
-        column = dataclasses.replace(config.module_config, parallel_mode="column")
-        row = dataclasses.replace(config.module_config, parallel_mode="row")
+        split = config.attention_tp == "split"  # "replicate": no parameter splits over tp
+        column = dataclasses.replace(config.module_config, parallel_mode="column" if split else None)
+        row = dataclasses.replace(config.module_config, parallel_mode="row" if split else None)
         common = {"params_dtype": params_dtype, "rngs": rngs}
         projection = {"bias": config.has_qkv_bias, "kernel_init": kernel_init, "kernel_axes": QKV_AXES, **common}
         norm = config.norm_settings()
