@@ -6,9 +6,11 @@ host devices, and for every parameter:
 
 - the live DTensor holds on each rank what JAX's `devices_indices_map` puts on that device (the
   bridge's shard-map comparison, `bridge.params.same_layout`);
-- the local values, loaded from an `arange` full state (each element its own flat index), are the
-  elements at JAX's indices: a check through neither framework's layout code;
-- where the plan changes the built-in layout, the torch placements are the ones written out below.
+- the local values, loaded from one full state, are the elements at JAX's indices: a check
+  through neither framework's layout code;
+- where the plan changes the built-in layout, the torch placements are the ones written out below;
+- the model computes what the unsharded model computes from the same state: logits and gradients
+  (every rank gets the same tokens, so FSDP2's average over data-parallel ranks is the gradient).
 """
 
 from __future__ import annotations
@@ -22,7 +24,6 @@ from torch.distributed.tensor import Replicate, Shard
 
 from bridge import layout, params
 from jaxside.plan import DEFAULT_PLAN, DP_REPLICATE, DP_SHARD, MESH_AXES, TP, Plan
-from tests.bridge.layout_cases import arange_global
 from tests.distributed import run_threads
 from torchside.parallel._torch_compat import make_strided_shard
 
@@ -86,9 +87,29 @@ def _jax_side(plan: Plan, sizes: dict[str, int]):
     return mesh, {path: placed[path].get_value() for path in jax_shapes}, jax_shapes
 
 
-def _torch_side(rank, world_size, plan: Plan, sizes: dict[str, int], jax_mesh, jax_shardings, jax_shapes):
-    """On each rank: per parameter (name, placements, local values, same layout as JAX?)."""
+TOKENS = np.random.default_rng(0).integers(0, 256, size=(2, 8))
+
+
+def _full_state(shapes: dict[str, tuple[int, ...]]):
+    """Seeded values, distinct everywhere, for every parameter."""
     import torch
+
+    generator = torch.Generator().manual_seed(0)
+    return {name: torch.randn(shape, generator=generator) * 0.1 for name, shape in sorted(shapes.items())}
+
+
+def _logits_and_grads(model, full_tensor):
+    import torch
+
+    logits = model(torch.from_numpy(TOKENS))
+    logits = full_tensor(logits)
+    (logits.double().sin().sum()).backward()
+    grads = {name: full_tensor(p.grad).numpy() for name, p in model.named_parameters()}
+    return logits.detach().numpy(), grads
+
+
+def _torch_side(rank, world_size, plan: Plan, sizes: dict[str, int], full, jax_mesh, jax_shardings, jax_shapes):
+    """On each rank: per parameter (name, placements, local values, same layout as JAX?), logits and gradients."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 
     from torchside.models.llama import LLAMA_CONFIGS, Llama
@@ -99,11 +120,10 @@ def _torch_side(rank, world_size, plan: Plan, sizes: dict[str, int], jax_mesh, j
     module_config = ModuleConfig(tp_size=sizes[TP])
     model = Llama(LLAMA_CONFIGS["tiny"], device="meta", module_config=module_config, plan=plan)
     parallelize_llama(model, meshes, device="cpu", plan=plan)
-    full = {name: torch.from_numpy(arange_global(tuple(p.shape))).float() for name, p in model.named_parameters()}
-    set_model_state_dict(model, full, options=StateDictOptions(full_state_dict=True, strict=False))
+    set_model_state_dict(model, dict(full), options=StateDictOptions(full_state_dict=True, strict=False))
     torch_shapes = {name: tuple(p.shape) for name, p in model.named_parameters()}
     pairs = {pair.torch_name: pair for pair in params.pair_parameters(torch_shapes, jax_shapes)}
-    return [
+    layouts = [
         (
             name,
             tuple(p.placements),
@@ -112,6 +132,15 @@ def _torch_side(rank, world_size, plan: Plan, sizes: dict[str, int], jax_mesh, j
         )
         for name, p in model.named_parameters()
     ]
+    return layouts, _logits_and_grads(model, lambda t: t.full_tensor() if hasattr(t, "full_tensor") else t)
+
+
+def _one_process(full):
+    from torchside.models.llama import LLAMA_CONFIGS, Llama
+
+    model = Llama(LLAMA_CONFIGS["tiny"])
+    model.load_state_dict(full, strict=False)
+    return _logits_and_grads(model, lambda t: t)
 
 
 @pytest.mark.parametrize("plan_name", ["default", *EXAMPLES])
@@ -120,7 +149,9 @@ def test_a_plan_builds_the_same_shards_in_torch_and_jax(plan_name):
     sizes = _sizes(plan)
     jax_mesh, jax_shardings, jax_shapes = _jax_side(plan, sizes)
     world = math.prod(sizes.values())
-    per_rank = run_threads(_torch_side, world, plan, sizes, jax_mesh, jax_shardings, jax_shapes)
+    full = _full_state(_global_shapes(jax_shapes))
+    outcomes = run_threads(_torch_side, world, plan, sizes, full, jax_mesh, jax_shardings, jax_shapes)
+    per_rank = [layouts for layouts, _ in outcomes]
 
     pairs = params.pair_parameters(_global_shapes(jax_shapes), jax_shapes)
     by_name = {pair.torch_name: (pair.jax_path, pair) for pair in pairs}
@@ -132,12 +163,17 @@ def test_a_plan_builds_the_same_shards_in_torch_and_jax(plan_name):
             jax_map = layout.from_named_sharding(jax_shardings[path], flax_shape)
             coordinate = next(c for c in jax_map.mesh.coordinates() if jax_map.mesh.rank_of(c) == rank)
             indices = jax_map.indices[coordinate]
-            torch_shape = flax_shape[::-1] if pair.layout.transposes else flax_shape
-            expected = arange_global(torch_shape)[np.ix_(*(indices[::-1] if pair.layout.transposes else indices))]
+            expected = full[name].numpy()[np.ix_(*(indices[::-1] if pair.layout.transposes else indices))]
             np.testing.assert_array_equal(local, expected, err_msg=f"{plan_name}: {name} on rank {rank}")
     placements = {name: placements for name, placements, _, _ in per_rank[0]}
     for name, expected in EXPECTED_PLACEMENTS[plan_name].items():
         assert placements[name] == expected, f"{plan_name}: {name} is {placements[name]}, not {expected}"
+    reference_logits, reference_grads = _one_process(full)
+    for rank, (_, (logits, grads)) in enumerate(outcomes):
+        np.testing.assert_allclose(logits, reference_logits, rtol=1e-5, atol=1e-6, err_msg=f"logits, rank {rank}")
+        assert grads.keys() == reference_grads.keys() == full.keys()
+        for name, grad in grads.items():
+            np.testing.assert_allclose(grad, reference_grads[name], rtol=1e-4, atol=1e-6, err_msg=f"{name}, rank {rank}")
 
 
 def _global_shapes(jax_shapes):
