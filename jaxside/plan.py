@@ -202,7 +202,9 @@ class Plan:
         mode, rule = self.setting(name, "tp", next(iter(modes)))
         if mode not in modes:
             choices = ", ".join(map(repr, modes))
-            raise ValueError(f"{rule} gives {name} tp={mode!r}, which a {kind} does not support: use one of {choices}")
+            raise ValueError(
+                f"{rule} gives {name} tp={mode!r}, which {kind} units do not support: use one of {choices}"
+            )
         return mode
 
     def _sequence_parallel(self, units: Mapping[str, str]) -> bool | None:
@@ -235,7 +237,7 @@ class Plan:
         mode = param.mode
         if unit is not None:
             planned = UNIT_MODES[units[unit]][tp_modes[unit]]
-            if planned is None and param.mode is not None:
+            if planned is None and tp_shard_dim(param.role, param.mode) is not None:
                 _, rule = self.setting(unit, "tp", None)
                 raise ValueError(
                     f"{rule} replicates {unit}, but {name} was built {param.mode}-parallel: build the model with the "

@@ -173,7 +173,9 @@ def test_a_plan_builds_the_same_shards_in_torch_and_jax(plan_name):
         np.testing.assert_allclose(logits, reference_logits, rtol=1e-5, atol=1e-6, err_msg=f"logits, rank {rank}")
         assert grads.keys() == reference_grads.keys() == full.keys()
         for name, grad in grads.items():
-            np.testing.assert_allclose(grad, reference_grads[name], rtol=1e-4, atol=1e-6, err_msg=f"{name}, rank {rank}")
+            np.testing.assert_allclose(
+                grad, reference_grads[name], rtol=1e-4, atol=1e-6, err_msg=f"{name}, rank {rank}"
+            )
 
 
 def _global_shapes(jax_shapes):
