@@ -161,6 +161,9 @@ class Plan:
     def __post_init__(self) -> None:
         _check_same_pattern_contradictions(self.rules)
 
+    def __hash__(self) -> int:  # the mesh is a dict: hash its items
+        return hash((tuple(sorted((self.mesh or {}).items())), self.rules))
+
     def mesh_size(self, axis: str, sizes: Mapping[str, int] | None = None) -> int:
         """The size of `axis`: from `sizes` when given, else the plan's mesh, else 1."""
         source = sizes if sizes is not None else self.mesh or {}

@@ -36,15 +36,6 @@ DEFAULT_MESH = {DP_SHARD: 2, TP: 2}  # the default plan names no mesh: FSDP2 x T
 # Written out from the plans' meaning, on the (dp_shard, tp) or (dp_replicate, dp_shard, tp) mesh.
 STRIDED_0, STRIDED_1 = make_strided_shard(0, 2), make_strided_shard(1, 2)
 EXPECTED_PLACEMENTS = {
-    "default": {
-        "embedding.weight": (STRIDED_0, Shard(0)),  # vocab rows over tp, FSDP dim 0 on top
-        "layers.0.self_attention.layernorm_qkv.weight": (STRIDED_0, Shard(0)),
-        "layers.0.self_attention.layernorm_qkv.layer_norm_weight": (Shard(0), Replicate()),
-        "layers.0.self_attention.proj.weight": (Shard(0), Shard(1)),
-        "layers.1.layernorm_mlp.fc1_weight": (STRIDED_0, Shard(0)),
-        "layers.1.layernorm_mlp.fc2_weight": (Shard(0), Shard(1)),
-        "norm.weight": (Shard(0), Replicate()),
-    },
     "fsdp_dim1_down_proj": {
         "layers.0.self_attention.proj.weight": (STRIDED_1, Shard(1)),
         "layers.1.layernorm_mlp.fc2_weight": (STRIDED_1, Shard(1)),
@@ -61,6 +52,15 @@ EXPECTED_PLACEMENTS = {
         "layers.0.self_attention.proj.weight": (Replicate(), Shard(0), Shard(1)),
     },
 }
+
+
+def _built_in_placements(name: str) -> tuple:
+    """DESIGN.md's table under FSDP2 on (dp_shard, tp), by what each Llama parameter is (not by the plan code)."""
+    if "norm" in name.rsplit(".", 1)[-1] or name == "norm.weight":
+        return Shard(0), Replicate()  # norm weights: replicated over tp
+    if name.endswith(("proj.weight", "fc2_weight")):
+        return Shard(0), Shard(1)  # row-parallel: input features over tp
+    return STRIDED_0, Shard(0)  # the embedding, QKV, fc1: rows over tp, FSDP dim 0 on top
 
 
 def _plan(name: str) -> Plan:
@@ -166,7 +166,9 @@ def test_a_plan_builds_the_same_shards_in_torch_and_jax(plan_name):
             expected = full[name].numpy()[np.ix_(*(indices[::-1] if pair.layout.transposes else indices))]
             np.testing.assert_array_equal(local, expected, err_msg=f"{plan_name}: {name} on rank {rank}")
     placements = {name: placements for name, placements, _, _ in per_rank[0]}
-    for name, expected in EXPECTED_PLACEMENTS[plan_name].items():
+    if plan_name == "default":  # every parameter where the built-in table puts it
+        assert placements == {name: _built_in_placements(name) for name in placements}
+    for name, expected in EXPECTED_PLACEMENTS.get(plan_name, {}).items():
         assert placements[name] == expected, f"{plan_name}: {name} is {placements[name]}, not {expected}"
     reference_logits, reference_grads = _one_process(full)
     for rank, (_, (logits, grads)) in enumerate(outcomes):
