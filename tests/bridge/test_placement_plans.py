@@ -99,13 +99,16 @@ def _full_state(shapes: dict[str, tuple[int, ...]]):
 
 
 def _logits_and_grads(model, full_tensor):
+    """Logits, gradients, and per layer whether FSDP2 freed its gathered weights after forward."""
     import torch
 
     logits = model(torch.from_numpy(TOKENS))
+    # Gathered, a weight is a DTensor over tp alone; resharded, over the data-parallel axes too.
+    resharded = [len(getattr(layer.layernorm_mlp.fc1_weight, "placements", ())) > 1 for layer in model.layers]
     logits = full_tensor(logits)
     (logits.double().sin().sum()).backward()
     grads = {name: full_tensor(p.grad).numpy() for name, p in model.named_parameters()}
-    return logits.detach().numpy(), grads
+    return logits.detach().numpy(), grads, resharded
 
 
 def _torch_side(rank, world_size, plan: Plan, sizes: dict[str, int], full, jax_mesh, jax_shardings, jax_shapes):
@@ -170,10 +173,11 @@ def test_a_plan_builds_the_same_shards_in_torch_and_jax(plan_name):
         assert placements == {name: _built_in_placements(name) for name in placements}
     for name, expected in EXPECTED_PLACEMENTS.get(plan_name, {}).items():
         assert placements[name] == expected, f"{plan_name}: {name} is {placements[name]}, not {expected}"
-    reference_logits, reference_grads = _one_process(full)
-    for rank, (_, (logits, grads)) in enumerate(outcomes):
+    reference_logits, reference_grads, _ = _one_process(full)
+    for rank, (_, (logits, grads, resharded)) in enumerate(outcomes):
         np.testing.assert_allclose(logits, reference_logits, rtol=1e-5, atol=1e-6, err_msg=f"logits, rank {rank}")
         assert grads.keys() == reference_grads.keys() == full.keys()
+        assert resharded == [plan_name != "attention_replicated_mlp_tp"] * 2  # its rule: reshard_after_forward = false
         for name, grad in grads.items():
             np.testing.assert_allclose(
                 grad, reference_grads[name], rtol=1e-4, atol=1e-6, err_msg=f"{name}, rank {rank}"
