@@ -149,7 +149,9 @@ def test_run_starts_a_co_located_script(tmp_path):
 
 @pytest.mark.slow
 @pytest.mark.multiprocess
-@pytest.mark.parametrize("plan", ["fsdp_dim1_down_proj", "attention_replicated_mlp_tp"])
+# CI runs the plan with new module code (replicated attention); the other is in the grid (a few minutes each
+# on 2 cores). The embedding plan has no embedding in these stacks: tests/bridge/test_placement_plans.py.
+@pytest.mark.parametrize("plan", [pytest.param("fsdp_dim1_down_proj", marks=pytest.mark.grid), "attention_replicated_mlp_tp"])
 def test_an_example_plan_passes_without_fp8_and_under_current_scaling(tmp_path, monkeypatch, plan):
     """`verify --plan`: both twins placed by an example plan (on its 2 x 2 mesh), 2 steps, FP8 off and current."""
     monkeypatch.setenv("TRITON_INTERPRET", "0")
