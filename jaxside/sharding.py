@@ -24,6 +24,11 @@ Parameter axes carry names too; in a TP mode they must agree with the activation
 TP splits must be a name whose activations TP splits, else the layer's output would not be laid out
 as its kernel is. A module reads each parameter in its `gathered_spec` (the rules without dp_shard,
 applied by `constrain`): torch's FSDP2 all-gathers a parameter before use, and so must XLA.
+
+Where parameters are stored is a placement plan's choice (jaxside.plan; DEFAULT_PLAN gives the
+specs of the tables above, tests/jaxside/test_placement_plan.py checks it): `plan_spec` turns the
+torch dims a plan splits over tp and dp_shard into the PartitionSpec of the same shards, and
+jaxside.modules.placement places every parameter by it.
 """
 
 from __future__ import annotations
