@@ -195,7 +195,9 @@ class Plan:
         tp_modes = {name: self.tp_mode(name, kind) for name, kind in units.items()}
         sequence_parallel = self._sequence_parallel(units)
         self._check_replicated_without_sequence_parallel(tp_modes, sequence_parallel)
-        planned = {name: self._place(name, param, units, tp_modes, sizes) for name, param in params.items()}
+        # Checked in name order, so that both frameworks (their own parameter orders) name the same first misfit.
+        placed = {name: self._place(name, params[name], units, tp_modes, sizes) for name in sorted(params)}
+        planned = {name: placed[name] for name in params}
         self._check_every_rule_matches(units, params)
         return Resolution(tp_modes, sequence_parallel, planned, self)
 

@@ -16,6 +16,7 @@ host devices, and for every parameter:
 from __future__ import annotations
 
 import math
+import re
 from pathlib import Path
 
 import numpy as np
@@ -192,3 +193,24 @@ def _global_shapes(jax_shapes):
         torch_name(params.dotted(path), len(shape)): tuple(shape[::-1]) if len(shape) == 2 else tuple(shape)
         for path, shape in jax_shapes.items()
     }
+
+
+def test_a_bad_plan_fails_in_both_frameworks_before_anything_is_placed():
+    """The same ValueError from the torch and the JAX model, the torch one still all on the meta device."""
+    from flax import nnx
+
+    from jaxside.models.llama import Llama as JaxLlama
+    from jaxside.modules.placement import shardings
+    from jaxside.sharding import make_mesh
+    from torchside.models.llama import LLAMA_CONFIGS, Llama
+    from torchside.models.llama_parallel import parallelize_llama
+
+    bad = Plan.from_dict({"rule": [{"match": "*norm*", "fsdp_dim": 1}]})
+    message = "rule 0 (match '*norm*') gives layers.0.layernorm_mlp.layer_norm_weight fsdp_dim=1, but it has 1 dim(s)"
+    model = Llama(LLAMA_CONFIGS["tiny"], device="meta")
+    with pytest.raises(ValueError, match=re.escape(message)):
+        parallelize_llama(model, None, device="cpu", plan=bad)
+    assert all(p.is_meta for p in model.parameters())
+    jax_model = nnx.eval_shape(lambda: JaxLlama(LLAMA_CONFIGS["tiny"], rngs=nnx.Rngs(0)))
+    with pytest.raises(ValueError, match=re.escape(message)):
+        shardings(jax_model, make_mesh(), bad)
