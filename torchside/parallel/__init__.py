@@ -13,15 +13,15 @@ from torchside.parallel.compose import materialize, parallelize
 from torchside.parallel.layouts import ParameterLayout, parameter_layouts
 from torchside.parallel.mesh_axes import MESH_AXES
 from torchside.parallel.module_mesh import TensorParallelMixin
-from torchside.parallel.plan import DEFAULT_PLAN, Plan
 from torchside.parallel.placements import tp_placement
+from torchside.parallel.plan import DEFAULT_PLAN, Plan
 from torchside.parallel.tp_comm import TPComm
 
 __all__ = [
     "DEFAULT_PLAN",
     "MESH_AXES",
-    "Plan",
     "ParameterLayout",
+    "Plan",
     "TPComm",
     "TensorParallelMixin",
     "materialize",
