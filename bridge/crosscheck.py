@@ -28,6 +28,7 @@ from typing import Any
 
 from bridge import layout, params, transfer, twins
 from bridge.numerics import RECIPES, TensorCheck, VerifyReport, collect, tolerance
+from jaxside.plan import DEFAULT_PLAN, Plan
 
 MESH_ALIASES = {"rep": "dp_replicate", "dp_replicate": "dp_replicate", "dp": "dp_shard", "dp_shard": "dp_shard",
                 "tp": "tp"}  # fmt: skip
@@ -86,6 +87,7 @@ class VerifyCase:
     mesh: MeshShape
     recipes: tuple[str, ...]
     steps: int
+    plan: Plan = DEFAULT_PLAN  # placement plan of both twins (jaxside.plan)
 
     def __post_init__(self) -> None:
         unknown = [r for r in self.recipes if r not in RECIPES]
@@ -99,7 +101,7 @@ class VerifyCase:
 
     @property
     def spec(self) -> twins.TwinSpec:
-        return twins.TwinSpec(self.model, self.layers, self.hidden, self.mesh.tp, HISTORY)
+        return twins.TwinSpec(self.model, self.layers, self.hidden, self.mesh.tp, HISTORY, self.plan)
 
 
 def recipe_pair(name: str) -> tuple[Any, Any]:
@@ -203,7 +205,9 @@ def _verify_recipe(runtime, world, mesh, case: VerifyCase, recipe: str, rules) -
         ]
         common = {"lr": LR, "steps_taken": step}
         collect(report, step, "forward", forward, **common)
-        collect(report, step, "input_grad", [("input", _activation_from_jax(jax_dx, world), x.grad, replicas)], **common)
+        collect(
+            report, step, "input_grad", [("input", _activation_from_jax(jax_dx, world), x.grad, replicas)], **common
+        )
         torch_params = dict(models.torch_model.named_parameters())
         grads = {name: p.grad for name, p in torch_params.items()}
         collect(report, step, "weight_grad", _param_entries(models, _flat(jax_grads), grads), **common)
@@ -259,12 +263,14 @@ def _build_twins(runtime, world, mesh, case: VerifyCase, rules, report: VerifyRe
     # FSDP over dp_shard even of size 1: every parameter is a DTensor, as the checks below expect.
     dp_mesh = world[DP_REPLICATE, DP_SHARD] if case.mesh.dp_replicate > 1 else world[DP_SHARD]
     meshes = LlamaMeshes(world, dp_mesh, world[TP] if case.mesh.tp > 1 else None, weight=None)
-    parallelize(torch_model, dp_mesh, tp_mesh=meshes.tp, blocks=list(torch_model.layers), device=runtime.torch_device)
+    layers = list(torch_model.layers)
+    parallelize(torch_model, dp_mesh, tp_mesh=meshes.tp, blocks=layers, device=runtime.torch_device, plan=case.plan)
     _load_seeded_values(torch_model)
     jax_model = twins.build_jax(spec)
-    JM.place(jax_model, mesh)
+    JM.place(jax_model, mesh, case.plan)
     pairs = params.pair_models(torch_model, jax_model, rules)
-    shardings = {tuple(path): v.get_value() for path, v in nnx.to_flat_state(JM.shardings(jax_model, mesh))}
+    placed = JM.shardings(jax_model, mesh, case.plan)
+    shardings = {tuple(path): v.get_value() for path, v in nnx.to_flat_state(placed)}
     models = _Twins(torch_model, jax_model, pairs, shardings, meshes)
     _check_layouts(models, mesh, report)
     _load_torch_parameters(models, mesh)

@@ -8,6 +8,9 @@ diverges. Blocks, by model name (H hidden, F = 4H ffn):
     mlp           x + mlp(x)                 mlp: LayerNormMLP H -> F -> H (fc1 column, fc2 row)
     transformer   TransformerLayer(x)        self_attention (fused LayerNorm-QKV, proj) + layernorm_mlp
 
+A placement plan (`TwinSpec.plan`, jaxside.plan) gives the mlp and transformer blocks their TP modes
+by name (`layers.N.mlp`, `layers.N.self_attention`, `layers.N.layernorm_mlp`), on both sides alike.
+
 Activations are [S, B, H] (sequence first); every parameter and activation is fp32. The JAX stack
 declares dim 1 the batch (jaxside.modules.tokens), so on a data-parallel mesh its FP8 GEMMs cast each
 DP shard's tokens apart, as each torch rank casts its own.
@@ -16,8 +19,10 @@ DP shard's tokens apart, as each torch rank casts its own.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
+
+from jaxside.plan import DEFAULT_PLAN, Plan
 
 HEAD_DIM = 32  # transformer: heads = hidden / HEAD_DIM
 
@@ -38,13 +43,25 @@ class TwinSpec:
     hidden: int
     tp_size: int
     amax_history_len: int
+    plan: Plan = field(default=DEFAULT_PLAN)
+
+    def splits(self, unit: str, kind: str) -> bool:
+        """Whether the plan splits the attention or MLP unit `unit` over TP (else it replicates it)."""
+        return self.plan.tp_mode(unit, kind) == "split"
+
+    def layer_tp(self, index: int) -> dict[str, str]:
+        """The TransformerConfig TP fields of block `index`."""
+        return {
+            "attention_tp": self.plan.tp_mode(f"layers.{index}.self_attention", "attention"),
+            "mlp_tp": self.plan.tp_mode(f"layers.{index}.layernorm_mlp", "mlp"),
+        }
 
     @property
     def ffn(self) -> int:
         return 4 * self.hidden
 
 
-def _torch_linear_block(spec: TwinSpec, config):
+def _torch_linear_block(spec: TwinSpec, config, index: int):
     import dataclasses
 
     from torch import nn
@@ -63,7 +80,7 @@ def _torch_linear_block(spec: TwinSpec, config):
     return LinearBlock()
 
 
-def _jax_linear_block(spec: TwinSpec, config, rngs):
+def _jax_linear_block(spec: TwinSpec, config, index: int, rngs):
     import dataclasses
 
     from flax import nnx
@@ -82,7 +99,7 @@ def _jax_linear_block(spec: TwinSpec, config, rngs):
     return LinearBlock()
 
 
-def _torch_mlp_block(spec: TwinSpec, config):
+def _torch_mlp_block(spec: TwinSpec, config, index: int):
     from torch import nn
 
     from torchside.modules import LayerNormMLP
@@ -90,7 +107,8 @@ def _torch_mlp_block(spec: TwinSpec, config):
     class MLPBlock(nn.Module):
         def __init__(self) -> None:
             super().__init__()
-            self.mlp = LayerNormMLP(spec.hidden, spec.ffn, config=config)
+            split = spec.splits(f"layers.{index}.mlp", "mlp")
+            self.mlp = LayerNormMLP(spec.hidden, spec.ffn, set_parallel_mode=split, config=config)
 
         def forward(self, x):
             return x + self.mlp(x)
@@ -98,7 +116,7 @@ def _torch_mlp_block(spec: TwinSpec, config):
     return MLPBlock()
 
 
-def _jax_mlp_block(spec: TwinSpec, config, rngs):
+def _jax_mlp_block(spec: TwinSpec, config, index: int, rngs):
     from flax import nnx
 
     from jaxside.modules import LayerNormMLP
@@ -106,7 +124,8 @@ def _jax_mlp_block(spec: TwinSpec, config, rngs):
     class MLPBlock(nnx.Module):
         def __init__(self) -> None:
             inits = {"kernel_init": _PLACEHOLDER, "output_kernel_init": _PLACEHOLDER}
-            self.mlp = LayerNormMLP(spec.hidden, spec.ffn, config=config, **inits, rngs=rngs)
+            split = spec.splits(f"layers.{index}.mlp", "mlp")
+            self.mlp = LayerNormMLP(spec.hidden, spec.ffn, set_parallel_mode=split, config=config, **inits, rngs=rngs)
 
         def __call__(self, x):
             return x + self.mlp(x)
@@ -114,19 +133,20 @@ def _jax_mlp_block(spec: TwinSpec, config, rngs):
     return MLPBlock()
 
 
-def _torch_transformer_block(spec: TwinSpec, config):
+def _torch_transformer_block(spec: TwinSpec, config, index: int):
     from torchside.modules import TransformerConfig, TransformerLayer
 
     heads = spec.hidden // HEAD_DIM
-    return TransformerLayer(spec.hidden, spec.ffn, heads, config=TransformerConfig(module_config=config))
+    layer_config = TransformerConfig(module_config=config, **spec.layer_tp(index))
+    return TransformerLayer(spec.hidden, spec.ffn, heads, config=layer_config)
 
 
-def _jax_transformer_block(spec: TwinSpec, config, rngs):
+def _jax_transformer_block(spec: TwinSpec, config, index: int, rngs):
     from jaxside.modules import TransformerConfig, TransformerLayer
 
     heads = spec.hidden // HEAD_DIM
     inits = {"kernel_init": _PLACEHOLDER, "output_kernel_init": _PLACEHOLDER}
-    config = TransformerConfig(module_config=config)
+    config = TransformerConfig(module_config=config, **spec.layer_tp(index))
     return TransformerLayer(spec.hidden, spec.ffn, heads, config=config, **inits, rngs=rngs)
 
 
@@ -161,7 +181,7 @@ def build_torch(spec: TwinSpec):
     class Stack(nn.Module):
         def __init__(self) -> None:
             super().__init__()
-            self.layers = nn.ModuleList([build_block(spec, config) for _ in range(spec.layers)])
+            self.layers = nn.ModuleList([build_block(spec, config, index) for index in range(spec.layers)])
 
         def forward(self, x):
             outputs = []
@@ -187,7 +207,7 @@ def build_jax(spec: TwinSpec):
 
     class Stack(nnx.Module):
         def __init__(self) -> None:
-            self.layers = nnx.List([build_block(spec, config, rngs) for _ in range(spec.layers)])
+            self.layers = nnx.List([build_block(spec, config, index, rngs) for index in range(spec.layers)])
 
         def __call__(self, x):
             outputs = []

@@ -24,6 +24,11 @@ Parameter axes carry names too; in a TP mode they must agree with the activation
 TP splits must be a name whose activations TP splits, else the layer's output would not be laid out
 as its kernel is. A module reads each parameter in its `gathered_spec` (the rules without dp_shard,
 applied by `constrain`): torch's FSDP2 all-gathers a parameter before use, and so must XLA.
+
+Where parameters are stored is a placement plan's choice (jaxside.plan; DEFAULT_PLAN gives the
+specs of the tables above, tests/jaxside/test_placement_plan.py checks it): `plan_spec` turns the
+torch dims a plan splits over tp and dp_shard into the PartitionSpec of the same shards, and
+jaxside.modules.placement places every parameter by it.
 """
 
 from __future__ import annotations
@@ -37,8 +42,8 @@ import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-DP_REPLICATE, DP_SHARD, TP = "dp_replicate", "dp_shard", "tp"
-MESH_AXES = (DP_REPLICATE, DP_SHARD, TP)  # the mesh's axis order: replicas outermost, as torch's HSDP mesh
+# The mesh axes (outermost first, as torch's HSDP mesh) and placement plans: framework-free, shared with torch.
+from jaxside.plan import DP_REPLICATE, DP_SHARD, MESH_AXES, TP, PlannedParam, spec_entries
 
 PARALLEL_MODES = ("column", "row", None)  # torchside's `parallel_mode`
 PARAM_ROLES = ("kernel", "bias", "norm")  # torch's rows: linear weight, linear bias, norm weight/bias
@@ -126,6 +131,16 @@ def spec_for(logical_axes: Sequence[str], mode: str | None = None, role: str | N
                 f"over tp, so the layer's output would not match its kernel; name that axis one of {tp_names}"
             )
     return PartitionSpec(*entries)
+
+
+def plan_spec(planned: PlannedParam, *, transpose: bool) -> PartitionSpec:
+    """The PartitionSpec holding what torch holds of a parameter placed by a plan (jaxside.plan.Resolution).
+
+    `planned` is in torch's dims; `transpose`: the JAX parameter is the torch one transposed (a Flax
+    kernel [in, out] of a torch weight [out, in]). One axis on a dim is its name, two a tuple.
+    """
+    entries = [axes[0] if len(axes) == 1 else axes or None for axes in spec_entries(planned)]
+    return PartitionSpec(*(entries[::-1] if transpose else entries))
 
 
 def named_sharding(

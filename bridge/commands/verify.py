@@ -5,6 +5,9 @@ torchside model and its jaxside twin with the same weights, runs forward, backwa
 --steps steps under each recipe, and compares every block's output, the input gradient, every
 weight gradient, parameter and Adam moment shard by shard (tolerances: bridge.numerics). Exit
 codes: 0 all within tolerance, 1 a divergence (the first one is named), 2 bad input.
+
+--plan PLAN places both twins by a placement plan (a TOML file, jaxside.plan): its [mesh] is the
+default --mesh, and the plan is checked against the model before any process starts.
 """
 
 from __future__ import annotations
@@ -35,6 +38,9 @@ def register(verbs) -> None:
     parser.add_argument("--recipe", default="current", help=RECIPE_CHOICES)
     parser.add_argument(
         "--mesh", action="append", help="mesh axes, e.g. dp=2,tp=2 (FSDP x TP) or rep=2,dp=2 (HSDP); repeatable"
+    )
+    parser.add_argument(
+        "--plan", metavar="PLAN", help="a placement plan TOML file (examples/plans/); its [mesh] is the default --mesh"
     )
     parser.add_argument("--steps", type=int, default=5, help="optimizer steps compared (default 5)")
     parser.add_argument(
@@ -74,16 +80,33 @@ def run(args: argparse.Namespace, console: Console) -> int:
 
 
 def _cases(args: argparse.Namespace) -> list:
-    from bridge.crosscheck import VerifyCase, parse_mesh
+    from bridge.crosscheck import MeshShape, VerifyCase, parse_mesh
+    from jaxside.plan import DEFAULT_PLAN, Plan
 
     recipes = RECIPES if args.recipe == "all" else tuple(r.strip() for r in args.recipe.split(",") if r.strip())
-    meshes = [parse_mesh(text) for text in (args.mesh or ["dp=2,tp=2"])]
+    plan = DEFAULT_PLAN if args.plan is None else Plan.from_toml(args.plan)
+    if args.mesh:
+        meshes = [parse_mesh(text) for text in args.mesh]
+    else:
+        meshes = [parse_mesh("dp=2,tp=2") if plan.mesh is None else MeshShape(**plan.mesh)]
     if len({mesh.size for mesh in meshes}) > 1:
         raise ValueError(f"meshes {[str(m) for m in meshes]} need different process counts; verify them one by one")
-    cases = [VerifyCase(args.model, args.layers, args.hidden, mesh, recipes, args.steps) for mesh in meshes]
+    cases = [VerifyCase(args.model, args.layers, args.hidden, mesh, recipes, args.steps, plan) for mesh in meshes]
     for case in cases:
         _check_tp_divides(case)
+        _check_plan(case)
     return cases
+
+
+def _check_plan(case) -> None:
+    """The plan against the torch twin (on meta) and the mesh: ValueError naming the rule, before processes start."""
+    from bridge.twins import build_torch
+    from torchside.parallel.plan import resolve
+
+    mesh = case.mesh
+    resolve(
+        build_torch(case.spec), case.plan, {"dp_replicate": mesh.dp_replicate, "dp_shard": mesh.dp_shard, "tp": mesh.tp}
+    )
 
 
 def _check_tp_divides(case) -> None:

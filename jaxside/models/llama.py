@@ -27,7 +27,6 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
-import re
 from pathlib import Path
 
 import jax
@@ -43,12 +42,17 @@ from jaxside.modules import ModuleConfig, RMSNorm, RotaryPositionEmbedding, Tran
 from jaxside.modules.base import parameter
 from jaxside.modules.placement import gathered, shardings
 from jaxside.modules.tokens import batch_dim
+from jaxside.plan import DEFAULT_PLAN, Plan, torch_name
 from jaxside.sharding import DP_SHARD, TP, constrain, make_mesh, spec_for
 
 
-def transformer_config(config: LlamaConfig, module_config: ModuleConfig) -> TransformerConfig:
-    """The TransformerLayer settings of a Llama block (torchside.models.llama.transformer_config's twin)."""
+def transformer_config(
+    config: LlamaConfig, module_config: ModuleConfig, plan: Plan = DEFAULT_PLAN, index: int = 0
+) -> TransformerConfig:
+    """The TransformerLayer settings of Llama block `index` (torchside.models.llama.transformer_config's twin)."""
     return TransformerConfig(
+        attention_tp=plan.tp_mode(f"layers.{index}.self_attention", "attention"),
+        mlp_tp=plan.tp_mode(f"layers.{index}.layernorm_mlp", "mlp"),
         kv_channels=config.head_dim,
         normalization="RMSNorm",
         layernorm_epsilon=config.norm_eps,
@@ -62,6 +66,8 @@ def transformer_config(config: LlamaConfig, module_config: ModuleConfig) -> Tran
 
 class VocabKernel(nnx.Module):
     """`kernel` [D, Vp]: the token embedding (`embed`) or an untied head (`logits`)."""
+
+    tp_unit = "embedding"  # the kind of unit whose TP mode a placement plan chooses (jaxside.plan)
 
     def __init__(self, hidden_size: int, vocab_size: int, init, dtype, rngs: nnx.Rngs) -> None:
         self.kernel = parameter(rngs, init, (hidden_size, vocab_size), dtype, ("embed", "vocab"), "kernel", "column")
@@ -97,6 +103,7 @@ class Llama(nnx.Module):
         params_dtype=jnp.float32,
         module_config: ModuleConfig | None = None,
         kernel_init=None,
+        plan: Plan = DEFAULT_PLAN,
         rngs: nnx.Rngs,
     ) -> None:
         if not isinstance(config, LlamaConfig):
@@ -109,7 +116,6 @@ class Llama(nnx.Module):
         output_init = output_init if kernel_init is None else kernel_init
         vocab = (config.hidden_size, self.padded_vocab_size, init, params_dtype, rngs)
         self.embedding = VocabKernel(*vocab)
-        layer_config = transformer_config(config, module_config)
         self.layers = nnx.List(
             [
                 TransformerLayer(
@@ -120,10 +126,10 @@ class Llama(nnx.Module):
                     params_dtype=params_dtype,
                     kernel_init=init,
                     output_kernel_init=output_init,
-                    config=layer_config,
+                    config=transformer_config(config, module_config, plan, index),
                     rngs=rngs,
                 )
-                for _ in range(config.num_layers)
+                for index in range(config.num_layers)
             ]
         )
         self.norm = RMSNorm(
@@ -146,11 +152,6 @@ class Llama(nnx.Module):
             h_SBD = self.norm(x_SBD)
         head = self.embedding if self.lm_head is None else self.lm_head
         return head.logits(h_SBD)[..., : self.config.vocab_size]
-
-
-def torch_name(jax_name: str, ndim: int) -> str:
-    """The torch parameter name of a JAX path (dotted): bridge.params' rule backwards (module docstring)."""
-    return re.sub(r"kernel(\d*)$", r"weight\1", jax_name) if ndim == 2 else jax_name
 
 
 def _read(checkpoint: Checkpoint, name: str, shape: tuple[int, ...], index: tuple[slice, ...], *, dtype) -> np.ndarray:
@@ -209,6 +210,7 @@ def load_hf(path: str | Path, *, mesh: Mesh | None = None, dtype=None) -> Llama:
     rest_placement = nnx.from_flat_state({path: placements[path] for path, _ in nnx.to_flat_state(rest)})
     rest_values = jax.jit(lambda: nnx.state(build(), nnx.Not(nnx.Param)), out_shardings=rest_placement)()
     return nnx.merge(graphdef, nnx.from_flat_state(flat_params), rest_values)
+
 
 __all__ = [
     "LLAMA_CONFIGS",

@@ -78,6 +78,8 @@ ACTIVATIONS: dict[str, Activation] = {
 class LayerNormMLP(FP8Module):
     """Norm + MLP with TransformerEngine's te.LayerNormMLP arguments (Flax's kernel layout and initializer names)."""
 
+    tp_unit = "mlp"  # the kind of unit whose TP mode a placement plan chooses (jaxside.plan)
+
     def __init__(
         self,
         hidden_size: int,
@@ -92,6 +94,7 @@ class LayerNormMLP(FP8Module):
         kernel_init: Initializer | None = None,
         output_kernel_init: Initializer | None = None,
         return_bias: bool = False,
+        set_parallel_mode: bool = True,
         config: ModuleConfig | None = None,
         rngs: nnx.Rngs,
     ) -> None:
@@ -114,10 +117,13 @@ class LayerNormMLP(FP8Module):
         zeros = nnx.initializers.zeros
         self.norm.add_params(self, hidden, "layer_norm_", dtype, "embed", rngs, "column")
         fc1_init, fc2_init = kernel_init or default_kernel_init, output_kernel_init or default_kernel_init
-        self.fc1_kernel = parameter(rngs, fc1_init, (hidden, fc1_features), dtype, ("embed", "mlp"), "kernel", "column")
-        self.fc1_bias = parameter(rngs, zeros, (fc1_features,), dtype, ("mlp",), "bias", "column") if bias else None
-        self.fc2_kernel = parameter(rngs, fc2_init, (ffn, hidden), dtype, ("mlp", "embed"), "kernel", "row")
-        self.fc2_bias = parameter(rngs, zeros, (hidden,), dtype, ("embed",), "bias", "row") if bias else None
+        if not isinstance(set_parallel_mode, bool):
+            raise TypeError(f"LayerNormMLP(set_parallel_mode={set_parallel_mode!r}): pass True or False")
+        column, row = ("column", "row") if set_parallel_mode else (None, None)  # False: nothing splits over tp
+        self.fc1_kernel = parameter(rngs, fc1_init, (hidden, fc1_features), dtype, ("embed", "mlp"), "kernel", column)
+        self.fc1_bias = parameter(rngs, zeros, (fc1_features,), dtype, ("mlp",), "bias", column) if bias else None
+        self.fc2_kernel = parameter(rngs, fc2_init, (ffn, hidden), dtype, ("mlp", "embed"), "kernel", row)
+        self.fc2_bias = parameter(rngs, zeros, (hidden,), dtype, ("embed",), "bias", row) if bias else None
 
     def _activate(self, h_TF1) -> Array:
         activation = ACTIVATIONS[self.activation]

@@ -67,6 +67,8 @@ def _head_dim(owner: str, hidden_size: int, num_attention_heads: int, config: Tr
 class MultiheadAttention(nnx.Module):
     """Self-attention with TransformerEngine's te.MultiheadAttention structure; see the module docstring."""
 
+    tp_unit = "attention"  # the kind of unit whose TP mode a placement plan chooses (jaxside.plan)
+
     def __init__(
         self,
         hidden_size: int,
@@ -101,8 +103,9 @@ class MultiheadAttention(nnx.Module):
         )
         groups = self.core_attention.num_gqa_groups
         self.split_features = (heads * head_dim, groups * head_dim, groups * head_dim)  # q, k, v
-        column = dataclasses.replace(config.module_config, parallel_mode="column")
-        row = dataclasses.replace(config.module_config, parallel_mode="row")
+        split = config.attention_tp == "split"  # "replicate": no parameter splits over tp
+        column = dataclasses.replace(config.module_config, parallel_mode="column" if split else None)
+        row = dataclasses.replace(config.module_config, parallel_mode="row" if split else None)
         common = {"params_dtype": params_dtype, "rngs": rngs}
         projection = {"bias": config.has_qkv_bias, "kernel_init": kernel_init, "kernel_axes": QKV_AXES, **common}
         norm = config.norm_settings()

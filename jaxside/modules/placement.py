@@ -1,11 +1,14 @@
-"""Put a module's variables on a mesh: parameters by jaxside.sharding's rules, everything else replicated.
+"""Put a module's variables on a mesh: parameters by a placement plan, everything else replicated.
 
-Each parameter carries its logical axes (`nnx.with_partitioning`) and, as metadata, its rules row:
-`parallel_role` (kernel, bias or norm) and `parallel_mode` (None, "column" or "row"). The rules are
-keyed by role and mode, not by name alone (torch places a parameter by its role), so the names go
-through `jaxside.sharding.named_sharding`, which also refuses dims the mesh does not divide. Read the
-names outside any `nnx.logical_axis_rules` context: they are taken as they were annotated.
-`gathered` reads a parameter in the layout a GEMM needs it in (FSDP's all-gather, in the program).
+Each parameter carries its logical axes (`nnx.with_partitioning`) and, as metadata, its row of the
+placement table: `parallel_role` (kernel, bias or norm) and `parallel_mode` (None, "column" or
+"row"). `shardings` hands every parameter, by its torch name, role and mode, to a `jaxside.plan.Plan`
+(DEFAULT_PLAN: the built-in placement, torch's table with FSDP on dim 0), which decides the dims
+tp and dp_shard split, as it does for the torch model; dims the mesh does not divide are refused.
+Modules with a `tp_unit` class attribute (embedding, attention, mlp) are the units whose TP mode a
+plan chooses. Read the names outside any `nnx.logical_axis_rules` context: they are taken as they
+were annotated. `gathered` reads a parameter in the layout a GEMM needs it in (FSDP's all-gather,
+in the program).
 """
 
 from __future__ import annotations
@@ -14,34 +17,64 @@ import jax
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from jaxside.sharding import constrain, gathered_spec, named_sharding
+from jaxside.plan import DEFAULT_PLAN, Param, Plan, Resolution, torch_name
+from jaxside.sharding import MESH_AXES, _check_divisible, constrain, gathered_spec, plan_spec
+
+_TORCH_ROLES = {"kernel": "linear_weight", "bias": "linear_bias", "norm": "norm"}
 
 
-def _is_variable(node: object) -> bool:
-    return isinstance(node, nnx.Variable)
+def _torch_view(path, variable: nnx.Variable) -> tuple[str, Param, bool] | None:
+    """(torch name, the parameter as torch declares it, whether JAX holds it transposed); None: no table row."""
+    metadata = variable.get_metadata()
+    role = metadata.get("parallel_role")
+    if role is None:
+        return None
+    shape = tuple(variable.get_value().shape)
+    transpose = role == "kernel" and len(shape) == 2  # a Flax kernel [in, out] of a torch weight [out, in]
+    name = torch_name(".".join(map(str, path)), len(shape))
+    return (
+        name,
+        Param(shape[::-1] if transpose else shape, _TORCH_ROLES[role], metadata.get("parallel_mode")),
+        transpose,
+    )
 
 
-def shardings(model: nnx.Module, mesh: Mesh) -> nnx.State:
+def resolve_plan(model: nnx.Module, plan: Plan = DEFAULT_PLAN, sizes=None) -> Resolution:
+    """`plan` applied to `model` (jaxside.plan.Plan.resolve), by torch's names for its units and parameters."""
+    units = {
+        ".".join(map(str, path)): node.tp_unit
+        for path, node in nnx.iter_graph(model)
+        if isinstance(node, nnx.Module) and getattr(node, "tp_unit", None)
+    }
+    flat = nnx.to_flat_state(nnx.state(model))
+    params = dict(view[:2] for path, variable in flat if (view := _torch_view(path, variable)) is not None)
+    return plan.resolve(units, params, sizes)
+
+
+def shardings(model: nnx.Module, mesh: Mesh, plan: Plan = DEFAULT_PLAN) -> nnx.State:
     """The NamedSharding of every variable of `model` on `mesh` (a mesh from jaxside.sharding.make_mesh)."""
+    if tuple(mesh.axis_names) != MESH_AXES:
+        raise ValueError(f"mesh axes {tuple(mesh.axis_names)} are not {MESH_AXES}: build the mesh with make_mesh")
     state = nnx.state(model)
-    logical_specs = nnx.get_partition_spec(state)
+    logical_specs = dict(nnx.to_flat_state(nnx.get_partition_spec(state)))
+    resolution = resolve_plan(model, plan, dict(mesh.shape))
 
-    def sharding_of(variable: nnx.Variable, logical: nnx.Variable) -> nnx.Variable:
-        metadata = variable.get_metadata()
-        role = metadata.get("parallel_role")
-        if role is None:  # FP8 state and anything unannotated: one full copy per device
+    def sharding_of(path, variable: nnx.Variable) -> nnx.Variable:
+        view = _torch_view(path, variable)
+        if view is None:  # FP8 state and anything unannotated: one full copy per device
             return variable.replace(NamedSharding(mesh, PartitionSpec()))
-        axes = tuple(logical.get_value())
-        mode = metadata.get("parallel_mode")
-        return variable.replace(named_sharding(mesh, axes, mode, role, shape=variable.get_value().shape))
+        name, _, transpose = view
+        spec = plan_spec(resolution.params[name], transpose=transpose)
+        _check_divisible(mesh, spec, tuple(variable.get_value().shape), tuple(logical_specs[path].get_value()))
+        return variable.replace(NamedSharding(mesh, spec))
 
-    return jax.tree.map(sharding_of, state, logical_specs, is_leaf=_is_variable)
+    return nnx.from_flat_state({path: sharding_of(path, variable) for path, variable in nnx.to_flat_state(state)})
 
 
-def place(model: nnx.Module, mesh: Mesh) -> None:
+def place(model: nnx.Module, mesh: Mesh, plan: Plan = DEFAULT_PLAN) -> None:
     """Move every variable of `model` to its sharding on `mesh` (see `shardings`), in place."""
     state = nnx.state(model)
-    nnx.update(model, jax.device_put(state, shardings(model, mesh)))
+    nnx.update(model, jax.device_put(state, shardings(model, mesh, plan)))
 
 
 def gathered(variable: nnx.Variable) -> jax.Array:

@@ -68,6 +68,7 @@ class TransformerLayer(nnx.Module):
             activation=config.activation,
             zero_centered_gamma=norm.zero_centered_gamma,
             params_dtype=params_dtype,
+            set_parallel_mode=config.mlp_tp == "split",
             config=config.module_config,
             rngs=rngs,
             **inits,

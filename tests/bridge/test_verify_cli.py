@@ -13,6 +13,7 @@ import json
 import subprocess
 import sys
 import textwrap
+from pathlib import Path
 
 import pytest
 from rich.console import Console
@@ -20,6 +21,8 @@ from rich.console import Console
 from bridge.cli import main
 from bridge.commands.verify import render
 from bridge.numerics import TensorCheck, Tolerance, VerifyReport
+
+PLANS = Path(__file__).parents[2] / "examples" / "plans"
 
 
 @pytest.mark.parametrize(
@@ -51,6 +54,9 @@ def _no_launch(monkeypatch) -> None:
         (["--mesh", "tp=3"], "--mesh tp=3: tp=3 does not divide the ffn size 4 x --hidden = 1024"),
         (["--mesh", "tp=2", "--hidden", "96"], "tp=2 does not divide the 3 heads (--hidden / 32)"),
         (["--report", "/nonexistent/r.json"], "--report /nonexistent/r.json: directory /nonexistent does not exist"),
+        (["--plan", f"{PLANS}/embedding_hidden_split.toml"], "rule 0 (match 'embedding') matches no parameter"),
+        (["--plan", f"{PLANS}/fsdp_dim1_down_proj.toml", "--mesh", "dp=4"], "the plan's [mesh] is"),
+        (["--plan", "/nonexistent/plan.toml"], "/nonexistent/plan.toml"),
     ],
 )
 def test_bad_mesh_or_report_path_is_one_line_before_any_process_starts(monkeypatch, capsys, arguments, message):
@@ -139,3 +145,22 @@ def test_run_starts_a_co_located_script(tmp_path):
     )
     assert done.returncode == 0, done.stderr[-2000:]
     assert "rank 0 jax process 0 of 2" in done.stdout and "rank 1 jax process 1 of 2" in done.stdout
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+# CI runs the plan with new module code (replicated attention); the other is in the grid (a few minutes each
+# on 2 cores). The embedding plan has no embedding in these stacks: tests/bridge/test_placement_plans.py.
+@pytest.mark.parametrize("plan", [pytest.param("fsdp_dim1_down_proj", marks=pytest.mark.grid), "attention_replicated_mlp_tp"])
+def test_an_example_plan_passes_without_fp8_and_under_current_scaling(tmp_path, monkeypatch, plan):
+    """`verify --plan`: both twins placed by an example plan (on its 2 x 2 mesh), 2 steps, FP8 off and current."""
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    report_file = tmp_path / "report.json"
+    arguments = ["verify", *TRANSFORMER, "--layers", "1", "--hidden", "128", "--recipe", "off,current", "--steps", "2",
+                 "--plan", str(PLANS / f"{plan}.toml"), "--report", str(report_file)]  # fmt: skip
+    assert main(arguments) == 0
+    reports = json.loads(report_file.read_text())
+    assert [(r["recipe"], r["mesh"], r["passed"]) for r in reports] == [
+        ("off", "dp_shard=2,tp=2", True),
+        ("current", "dp_shard=2,tp=2", True),
+    ]

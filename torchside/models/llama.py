@@ -36,12 +36,17 @@ from torch import Tensor, nn
 
 # Framework-free (no jax): the config and the HF table are shared with jaxside.models.llama.
 from jaxside.models.llama_config import LLAMA_CONFIGS, LlamaConfig, RopeScaling
+from jaxside.plan import DEFAULT_PLAN, Plan
 from torchside.modules import ModuleConfig, RMSNorm, RotaryPositionEmbedding, TransformerConfig, TransformerLayer
 
 
-def transformer_config(config: LlamaConfig, module_config: ModuleConfig) -> TransformerConfig:
-    """The TransformerLayer settings of a Llama block."""
+def transformer_config(
+    config: LlamaConfig, module_config: ModuleConfig, plan: Plan = DEFAULT_PLAN, index: int = 0
+) -> TransformerConfig:
+    """The TransformerLayer settings of Llama block `index`, with the TP modes `plan` gives it."""
     return TransformerConfig(
+        attention_tp=plan.tp_mode(f"layers.{index}.self_attention", "attention"),
+        mlp_tp=plan.tp_mode(f"layers.{index}.layernorm_mlp", "mlp"),
         normalization="RMSNorm",
         layernorm_epsilon=config.norm_eps,
         activation="swiglu",
@@ -56,6 +61,8 @@ def transformer_config(config: LlamaConfig, module_config: ModuleConfig) -> Tran
 class TokenEmbedding(nn.Embedding):
     """nn.Embedding initialized N(0, init_std) (torch's default is N(0, 1)), also by materialize after meta."""
 
+    tp_unit = "embedding"  # the kind of unit whose TP mode a placement plan chooses (jaxside.plan)
+
     def __init__(self, vocab_size: int, hidden_size: int, init_std: float, **factory) -> None:
         self.init_std = init_std  # read by reset_parameters, which nn.Embedding.__init__ calls
         super().__init__(vocab_size, hidden_size, **factory)
@@ -66,6 +73,8 @@ class TokenEmbedding(nn.Embedding):
 
 class LMHead(nn.Module):
     """logits = h @ weight.T: its own weight [Vp, D] when untied, else the embedding's, passed in by Llama."""
+
+    tp_unit = "embedding"  # untied: split as the embedding (jaxside.plan); tied, it holds no parameter
 
     def __init__(self, vocab_size: int | None = None, hidden_size: int = 0, init_std: float = 0.02, **factory) -> None:
         super().__init__()
@@ -94,6 +103,7 @@ class Llama(nn.Module):
         params_dtype: torch.dtype | None = None,
         device: torch.device | str | None = None,
         module_config: ModuleConfig | None = None,
+        plan: Plan = DEFAULT_PLAN,
     ) -> None:
         super().__init__()
         if not isinstance(config, LlamaConfig):
@@ -106,7 +116,6 @@ class Llama(nn.Module):
         self.embedding = TokenEmbedding(self.padded_vocab_size, config.hidden_size, config.init_std, **factory)
         init = partial(nn.init.normal_, mean=0.0, std=config.init_std)
         output_init = partial(nn.init.normal_, mean=0.0, std=config.init_std / math.sqrt(2 * config.num_layers))
-        layer_config = transformer_config(config, module_config)
         self.layers = nn.ModuleList(
             TransformerLayer(
                 config.hidden_size,
@@ -117,9 +126,9 @@ class Llama(nn.Module):
                 device=device,
                 init_method=init,
                 output_layer_init_method=output_init,
-                config=layer_config,
+                config=transformer_config(config, module_config, plan, index),
             )
-            for _ in range(config.num_layers)
+            for index in range(config.num_layers)
         )
         self.norm = RMSNorm(
             config.hidden_size, eps=config.norm_eps, params_dtype=dtype, device=device, config=module_config

@@ -42,11 +42,12 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
-from torch.distributed.tensor.parallel import PrepareModuleInput, RowwiseParallel, parallelize_module
+from torch.distributed.tensor.parallel import ColwiseParallel, PrepareModuleInput, RowwiseParallel, parallelize_module
 
 from torchside.models.llama import Llama
 from torchside.parallel import parallelize
 from torchside.parallel.mesh_axes import DP_REPLICATE, DP_SHARD, MESH_AXES, TP
+from torchside.parallel.plan import DEFAULT_PLAN, Plan, mesh_sizes, resolve
 
 
 @dataclass(frozen=True)
@@ -107,10 +108,14 @@ def parallelize_llama(
     *,
     device: torch.device | str,
     mp_policy: MixedPrecisionPolicy | None = None,
+    plan: Plan | None = None,
 ) -> Llama:
     """TP on the embedding and head (torch), then our layers' TP, FSDP2 and materialization (module docstring).
 
-    `meshes=None`: one device, only the materialization of a meta-device model.
+    `meshes=None`: one device, only the materialization of a meta-device model. `plan` (None:
+    DEFAULT_PLAN) is checked first; its embedding mode "hidden" splits the embedding (and an untied
+    head) by hidden columns instead (`ColwiseParallel`, weight `Shard(1)`), which makes the head
+    row-parallel: its logits are a partial sum over TP.
     """
     if not isinstance(model, Llama):
         raise TypeError(f"parallelize_llama(model={type(model).__name__}): pass a torchside.models.Llama")
@@ -119,17 +124,22 @@ def parallelize_llama(
     tp = 1 if meshes.tp is None else meshes.tp.size()
     sequence_parallel = model.norm.sequence_parallel
     _check_fits(model, tp, sequence_parallel)
+    plan = DEFAULT_PLAN if plan is None else plan
+    resolution = resolve(model, plan, mesh_sizes(meshes.data, meshes.tp))
     if meshes.tp is not None:
         hidden_layout = Shard(0) if sequence_parallel else Replicate()  # of [S, B, D]
-        plan = {
-            "embedding": RowwiseParallel(input_layouts=Replicate(), output_layouts=hidden_layout),
+        by_vocab = resolution.tp_modes["embedding"] == "vocab"
+        style = RowwiseParallel if by_vocab else ColwiseParallel
+        styles = {
+            "embedding": style(input_layouts=Replicate(), output_layouts=hidden_layout),
             "lm_head": PrepareModuleInput(
                 input_layouts=(hidden_layout, None), desired_input_layouts=(Replicate(), None), use_local_output=False
             ),
         }
-        parallelize_module(model, meshes.tp, plan)
-        if model.lm_head.weight is not None:  # untied: split its vocabulary rows as the embedding's
-            weight = distribute_tensor(model.lm_head.weight.detach(), meshes.tp, [Shard(0)])
+        parallelize_module(model, meshes.tp, styles)
+        if model.lm_head.weight is not None:  # untied: split by its own mode, vocabulary rows or hidden columns
+            head_dim = 0 if resolution.tp_modes["lm_head"] == "vocab" else 1
+            weight = distribute_tensor(model.lm_head.weight.detach(), meshes.tp, [Shard(head_dim)])
             model.lm_head.weight = nn.Parameter(weight, requires_grad=model.lm_head.weight.requires_grad)
     parallelize(
         model,
@@ -139,6 +149,7 @@ def parallelize_llama(
         blocks=list(model.layers),
         device=device,
         mp_policy=mp_policy,
+        plan=plan,
     )
     return model
 

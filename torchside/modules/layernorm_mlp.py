@@ -13,7 +13,7 @@ strided placement DCP cannot save). From separate gate and up weights [F, H]:
 `torch.stack([gate, up], dim=1).flatten(0, 1)`. Activations run in the activation dtype through
 torch ops.
 
-With tp_size > 1, fc1 is column-parallel (this rank: `fc1_weight` [F1/tp, H], `fc1_bias` [F1/tp]) and
+With tp_size > 1 (and `set_parallel_mode`, TransformerEngine's name, True by default here), fc1 is column-parallel (this rank: `fc1_weight` [F1/tp, H], `fc1_bias` [F1/tp]) and
 fc2 row-parallel (`fc2_weight` [H, F/tp]; `fc2_bias` [H] added after the reduction), so the
 activation runs on local features with no collective in between.
 """
@@ -69,6 +69,8 @@ ACTIVATIONS: dict[str, Activation] = {
 class LayerNormMLP(FP8Module):
     """Norm + MLP with TransformerEngine's te.LayerNormMLP arguments; TP settings come from `config`."""
 
+    tp_unit = "mlp"  # the kind of unit whose TP mode a placement plan chooses (jaxside.plan)
+
     def __init__(
         self,
         hidden_size: int,
@@ -84,6 +86,7 @@ class LayerNormMLP(FP8Module):
         init_method=None,
         output_layer_init_method=None,
         return_bias: bool = False,
+        set_parallel_mode: bool = True,
         config: ModuleConfig | None = None,
         tp_mesh: DeviceMesh | None = None,
         weight_mesh: DeviceMesh | None = None,
@@ -93,18 +96,26 @@ class LayerNormMLP(FP8Module):
         if activation not in ACTIVATIONS:
             raise ValueError(f"LayerNormMLP(activation={activation!r}): use one of {', '.join(ACTIVATIONS)}")
         check_parallel_mode("LayerNormMLP", config, (None,))
+        if not isinstance(set_parallel_mode, bool):
+            raise TypeError(f"LayerNormMLP(set_parallel_mode={set_parallel_mode!r}): pass True or False")
+        if not set_parallel_mode and config is not None and config.sequence_parallel and config.tp_size > 1:
+            raise ValueError(
+                "LayerNormMLP(set_parallel_mode=False) computes on the whole sequence: it cannot take "
+                "sequence-parallel input; pass ModuleConfig(sequence_parallel=False) or set_parallel_mode=True"
+            )
+        column, row = ("column", "row") if set_parallel_mode else (None, None)
         gated = ACTIVATIONS[activation].gated
         norm = NormSettings(normalization, eps, zero_centered_gamma)
         fc1_features = 2 * ffn_hidden_size if gated else ffn_hidden_size
         params = norm.param_specs(hidden_size, prefix="layer_norm_")
         fc1_init = init_method or default_init_method
-        params["fc1_weight"] = ParamSpec((fc1_features, hidden_size), fc1_init, "linear_weight", "column", gemm=0)
+        params["fc1_weight"] = ParamSpec((fc1_features, hidden_size), fc1_init, "linear_weight", column, gemm=0)
         if bias:
-            params["fc1_bias"] = ParamSpec((fc1_features,), nn.init.zeros_, "linear_bias", "column")
+            params["fc1_bias"] = ParamSpec((fc1_features,), nn.init.zeros_, "linear_bias", column)
         fc2_init = output_layer_init_method or default_init_method
-        params["fc2_weight"] = ParamSpec((hidden_size, ffn_hidden_size), fc2_init, "linear_weight", "row", gemm=1)
+        params["fc2_weight"] = ParamSpec((hidden_size, ffn_hidden_size), fc2_init, "linear_weight", row, gemm=1)
         if bias:
-            params["fc2_bias"] = ParamSpec((hidden_size,), nn.init.zeros_, "linear_bias", "row")
+            params["fc2_bias"] = ParamSpec((hidden_size,), nn.init.zeros_, "linear_bias", row)
         super().__init__(
             params, 2, params_dtype=params_dtype, device=device, config=config, tp_mesh=tp_mesh, weight_mesh=weight_mesh
         )

@@ -31,6 +31,8 @@ and `value` weights give it. G must divide by tp (ValueError otherwise).
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh
@@ -89,6 +91,8 @@ def reset_fp8_submodules(module: nn.Module) -> None:
 class MultiheadAttention(TensorParallelMixin, nn.Module):
     """Self-attention with TransformerEngine's te.MultiheadAttention structure; see the module docstring."""
 
+    tp_unit = "attention"  # the kind of unit whose TP mode a placement plan chooses (jaxside.plan)
+
     def __init__(
         self,
         hidden_size: int,
@@ -117,6 +121,7 @@ class MultiheadAttention(TensorParallelMixin, nn.Module):
         self.config, self.input_layernorm = config, input_layernorm
         # DotProductAttention checks num_gqa_groups (and its split over TP); built first so a bad
         # value fails before any weight.
+        split = config.attention_tp == "split"  # "replicate": every TP rank attends with all heads
         self.core_attention = DotProductAttention(
             heads,
             head_dim,
@@ -125,14 +130,14 @@ class MultiheadAttention(TensorParallelMixin, nn.Module):
             qkv_format=config.qkv_format,
             attn_mask_type=config.attn_mask_type,
             softmax_scale=config.softmax_scale,
-            config=module_config,
+            config=module_config if split else dataclasses.replace(module_config, tp_size=1, tp_group=None),
         )
         groups = self.core_attention.num_gqa_groups
         q_features, kv_features = heads * head_dim, groups * head_dim
         self._set_own_device_mesh(tp_mesh, weight_mesh)  # checks the meshes before any weight is built
         # The children get the meshes at construction: FP8 weights are cast with their amax group.
         common = {"params_dtype": params_dtype, "device": device, "tp_mesh": tp_mesh, "weight_mesh": weight_mesh}
-        column = {"config": with_parallel_mode(module_config, "column"), **common}
+        column = {"config": with_parallel_mode(module_config, "column" if split else None), **common}
         projection = {"bias": config.has_qkv_bias, "init_method": init_method, **column}
         norm = config.norm_settings()
         norm_args = {"eps": norm.eps, "zero_centered_gamma": norm.zero_centered_gamma}
@@ -149,7 +154,7 @@ class MultiheadAttention(TensorParallelMixin, nn.Module):
             self.query = Linear(hidden_size, q_features, **projection)
             self.key = Linear(hidden_size, kv_features, **projection)
             self.value = Linear(hidden_size, kv_features, **projection)
-        row = with_parallel_mode(module_config, "row")
+        row = with_parallel_mode(module_config, "row" if split else None)
         self.proj = Linear(
             q_features, hidden_size, bias=config.bias, init_method=output_layer_init_method, config=row, **common
         )

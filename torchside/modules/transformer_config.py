@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 
 from torch import Tensor
 
+from jaxside.plan import UNIT_MODES
 from torchside.modules.config import ModuleConfig
 from torchside.modules.layernorm_mlp import ACTIVATIONS
 from torchside.modules.normalization import NormSettings
@@ -88,9 +89,14 @@ class TransformerConfig:
     qkv_format: str = "sbhd"  # layout of hidden states and q/k/v: [S, B, ...] or [B, S, ...]
     softmax_scale: float | None = None  # None: 1 / sqrt(head dim)
     module_config: ModuleConfig = field(default_factory=ModuleConfig)
+    # A placement plan's TP modes (jaxside.plan.UNIT_MODES): "split" over tp_size, or "replicate".
+    attention_tp: str = "split"
+    mlp_tp: str = "split"
 
     def __post_init__(self) -> None:
         owner = "TransformerConfig"
+        check_choice(owner, "attention_tp", self.attention_tp, tuple(UNIT_MODES["attention"]))
+        check_choice(owner, "mlp_tp", self.mlp_tp, tuple(UNIT_MODES["mlp"]))
         if self.kv_channels is not None and (
             isinstance(self.kv_channels, bool) or not isinstance(self.kv_channels, int) or self.kv_channels < 1
         ):

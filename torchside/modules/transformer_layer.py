@@ -86,6 +86,7 @@ class TransformerLayer(TensorParallelMixin, nn.Module):
             activation=config.activation,
             zero_centered_gamma=norm.zero_centered_gamma,
             params_dtype=params_dtype,
+            set_parallel_mode=config.mlp_tp == "split",
             device=device,
             config=config.module_config,
             **inits,

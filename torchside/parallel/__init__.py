@@ -5,7 +5,8 @@
 - `module_mesh`: `TensorParallelMixin`, the one `set_device_mesh` every module inherits;
 - `compose`: `parallelize(model, mesh, tp_mesh=..., weight_mesh=...)`;
 - `layouts`: `parameter_layouts(model)`, every parameter's global shape, mesh and placements;
-- `mesh_axes`: `MESH_AXES`, the world mesh's axis names (the same in JAX).
+- `mesh_axes`: `MESH_AXES`, the world mesh's axis names (the same in JAX);
+- `plan`: placement plans (`Plan`, `DEFAULT_PLAN`: jaxside.plan) applied to a torch model.
 """
 
 from torchside.parallel.compose import materialize, parallelize
@@ -13,11 +14,14 @@ from torchside.parallel.layouts import ParameterLayout, parameter_layouts
 from torchside.parallel.mesh_axes import MESH_AXES
 from torchside.parallel.module_mesh import TensorParallelMixin
 from torchside.parallel.placements import tp_placement
+from torchside.parallel.plan import DEFAULT_PLAN, Plan
 from torchside.parallel.tp_comm import TPComm
 
 __all__ = [
+    "DEFAULT_PLAN",
     "MESH_AXES",
     "ParameterLayout",
+    "Plan",
     "TPComm",
     "TensorParallelMixin",
     "materialize",

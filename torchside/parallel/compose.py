@@ -5,6 +5,11 @@
        FP8 weights must split on whole scale blocks (a ValueError names the one that does not);
     3. materialize what is still on the meta device: to_empty, then reset_parameters.
 
+A placement plan (`plan=`, torchside.parallel.plan; DEFAULT_PLAN when None) is checked against the
+model before step 1, and decides in step 2 each parameter's FSDP dim (FSDP2's shard_placement_fn)
+and each block's reshard_after_forward; the TP modes it chooses are the ones the model was built
+with (the TP modules split themselves; parallelize_llama splits the embedding by the plan).
+
 One exception to that order: a block that builds FP8 weights is materialized (and cast, every TP
 shard scaled by the whole weight's amax) just before its fully_shard, because FSDP2 decides at
 fully_shard whether a parameter all-gathers through the QuantizedTensor hooks. Block by block, the
@@ -26,6 +31,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
 from torchside.parallel.module_mesh import TensorParallelMixin, local_tensor
+from torchside.parallel.plan import DEFAULT_PLAN, Plan, fsdp_placement_fn, mesh_sizes, resolve
 from torchside.quantization import QuantizedTensor
 
 
@@ -89,6 +95,28 @@ def _check_fp8_shards_whole(module: nn.Module, shards: int) -> None:
         pending += [(f"{prefix}.{n}" if prefix else n, c) for n, c in children if not isinstance(c, FSDPModule)]
 
 
+def _check_sequence_parallel(model: nn.Module, planned: bool | None) -> None:
+    """ValueError when the plan's sequence parallelism is not what the TP modules were built with."""
+    built = {module.sequence_parallel for module in model.modules() if isinstance(module, TensorParallelMixin)}
+    if planned is not None and built and built != {planned}:
+        raise ValueError(
+            f"parallelize: the plan sets sequence_parallel={planned} but the model was built with "
+            f"sequence_parallel={sorted(built)}: build it with ModuleConfig(sequence_parallel={planned})"
+        )
+
+
+def _check_fp8_weights_shard_dim_0(model: nn.Module, placement_fn) -> None:
+    """FP8 weight shards are cut by rows (their scale groups): an FSDP dim 1 for one is not supported."""
+    if placement_fn is None:
+        return
+    for name, param in model.named_parameters():
+        if isinstance(local_tensor(param), QuantizedTensor) and placement_fn(param) is not None:
+            raise ValueError(
+                f"parallelize: the plan shards FP8 weight {name} on dim 1, but FP8 weights shard over FSDP by rows "
+                "only (their scale groups): give it fsdp_dim = 0, or build it in high precision"
+            )
+
+
 def parallelize(
     model: nn.Module,
     mesh: DeviceMesh | None,
@@ -99,12 +127,14 @@ def parallelize(
     device: torch.device | str = "cpu",
     reshard_after_forward: bool = True,
     mp_policy: MixedPrecisionPolicy | None = None,
+    plan: Plan | None = None,
 ) -> nn.Module:
     """TP meshes, FSDP2 per block then on the root, and materialization of a meta-device model (module docstring).
 
     `blocks` defaults to the outermost TP modules; `mesh=None` applies TP only. `weight_mesh` is the
     1-D mesh of every rank that shards a weight (FSDP: the shard dim; FSDP x TP: (dp_shard, tp)
     flattened), which per-tensor FP8 weights need to share one scale across FSDP shards.
+    `reshard_after_forward` is the setting of blocks no rule of `plan` sets.
     """
     if mesh is not None and not isinstance(mesh, DeviceMesh):
         raise TypeError(f"parallelize(mesh={mesh!r}): pass the data-parallel DeviceMesh (1-D FSDP, 2-D HSDP) or None")
@@ -113,18 +143,28 @@ def parallelize(
             f"parallelize(mesh=...) got a {mesh.ndim}-D mesh: pass the data-parallel part only (1-D for FSDP, 2-D "
             "(dp_replicate, dp_shard) for HSDP) and the TP part as tp_mesh"
         )
+    resolution = resolve(model, DEFAULT_PLAN if plan is None else plan, mesh_sizes(mesh, tp_mesh))
+    _check_sequence_parallel(model, resolution.sequence_parallel)
     tp_modules = outermost_tp_modules(model)
     for module in tp_modules:
         module.set_device_mesh(tp_mesh, weight_mesh)
     if mesh is not None:
-        fsdp_options = {"mesh": mesh, "mp_policy": mp_policy or MixedPrecisionPolicy()}
+        placement_fn = fsdp_placement_fn(model, resolution)  # after set_device_mesh: its parameter objects
+        _check_fp8_weights_shard_dim_0(model, placement_fn)
+        fsdp_options = {
+            "mesh": mesh,
+            "mp_policy": mp_policy or MixedPrecisionPolicy(),
+            "shard_placement_fn": placement_fn,
+        }
+        names = {id(module): name for name, module in model.named_modules()}
         for block in tp_modules if blocks is None else list(blocks):
             if block is model:
                 break  # the model is itself the one block: sharded as the root below
             if _builds_fp8_weights_on_meta(block):
                 materialize(block, device)
             _check_fp8_shards_whole(block, mesh.size(mesh.ndim - 1))
-            fully_shard(block, reshard_after_forward=reshard_after_forward, **fsdp_options)
+            reshard = resolution.reshard_after_forward(names[id(block)], reshard_after_forward)
+            fully_shard(block, reshard_after_forward=reshard, **fsdp_options)
         if _builds_fp8_weights_on_meta(model):
             materialize(model, device)
         _check_fp8_shards_whole(model, mesh.size(mesh.ndim - 1))  # HSDP shards over its last dim

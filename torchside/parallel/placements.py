@@ -1,4 +1,4 @@
-"""The one placement table: where a tensor-parallel module's parameters live on the TP mesh.
+"""The one placement table (kept in jaxside.plan, framework-free): where a tensor-parallel module's parameters live on the TP mesh.
 
 Keyed by (parameter role, parallel mode); a module declares each parameter's role, its own mode
 and the parameter's global shape, and everything else follows from this table:
@@ -29,35 +29,12 @@ from __future__ import annotations
 
 from torch.distributed.tensor import Placement, Replicate, Shard
 
+# The table itself is framework-free, shared with the JAX twin through placement plans (jaxside.plan).
+from jaxside.plan import PARALLEL_MODES, ROLES, tp_shard_dim
 from torchside.recipe import Float8BlockScaling, MXFP8BlockScaling, NVFP4BlockScaling, Recipe
-
-ROLES = ("linear_weight", "linear_bias", "norm")
-PARALLEL_MODES = (None, "column", "row")
-
-# (role, parallel mode) -> the tensor dim split over the TP group, or None for replicated.
-_TP_SHARD_DIM: dict[tuple[str, str | None], int | None] = {
-    ("linear_weight", "column"): 0,
-    ("linear_weight", "row"): 1,
-    ("linear_weight", None): None,
-    ("linear_bias", "column"): 0,
-    ("linear_bias", "row"): None,
-    ("linear_bias", None): None,
-    ("norm", "column"): None,
-    ("norm", "row"): None,
-    ("norm", None): None,
-}
 
 # Recipes whose quantized buffers tile each GEMM operand exactly: a TP shard must keep whole tiles.
 _RECIPE_TILE: dict[type, int] = {MXFP8BlockScaling: 32, NVFP4BlockScaling: 16}
-
-
-def tp_shard_dim(role: str, parallel_mode: str | None) -> int | None:
-    """The dim the TP group splits for this (role, mode), None when the parameter is replicated."""
-    key = (role, parallel_mode)
-    if key not in _TP_SHARD_DIM:
-        raise ValueError(f"no placement for parameter role {role!r} in parallel mode {parallel_mode!r}: "
-                         f"roles are {ROLES}, modes {PARALLEL_MODES}")
-    return _TP_SHARD_DIM[key]
 
 
 def tp_placement(role: str, parallel_mode: str | None) -> Placement:
