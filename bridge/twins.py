@@ -38,6 +38,7 @@ class TwinSpec:
     hidden: int
     tp_size: int
     amax_history_len: int
+    sequence_parallel: bool = False  # torch only: the JAX twin's layouts do not depend on it
 
     @property
     def ffn(self) -> int:
@@ -155,7 +156,9 @@ def build_torch(spec: TwinSpec):
 
     from torchside.modules import ModuleConfig
 
-    config = ModuleConfig(amax_history_len=spec.amax_history_len, tp_size=spec.tp_size)
+    config = ModuleConfig(
+        amax_history_len=spec.amax_history_len, tp_size=spec.tp_size, sequence_parallel=spec.sequence_parallel
+    )
     build_block = MODELS[spec.model][0]
 
     class Stack(nn.Module):
