@@ -62,6 +62,8 @@ class PlanOptions:
             from bridge import twins
 
             twins.check_spec(self.twin_spec)
+            if self.dtype != "fp32":
+                raise ValueError(f"--dtype {self.dtype}: the transformer twin trains in fp32 (as verify); use --model llama")
             if (4 * self.hidden) % self.mesh.tp or (self.hidden // twins.HEAD_DIM) % self.mesh.tp:
                 raise ValueError(f"--mesh {self.mesh}: tp={self.mesh.tp} must divide the heads and ffn of --hidden")
         else:

@@ -1,0 +1,213 @@
+"""`bridge.plan.cost` against the live model: allocations after a real step, collectives a real step runs.
+
+Each case builds the model on torch's threaded process group (every rank a thread: FSDP2, DTensor
+and our TP collectives run for real), trains one step, and compares the prediction of rank 0's
+`price` with what each rank holds and what each rank sent:
+
+- memory: the local bytes of every parameter, gradient and optimizer state tensor;
+- communication: every call into the threaded process group's collectives (FSDP2's c10d calls,
+  DTensor's functional collectives and tp_comm's calls all end there), by the mesh axis of the
+  group, with the bytes of the collective's whole buffer (module docstring of bridge.plan.cost).
+"""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+
+from bridge.crosscheck import parse_mesh
+from bridge.plan import build, cost
+from tests.distributed import run_threads
+
+pytestmark = pytest.mark.usefixtures("reference_kernels")  # tests/conftest.py: what threaded ranks run
+
+# method of the threaded group -> (collective, index of the argument holding the whole buffer)
+_COLLECTIVES = {
+    "allgather": ("all_gather", 0),
+    "all_gather_single": ("all_gather", 0),
+    "_allgather_base": ("all_gather", 0),
+    "all_gather_single_coalesced": ("all_gather", 0),
+    "allgather_into_tensor_coalesced": ("all_gather", 0),
+    "allreduce": ("all_reduce", 0),
+    "allreduce_coalesced": ("all_reduce", 0),
+    "reduce_scatter": ("reduce_scatter", 1),
+    "reduce_scatter_single": ("reduce_scatter", 1),
+    "_reduce_scatter_base": ("reduce_scatter", 1),
+    "reduce_scatter_single_coalesced": ("reduce_scatter", 1),
+    "reduce_scatter_tensor_coalesced": ("reduce_scatter", 1),
+    # Not predicted for a step: any call fails the comparison.
+    "broadcast": ("broadcast", 0),
+    "scatter": ("scatter", 0),
+    "gather": ("gather", 0),
+    "alltoall": ("all_to_all", 0),
+    "all_to_all_single": ("all_to_all", 0),
+}
+
+
+class CollectiveCounter:
+    """Records, per rank thread that asked for it, (group, collective, bytes) of every threaded-group call.
+
+    The threaded group's own wrappers (all_gather_single chunks its output and calls allgather) run
+    inside the call being counted: only the outermost call of a thread counts.
+    """
+
+    def __init__(self) -> None:
+        self.calls: dict[int, list[tuple[int, str, int]]] = {}
+        self._recording: dict[int, int] = {}  # thread id -> rank
+        self._inside: set[int] = set()  # threads inside a counted call: only the outermost one counts
+        self._originals: dict[str, object] = {}
+
+    def __enter__(self) -> CollectiveCounter:
+        from torch.testing._internal.distributed.multi_threaded_pg import ProcessLocalGroup
+
+        for method, (kind, argument) in _COLLECTIVES.items():
+            original = getattr(ProcessLocalGroup, method, None)
+            if original is None:  # not in this torch release
+                continue
+            self._originals[method] = original
+            setattr(ProcessLocalGroup, method, self._wrap(original, kind, argument))
+        return self
+
+    def __exit__(self, *exc) -> None:
+        from torch.testing._internal.distributed.multi_threaded_pg import ProcessLocalGroup
+
+        for method, original in self._originals.items():
+            setattr(ProcessLocalGroup, method, original)
+
+    def _wrap(self, original, kind: str, argument: int):
+        counter = self
+
+        def counted(group, *args, **kwargs):
+            thread = threading.get_ident()
+            rank = counter._recording.get(thread)
+            if rank is None or thread in counter._inside:  # wrappers (all_gather_single...) call the base ones
+                return original(group, *args, **kwargs)
+            counter.calls[rank].append((id(group), kind, _nbytes(args[argument])))
+            counter._inside.add(thread)
+            try:
+                return original(group, *args, **kwargs)
+            finally:
+                counter._inside.discard(thread)
+
+        return counted
+
+    def record(self, rank: int):
+        """A context for the rank's thread: its calls are recorded inside it."""
+        counter = self
+
+        class _Recording:
+            def __enter__(self):
+                counter.calls[rank] = []
+                counter._recording[threading.get_ident()] = rank
+
+            def __exit__(self, *exc):
+                del counter._recording[threading.get_ident()]
+
+        return _Recording()
+
+
+def _nbytes(value) -> int:
+    if isinstance(value, torch.Tensor):
+        return value.nbytes
+    return sum(_nbytes(v) for v in value)
+
+
+def _local_nbytes(tensor) -> int:
+    """Bytes a rank holds of a tensor: a DTensor's local shard, an FP8 tensor's buffers."""
+    from torchside.parallel.module_mesh import local_tensor
+
+    local = local_tensor(tensor)
+    storage = getattr(local, "quantized_storage", None)
+    if storage is not None:
+        return sum(t.nbytes for t in storage.buffers().values())
+    return local.nbytes
+
+
+def _train_one_step(built: build.BuiltModel, rank: int) -> None:
+    """Forward, backward and optimizer step of the model's training, on this rank's part of a seeded batch."""
+    options, meshes = built.options, built.meshes
+    generator = torch.Generator().manual_seed(7)
+    if options.model == "llama":
+        from torchside.train import loss_of
+
+        vocab = built.model.config.vocab_size
+        tokens = torch.randint(0, vocab, (options.batch, options.seq + 1), generator=generator)
+        tokens = tokens.chunk(meshes.data_parallel_size)[meshes.data_parallel_rank()]
+        loss_of(built.model, tokens[:, :-1], tokens[:, 1:], None, None, options.batch * options.seq)
+    else:
+        shape = (options.seq, options.batch, options.hidden)
+        x, dy = (torch.randn(shape, generator=generator) for _ in range(2))
+        dp_rank = meshes.data_parallel_rank() if meshes.world is not None else 0
+        x, dy = (t.chunk(options.mesh.dp, dim=1)[dp_rank] for t in (x, dy))
+        if options.sequence_parallel:  # this TP rank's tokens
+            tp_rank = meshes.world.get_coordinate()[2]
+            x, dy = (t.chunk(options.mesh.tp, dim=0)[tp_rank] for t in (x, dy))
+        x = x.contiguous().requires_grad_()
+        y, _ = built.model(x)
+        y.backward(dy.contiguous())
+    built.optimizer.step()
+
+
+def _measure(rank, world_size, options, counter):
+    import warnings
+
+    warnings.filterwarnings("ignore", message="DTensor random operators")
+    built = build.build(options)
+    predicted = cost.price(built) if rank == 0 else None
+    axis_of = {id(built.meshes.world[name].get_group()): name for name in built.meshes.world.mesh_dim_names}
+    with counter.record(rank):
+        _train_one_step(built, rank)
+    params = list(built.model.parameters())
+    held = {
+        "parameters": sum(_local_nbytes(p) for p in params),
+        "gradients": sum(_local_nbytes(p.grad) for p in params),
+        "optimizer": sum(_local_nbytes(t) for p in params for t in built.optimizer.state[p].values()),
+    }
+    sent: dict[tuple[str, str], tuple[int, int]] = {}
+    for group, kind, size in counter.calls[rank]:
+        key = (axis_of.get(group, f"group {group}"), kind)
+        calls, total = sent.get(key, (0, 0))
+        sent[key] = (calls + 1, total + size)
+    return predicted, held, sent
+
+
+def _run(options: build.PlanOptions):
+    with CollectiveCounter() as counter:
+        results = run_threads(_measure, options.mesh.size, options, counter)
+    return results[0][0], [r[1] for r in results], [r[2] for r in results]
+
+
+MEMORY_CASES = {
+    "transformer fp32, FSDP x TP": build.PlanOptions("transformer", parse_mesh("dp=2,tp=2"), layers=1, hidden=64),
+    "llama bf16, masters, fp16/e4m3 moments, HSDP x TP": build.PlanOptions(
+        "llama", parse_mesh("rep=2,dp=2"), dtype="bf16", exp_avg_dtype="fp16", exp_avg_sq_dtype="e4m3", batch=4, seq=8
+    ),
+}
+
+
+@pytest.mark.parametrize("options", MEMORY_CASES.values(), ids=MEMORY_CASES.keys())
+def test_bytes_per_rank_equal_the_live_allocations(options):
+    predicted, held, _ = _run(options)
+    memory = predicted.memory()
+    for rank, live in enumerate(held):
+        assert {kind: memory[kind][rank] for kind in cost.MEMORY_KINDS} == live, f"rank {rank}"
+
+
+COMM_CASES = {
+    "FSDP x TP": build.PlanOptions("transformer", parse_mesh("dp=2,tp=2"), layers=2, hidden=64, batch=4, seq=8),
+    "FSDP x TP, sequence parallel": build.PlanOptions(
+        "transformer", parse_mesh("dp=2,tp=2"), layers=2, hidden=64, batch=4, seq=8, sequence_parallel=True
+    ),
+    "HSDP": build.PlanOptions("transformer", parse_mesh("rep=2,dp=2"), layers=2, hidden=64, batch=4, seq=8),
+}
+
+
+@pytest.mark.parametrize("options", COMM_CASES.values(), ids=COMM_CASES.keys())
+def test_step_collectives_equal_what_the_process_group_ran(options):
+    predicted, _, sent = _run(options)
+    expected = predicted.communication.totals()
+    assert expected, "the case must communicate"
+    for rank, ran in enumerate(sent):
+        assert ran == expected, f"rank {rank}"
