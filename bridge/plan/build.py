@@ -11,6 +11,7 @@ shards on the CPU (our modules' `reset_parameters` refuses the meta device), so 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -33,7 +34,7 @@ class PlanOptions:
     """What to build and how it trains: model and sizes, mesh, precision, and the step's batch."""
 
     model: str = "transformer"
-    mesh: MeshShape = MeshShape()
+    mesh: MeshShape = dataclasses.field(default_factory=MeshShape)
     layers: int = 2  # transformer
     hidden: int = 256  # transformer (heads of bridge.twins.HEAD_DIM, ffn 4x)
     config: str = "tiny"  # llama: a key of LLAMA_CONFIGS
@@ -55,7 +56,9 @@ class PlanOptions:
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name}={value!r}: pass an integer >= 1")
         if self.batch % self.mesh.dp:
-            raise ValueError(f"--batch {self.batch} must divide over the {self.mesh.dp} data-parallel ranks of {self.mesh}")
+            raise ValueError(
+                f"--batch {self.batch} must divide over the {self.mesh.dp} data-parallel ranks of {self.mesh}"
+            )
         if self.sequence_parallel and self.seq % self.mesh.tp:
             raise ValueError(f"sequence parallelism splits --seq {self.seq} over tp={self.mesh.tp}: pick a multiple")
         if self.model == "transformer":
@@ -63,7 +66,9 @@ class PlanOptions:
 
             twins.check_spec(self.twin_spec)
             if self.dtype != "fp32":
-                raise ValueError(f"--dtype {self.dtype}: the transformer twin trains in fp32 (as verify); use --model llama")
+                raise ValueError(
+                    f"--dtype {self.dtype}: the transformer twin trains in fp32 (as verify); use --model llama"
+                )
             if (4 * self.hidden) % self.mesh.tp or (self.hidden // twins.HEAD_DIM) % self.mesh.tp:
                 raise ValueError(f"--mesh {self.mesh}: tp={self.mesh.tp} must divide the heads and ffn of --hidden")
         else:
@@ -156,7 +161,9 @@ def _unplaced_model(options: PlanOptions) -> nn.Module:
 
     module_config = ModuleConfig(tp_size=options.mesh.tp, sequence_parallel=options.sequence_parallel)
     dtype = options.torch_dtype(options.dtype)
-    return Llama(LLAMA_CONFIGS[options.config], params_dtype=dtype, device=torch.device("meta"), module_config=module_config)
+    return Llama(
+        LLAMA_CONFIGS[options.config], params_dtype=dtype, device=torch.device("meta"), module_config=module_config
+    )
 
 
 def jax_specs(options: PlanOptions, torch_shapes: dict[str, tuple[int, ...]]) -> dict[str, JaxSpec]:

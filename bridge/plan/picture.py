@@ -21,7 +21,8 @@ def save_png(path: str | Path, cost: PlanCost, title: str) -> Path:
         heights = [b / _MIB for b in cost.memory()[kind]]
         memory_axes.bar(ranks, heights, bottom=bottom, label=kind)
         bottom = [a + b for a, b in zip(bottom, heights)]
-    memory_axes.set_xticks(ranks, [f"{r}\n{cost.mesh.describe(c)}" for r, c in _rank_coordinates(cost)], fontsize=7)
+    memory_axes.set_xticks(ranks)
+    memory_axes.set_xlabel(f"rank on the mesh {cost.mesh} (row-major)")
     memory_axes.set_ylabel("MiB on the rank")
     memory_axes.set_title("memory per rank")
     memory_axes.legend(fontsize=8)
@@ -39,8 +40,3 @@ def save_png(path: str | Path, cost: PlanCost, title: str) -> Path:
     path = Path(path)
     figure.savefig(path)
     return path
-
-
-def _rank_coordinates(cost: PlanCost):
-    by_rank = {cost.mesh.rank_of(c): c for c in cost.mesh.coordinates()}
-    return sorted(by_rank.items())

@@ -13,9 +13,11 @@ and our TP collectives run for real), trains one step, and compares the predicti
 from __future__ import annotations
 
 import threading
+from typing import Self
 
 import pytest
 import torch
+from torch.testing._internal.distributed.multi_threaded_pg import ProcessLocalGroup
 
 from bridge.crosscheck import parse_mesh
 from bridge.plan import build, cost
@@ -59,9 +61,7 @@ class CollectiveCounter:
         self._inside: set[int] = set()  # threads inside a counted call: only the outermost one counts
         self._originals: dict[str, object] = {}
 
-    def __enter__(self) -> CollectiveCounter:
-        from torch.testing._internal.distributed.multi_threaded_pg import ProcessLocalGroup
-
+    def __enter__(self) -> Self:
         for method, (kind, argument) in _COLLECTIVES.items():
             original = getattr(ProcessLocalGroup, method, None)
             if original is None:  # not in this torch release
@@ -71,8 +71,6 @@ class CollectiveCounter:
         return self
 
     def __exit__(self, *exc) -> None:
-        from torch.testing._internal.distributed.multi_threaded_pg import ProcessLocalGroup
-
         for method, original in self._originals.items():
             setattr(ProcessLocalGroup, method, original)
 
@@ -179,9 +177,10 @@ def _run(options: build.PlanOptions):
     return results[0][0], [r[1] for r in results], [r[2] for r in results]
 
 
+# Llama without TP: torch's loss_parallel swaps DTensor's global op handlers, which threaded ranks race on.
 MEMORY_CASES = {
     "transformer fp32, FSDP x TP": build.PlanOptions("transformer", parse_mesh("dp=2,tp=2"), layers=1, hidden=64),
-    "llama bf16, masters, fp16/e4m3 moments, HSDP x TP": build.PlanOptions(
+    "llama bf16, masters, fp16/e4m3 moments, HSDP": build.PlanOptions(
         "llama", parse_mesh("rep=2,dp=2"), dtype="bf16", exp_avg_dtype="fp16", exp_avg_sq_dtype="e4m3", batch=4, seq=8
     ),
 }
@@ -197,10 +196,9 @@ def test_bytes_per_rank_equal_the_live_allocations(options):
 
 COMM_CASES = {
     "FSDP x TP": build.PlanOptions("transformer", parse_mesh("dp=2,tp=2"), layers=2, hidden=64, batch=4, seq=8),
-    "FSDP x TP, sequence parallel": build.PlanOptions(
-        "transformer", parse_mesh("dp=2,tp=2"), layers=2, hidden=64, batch=4, seq=8, sequence_parallel=True
+    "HSDP x TP, sequence parallel": build.PlanOptions(
+        "transformer", parse_mesh("rep=2,dp=2,tp=2"), layers=2, hidden=64, batch=4, seq=8, sequence_parallel=True
     ),
-    "HSDP": build.PlanOptions("transformer", parse_mesh("rep=2,dp=2"), layers=2, hidden=64, batch=4, seq=8),
 }
 
 
