@@ -52,6 +52,7 @@ def _add_model_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--config", default="tiny", help="llama: tiny (default), 125m or 1b")
     parser.add_argument("--sequence-parallel", action="store_true", help="split activations' tokens over tp")
     parser.add_argument("--dtype", default="fp32", help="parameters and activations: fp32 (default) or bf16")
+    parser.add_argument("--fp8-params", metavar="RECIPE", help="build the GEMM weights as FP8 parameters (current...)")
     parser.add_argument(
         "--master-weights",
         action=argparse.BooleanOptionalAction,
@@ -107,7 +108,8 @@ def _options(args: argparse.Namespace, mesh_text: str) -> PlanOptions:
 
     return PlanOptions(
         model=args.model, mesh=parse_mesh(mesh_text), layers=args.layers, hidden=args.hidden, config=args.config,
-        sequence_parallel=args.sequence_parallel, dtype=args.dtype, master_weights=args.master_weights,
+        sequence_parallel=args.sequence_parallel, dtype=args.dtype, fp8_params=args.fp8_params,
+        master_weights=args.master_weights,
         exp_avg_dtype=args.exp_avg_dtype, exp_avg_sq_dtype=args.exp_avg_sq_dtype, batch=args.batch, seq=args.seq,
     )  # fmt: skip
 
@@ -132,7 +134,8 @@ def _label(options: PlanOptions, plan: str | None) -> str:
 def _title(options: PlanOptions) -> str:
     model = f"llama {options.config}" if options.model == "llama" else f"transformer {options.layers}x{options.hidden}"
     sp = ", sequence parallel" if options.sequence_parallel else ""
-    return f"{model} on {options.mesh}{sp}, {options.dtype}, batch {options.batch} x seq {options.seq}"
+    fp8 = f", FP8 weights ({options.fp8_params})" if options.fp8_params else ""
+    return f"{model} on {options.mesh}{sp}, {options.dtype}{fp8}, batch {options.batch} x seq {options.seq}"
 
 
 def human(size: int) -> str:

@@ -40,7 +40,8 @@ class PlanOptions:
     config: str = "tiny"  # llama: a key of LLAMA_CONFIGS
     sequence_parallel: bool = False
     dtype: str = "fp32"  # parameters, and the activations of the step
-    master_weights: bool | None = None  # FusedAdam's; None: for bf16 parameters (as torchside.train)
+    fp8_params: str | None = None  # a recipe name: GEMM weights built as FP8 parameters (quantized_model_init)
+    master_weights: bool | None = None  # FusedAdam's; None: for bf16 and FP8 parameters (as torchside.train)
     exp_avg_dtype: str = "fp32"
     exp_avg_sq_dtype: str = "fp32"
     batch: int = 8  # global sequences per step, split over the data-parallel ranks
@@ -61,6 +62,14 @@ class PlanOptions:
             )
         if self.sequence_parallel and self.seq % self.mesh.tp:
             raise ValueError(f"sequence parallelism splits --seq {self.seq} over tp={self.mesh.tp}: pick a multiple")
+        if self.fp8_params is not None:
+            from torchside.recipe import recipe_names
+
+            if self.fp8_params not in recipe_names(fp8_off=False):
+                names = ", ".join(recipe_names(fp8_off=False))
+                raise ValueError(f"--fp8-params {self.fp8_params!r}: use a recipe, one of {names}")
+            if self.master_weights is False:
+                raise ValueError("FP8 parameters train on fp32 master weights: drop --no-master-weights")
         if self.model == "transformer":
             from bridge import twins
 
@@ -87,7 +96,9 @@ class PlanOptions:
 
     @property
     def keeps_master(self) -> bool:
-        return self.dtype == "bf16" if self.master_weights is None else self.master_weights
+        if self.master_weights is None:
+            return self.dtype == "bf16" or self.fp8_params is not None
+        return self.master_weights
 
     def torch_dtype(self, name: str):
         import torch
@@ -118,7 +129,7 @@ class JaxSpec:
 def build(options: PlanOptions, device: str = "cpu") -> BuiltModel:
     """The model placed on this process's ranks (a process group of the mesh's size must be up)."""
     from torchside.models.llama_parallel import build_meshes
-    from torchside.optim import FusedAdam
+    from torchside.optim import FusedAdam, requantize_fp8_weights
 
     meshes = build_meshes("cpu", dp=options.mesh.dp_shard, tp=options.mesh.tp, replicate=options.mesh.dp_replicate)
     model = place(options, _unplaced_model(options), meshes, device)
@@ -128,6 +139,8 @@ def build(options: PlanOptions, device: str = "cpu") -> BuiltModel:
         exp_avg_dtype=options.torch_dtype(options.exp_avg_dtype),
         exp_avg_sq_dtype=options.torch_dtype(options.exp_avg_sq_dtype),
     )
+    if options.fp8_params is not None:
+        requantize_fp8_weights(optimizer, model)
     shapes = {name: tuple(p.shape) for name, p in model.named_parameters()}
     return BuiltModel(options, model, meshes, optimizer, jax_specs(options, shapes))
 
@@ -149,6 +162,18 @@ def place(options: PlanOptions, model: nn.Module, meshes: LlamaMeshes, device: s
 
 
 def _unplaced_model(options: PlanOptions) -> nn.Module:
+    """The model on the meta device; its GEMM weights FP8 parameters under `fp8_params`."""
+    from torchside.autocast import quantized_model_init
+    from torchside.recipe import recipe_from_name
+
+    if options.fp8_params is None:
+        return _meta_model(options)
+    history = {"amax_history_len": HISTORY} if options.fp8_params == "delayed" else {}
+    with quantized_model_init(enabled=True, recipe=recipe_from_name(options.fp8_params, **history)):
+        return _meta_model(options)
+
+
+def _meta_model(options: PlanOptions) -> nn.Module:
     import torch
 
     if options.model == "transformer":
@@ -159,7 +184,9 @@ def _unplaced_model(options: PlanOptions) -> nn.Module:
     from torchside.models import Llama
     from torchside.modules import ModuleConfig
 
-    module_config = ModuleConfig(tp_size=options.mesh.tp, sequence_parallel=options.sequence_parallel)
+    module_config = ModuleConfig(
+        amax_history_len=HISTORY, tp_size=options.mesh.tp, sequence_parallel=options.sequence_parallel
+    )
     dtype = options.torch_dtype(options.dtype)
     return Llama(
         LLAMA_CONFIGS[options.config], params_dtype=dtype, device=torch.device("meta"), module_config=module_config

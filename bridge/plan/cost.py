@@ -21,8 +21,10 @@ input of a reduce-scatter, the tensor of an all-reduce (nccl-tests' "size"):
                         all-gather), else an all-reduce; under sequence parallelism, an all-reduce of
                         the gradient of every TP-replicated parameter (norms, row biases)
 
-Not priced (listed in `Communication.not_priced`): FP8 amax all-reduces (a few bytes per GEMM, only
-with an FP8 recipe) and, for Llama, the collectives of torch's own TP styles on the embedding and
+FP8 parameters are gathered as the bytes their FSDP2 hook sends (torchside.quantization.fsdp).
+
+Not priced (listed in `Communication.not_priced`): FP8 amax all-reduces (a few bytes per GEMM under
+an FP8 recipe, and per FP8 weight when the optimizer step re-quantizes it) and, for Llama, the collectives of torch's own TP styles on the embedding and
 the head and of loss_parallel.
 """
 
@@ -195,7 +197,7 @@ def communication(built: BuiltModel) -> Communication:
     result = Communication()
     _fsdp_collectives(built, result)
     _tp_collectives(built, result)
-    result.not_priced.append("FP8 amax all-reduces (a few bytes per GEMM, only under an FP8 recipe)")
+    result.not_priced.append("FP8 amax all-reduces (a few bytes per GEMM under an FP8 recipe, per FP8 weight per step)")
     if built.options.model == "llama" and built.meshes.tp is not None:
         result.not_priced.append(
             "tp: the embedding's and the head's collectives (torch's RowwiseParallel, PrepareModuleInput) "
@@ -217,12 +219,12 @@ def _fsdp_collectives(built: BuiltModel, result: Communication) -> None:
         if unit is None:
             continue
         label = f"{name or 'root'} ({len(unit.params)} parameters)"
-        gathered = reduced = 0
+        gathered = reduced = 0  # per rank: what it sends to the all-gather, what it keeps of the reduce-scatter
         for param in unit.params:
             shard_map, _ = world_map(param, world)
             padded = max(math.prod(shard_map.local_shape(c)) for c in world.coordinates())  # dim 0 ceil-chunked
             gather_dtype = unit.param_dtype or param.dtype
-            gathered += padded * gather_dtype.itemsize
+            gathered += _fsdp_send_bytes(param, built, padded * gather_dtype.itemsize)
             reduced += padded * (unit.reduce_dtype or gather_dtype).itemsize
         if mesh.dp_shard > 1:
             passes = ("forward", "backward") if unit.reshard_after_forward else ("forward",)
@@ -235,6 +237,18 @@ def _fsdp_collectives(built: BuiltModel, result: Communication) -> None:
             )
         if mesh.dp_replicate > 1:
             result.collectives.append(Collective(DP_REPLICATE, "all_reduce", "backward", "fsdp", label, reduced))
+
+
+def _fsdp_send_bytes(param, built: BuiltModel, high_precision: int) -> int:
+    """What a rank sends to FSDP2's all-gather of `param`: an FP8 parameter's buffers as its hook sends them."""
+    from torchside.parallel.mesh_axes import DP_SHARD
+    from torchside.parallel.module_mesh import local_tensor
+
+    local = local_tensor(param)
+    if not hasattr(local, "quantized_storage"):
+        return high_precision
+    inputs, _ = local.fsdp_pre_all_gather(built.meshes.world[DP_SHARD], _tp_shape(param), None, None, None)
+    return sum(t.nbytes for t in inputs)
 
 
 def _tp_collectives(built: BuiltModel, result: Communication) -> None:
@@ -277,21 +291,22 @@ def _tp_collectives(built: BuiltModel, result: Communication) -> None:
                     else:
                         add("all_reduce", "forward", f"{what} output", size)
             if grad_is_partial_over_tp(spec.role, spec.parallel_mode, module.sequence_parallel):
-                add("all_reduce", "backward", f"{what} grad", _tp_shard_numel(param) * param.dtype.itemsize)
+                add("all_reduce", "backward", f"{what} grad", math.prod(_tp_shape(param)) * param.dtype.itemsize)
 
 
-def _tp_shard_numel(param) -> int:
-    """Elements of the TP shard a forward reads (FSDP2 gathers the data-parallel shards back into it)."""
-    from torch.distributed.tensor import DTensor, Replicate
+def _tp_shape(param) -> tuple[int, ...]:
+    """The shape of the TP shard a forward reads (FSDP2 gathers the data-parallel shards back into it)."""
+    from torch.distributed.tensor import DTensor, Shard
 
     from torchside.parallel.mesh_axes import TP
 
-    if not isinstance(param, DTensor):
-        return param.numel()
-    names = param.device_mesh.mesh_dim_names or ()
-    splits = [param.device_mesh.size(d) for d, (n, p) in enumerate(zip(names, param.placements))
-              if n == TP and not isinstance(p, Replicate)]  # fmt: skip
-    return param.numel() // math.prod(splits)
+    shape = list(param.shape)
+    if isinstance(param, DTensor):
+        names = param.device_mesh.mesh_dim_names or ()
+        for d, (name, placement) in enumerate(zip(names, param.placements)):
+            if name == TP and isinstance(placement, Shard):
+                shape[placement.dim] //= param.device_mesh.size(d)
+    return tuple(shape)
 
 
 def per_axis(collectives: Iterable[Collective]) -> dict[str, dict[str, int]]:

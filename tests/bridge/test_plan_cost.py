@@ -5,7 +5,8 @@ and our TP collectives run for real), trains one step, and compares the predicti
 `price` with what each rank holds and what each rank sent:
 
 - memory: the local bytes of every parameter, gradient and optimizer state tensor;
-- communication: every call into the threaded process group's collectives (FSDP2's c10d calls,
+- communication (forward and backward; the optimizer step must send nothing, or with FP8 weights
+  only their amax all-reduces, which are not priced): every call into the threaded process group's collectives (FSDP2's c10d calls,
   DTensor's functional collectives and tp_comm's calls all end there), by the mesh axis of the
   group, with the bytes of the collective's whole buffer (module docstring of bridge.plan.cost).
 """
@@ -123,8 +124,8 @@ def _local_nbytes(tensor) -> int:
     return local.nbytes
 
 
-def _train_one_step(built: build.BuiltModel, rank: int) -> None:
-    """Forward, backward and optimizer step of the model's training, on this rank's part of a seeded batch."""
+def _forward_backward(built: build.BuiltModel) -> None:
+    """Forward and backward of the model's training, on this rank's part of a seeded batch."""
     options, meshes = built.options, built.meshes
     generator = torch.Generator().manual_seed(7)
     if options.model == "llama":
@@ -145,7 +146,6 @@ def _train_one_step(built: build.BuiltModel, rank: int) -> None:
         x = x.contiguous().requires_grad_()
         y, _ = built.model(x)
         y.backward(dy.contiguous())
-    built.optimizer.step()
 
 
 def _measure(rank, world_size, options, counter):
@@ -156,30 +156,42 @@ def _measure(rank, world_size, options, counter):
     predicted = cost.price(built) if rank == 0 else None
     axis_of = {id(built.meshes.world[name].get_group()): name for name in built.meshes.world.mesh_dim_names}
     with counter.record(rank):
-        _train_one_step(built, rank)
+        _forward_backward(built)
+    sent = _by_axis(counter.calls[rank], axis_of)
+    with counter.record(rank):
+        built.optimizer.step()
+    stepped = _by_axis(counter.calls[rank], axis_of)
     params = list(built.model.parameters())
     held = {
         "parameters": sum(_local_nbytes(p) for p in params),
         "gradients": sum(_local_nbytes(p.grad) for p in params),
         "optimizer": sum(_local_nbytes(t) for p in params for t in built.optimizer.state[p].values()),
     }
+    return predicted, held, sent, stepped
+
+
+def _by_axis(calls, axis_of) -> dict[tuple[str, str], tuple[int, int]]:
+    """(mesh axis, collective) -> (calls, bytes)."""
     sent: dict[tuple[str, str], tuple[int, int]] = {}
-    for group, kind, size in counter.calls[rank]:
+    for group, kind, size in calls:
         key = (axis_of.get(group, f"group {group}"), kind)
         calls, total = sent.get(key, (0, 0))
         sent[key] = (calls + 1, total + size)
-    return predicted, held, sent
+    return sent
 
 
 def _run(options: build.PlanOptions):
     with CollectiveCounter() as counter:
         results = run_threads(_measure, options.mesh.size, options, counter)
-    return results[0][0], [r[1] for r in results], [r[2] for r in results]
+    return results[0][0], *([r[i] for r in results] for i in (1, 2, 3))
 
 
 # Llama without TP: torch's loss_parallel swaps DTensor's global op handlers, which threaded ranks race on.
 MEMORY_CASES = {
     "transformer fp32, FSDP x TP": build.PlanOptions("transformer", parse_mesh("dp=2,tp=2"), layers=1, hidden=64),
+    "transformer FP8 weights (current scaling), FSDP x TP": build.PlanOptions(
+        "transformer", parse_mesh("dp=2,tp=2"), layers=1, hidden=64, fp8_params="current"
+    ),
     "llama bf16, masters, fp16/e4m3 moments, HSDP": build.PlanOptions(
         "llama", parse_mesh("rep=2,dp=2"), dtype="bf16", exp_avg_dtype="fp16", exp_avg_sq_dtype="e4m3", batch=4, seq=8
     ),
@@ -188,7 +200,7 @@ MEMORY_CASES = {
 
 @pytest.mark.parametrize("options", MEMORY_CASES.values(), ids=MEMORY_CASES.keys())
 def test_bytes_per_rank_equal_the_live_allocations(options):
-    predicted, held, _ = _run(options)
+    predicted, held, _, _ = _run(options)
     memory = predicted.memory()
     for rank, live in enumerate(held):
         assert {kind: memory[kind][rank] for kind in cost.MEMORY_KINDS} == live, f"rank {rank}"
@@ -196,6 +208,9 @@ def test_bytes_per_rank_equal_the_live_allocations(options):
 
 COMM_CASES = {
     "FSDP x TP": build.PlanOptions("transformer", parse_mesh("dp=2,tp=2"), layers=2, hidden=64, batch=4, seq=8),
+    "FSDP x TP, FP8 weights (current scaling)": build.PlanOptions(
+        "transformer", parse_mesh("dp=2,tp=2"), layers=1, hidden=64, batch=4, seq=8, fp8_params="current"
+    ),
     "HSDP x TP, sequence parallel": build.PlanOptions(
         "transformer", parse_mesh("rep=2,dp=2,tp=2"), layers=2, hidden=64, batch=4, seq=8, sequence_parallel=True
     ),
@@ -204,8 +219,10 @@ COMM_CASES = {
 
 @pytest.mark.parametrize("options", COMM_CASES.values(), ids=COMM_CASES.keys())
 def test_step_collectives_equal_what_the_process_group_ran(options):
-    predicted, _, sent = _run(options)
+    predicted, _, sent, stepped = _run(options)
     expected = predicted.communication.totals()
     assert expected, "the case must communicate"
     for rank, ran in enumerate(sent):
         assert ran == expected, f"rank {rank}"
+    if options.fp8_params is None:  # FusedAdam works on local shards; FP8 weights all-reduce amaxes (not priced)
+        assert stepped == [{}] * options.mesh.size
