@@ -33,13 +33,17 @@ def register(verbs) -> None:
     )
     actions = parser.add_subparsers(dest="action", metavar="ACTION", required=True)
     show = actions.add_parser("show", help="one placement: every parameter, memory per rank, communication")
-    show.add_argument("plan", nargs="?", metavar="PLAN", help="a placement plan (default: the built-in placement)")
-    show.add_argument("--mesh", default=DEFAULT_MESH, help=f"rep=, dp=, tp= sizes (default {DEFAULT_MESH})")
+    show.add_argument("plan", nargs="?", metavar="PLAN", help="a placement plan TOML (default: the built-in placement)")
+    show.add_argument("--mesh", help=f"rep=, dp=, tp= sizes (default: the plan's [mesh], else {DEFAULT_MESH})")
     show.add_argument("--png", metavar="FILE", help="also draw memory per rank and traffic per axis into this PNG")
     show.set_defaults(run=run_show)
     compare = actions.add_parser("compare", help="several meshes (or plans) side by side")
-    compare.add_argument("plans", nargs="*", metavar="PLAN", help="placement plans (default: the built-in one)")
-    compare.add_argument("--mesh", action="append", help=f"a mesh to compare; repeat it (default {DEFAULT_MESH})")
+    compare.add_argument("plans", nargs="*", metavar="PLAN", help="placement plan TOMLs (default: the built-in one)")
+    compare.add_argument(
+        "--mesh",
+        action="append",
+        help=f"a mesh to compare; repeat it (default: each plan's [mesh], else {DEFAULT_MESH})",
+    )
     compare.set_defaults(run=run_compare)
     for sub in (show, compare):
         _add_model_options(sub)
@@ -70,8 +74,9 @@ def run_show(args: argparse.Namespace, console: Console) -> int:
 
     if args.png:
         check_output_path("--png", args.png)
-    options = _options(args, args.mesh)
-    cost = _price(options, args.plan)
+    plan = _read_plan(args.plan)
+    options = _options(args, args.mesh, plan)
+    cost = _price(options, plan)
     if args.png:
         from bridge.plan.picture import save_png
 
@@ -86,49 +91,59 @@ def run_show(args: argparse.Namespace, console: Console) -> int:
 
 
 def run_compare(args: argparse.Namespace, console: Console) -> int:
-    meshes = args.mesh or [DEFAULT_MESH]
-    plans = args.plans or [None]
-    if len(meshes) * len(plans) < 2:
+    paths = args.plans or [None]
+    meshes = args.mesh or [None]
+    if len(meshes) * len(paths) < 2:
         raise ValueError("plan compare needs two or more candidates: repeat --mesh or give several PLANs")
-    candidates = [(_options(args, mesh), plan) for plan in plans for mesh in meshes]
-    costs = [_price(options, plan) for options, plan in candidates]
-    labels = [_label(options, plan) for options, plan in candidates]
+    candidates = [(path, _read_plan(path), mesh) for path in paths for mesh in meshes]
+    options = [_options(args, mesh, plan) for _, plan, mesh in candidates]
+    costs = [_price(o, plan) for o, (_, plan, _) in zip(options, candidates)]
+    labels = [_label(o, path) for o, (path, _, _) in zip(options, candidates)]
     if args.json:
-        console.out(json.dumps([as_json(o, c) | {"label": label} for (o, _), c, label in
-                                zip(candidates, costs, labels)]), highlight=False)  # fmt: skip
+        console.out(json.dumps([as_json(o, c) | {"label": label} for o, c, label in zip(options, costs, labels)]),
+                    highlight=False)  # fmt: skip
     else:
         console.print(_totals_table(labels, costs))
         console.print(_placement_differences(labels, costs))
     return 0 if all(p.same_layout is not False for c in costs for p in c.parameters) else 1
 
 
-def _options(args: argparse.Namespace, mesh_text: str) -> PlanOptions:
-    from bridge.crosscheck import parse_mesh
-    from bridge.plan.build import PlanOptions
+def _read_plan(path: str | None):
+    from bridge.plan.build import read_plan
 
+    return None if path is None else read_plan(path)
+
+
+def _options(args: argparse.Namespace, mesh_text: str | None, plan) -> PlanOptions:
+    """The build's options: the mesh from --mesh, else the plan's [mesh], else DEFAULT_MESH."""
+    from bridge.crosscheck import parse_mesh
+    from bridge.plan.build import PlanOptions, plan_mesh, plan_sequence_parallel
+
+    mesh = parse_mesh(mesh_text) if mesh_text else plan_mesh(plan) or parse_mesh(DEFAULT_MESH)
+    sequence_parallel = args.sequence_parallel or plan_sequence_parallel(plan)
     return PlanOptions(
-        model=args.model, mesh=parse_mesh(mesh_text), layers=args.layers, hidden=args.hidden, config=args.config,
-        sequence_parallel=args.sequence_parallel, dtype=args.dtype, fp8_params=args.fp8_params,
+        model=args.model, mesh=mesh, layers=args.layers, hidden=args.hidden, config=args.config,
+        sequence_parallel=sequence_parallel, dtype=args.dtype, fp8_params=args.fp8_params,
         master_weights=args.master_weights,
         exp_avg_dtype=args.exp_avg_dtype, exp_avg_sq_dtype=args.exp_avg_sq_dtype, batch=args.batch, seq=args.seq,
     )  # fmt: skip
 
 
-def _price(options: PlanOptions, plan: str | None) -> PlanCost:
+def _price(options: PlanOptions, plan) -> PlanCost:
     import warnings
 
     from bridge.plan import build, cost
 
-    if plan is not None:
-        build.read_plan(plan)
     with build.fake_world(options.mesh.size), warnings.catch_warnings():
         # materializing on a CPU mesh warns that DTensor RNG support is partial
         warnings.filterwarnings("ignore", message="DTensor random operators")
-        return cost.price(build.build(options))
+        return cost.price(build.build(options, plan=plan))
 
 
-def _label(options: PlanOptions, plan: str | None) -> str:
-    return f"{plan or 'built-in'} {options.mesh}"
+def _label(options: PlanOptions, path: str | None) -> str:
+    from pathlib import Path
+
+    return f"{Path(path).stem if path else 'built-in'} {options.mesh}"
 
 
 def _title(options: PlanOptions) -> str:

@@ -1,7 +1,8 @@
 """The model a plan is priced on: torch as built on the mesh, and its JAX twin's parameter specs.
 
-`build_torch` builds the model on the meta device and hands it to `place`, the one function that
-decides where parameters live (today the built-in placement; a placement plan plugs in there).
+`build` builds the model on the meta device and hands it to `place`, the one function that decides
+where parameters live: by a placement plan (`read_plan`: jaxside.plan.Plan, issue 33), or without
+one by the built-in placement. The JAX twin's specs come from the same plan.
 `fake_world` gives a CLI process the ranks of a whole mesh without starting any: torch's fake
 process group, as rank 0, whose collectives do nothing. `parallelize` then materializes rank 0's
 shards on the CPU (our modules' `reset_parameters` refuses the meta device), so a `plan show` costs
@@ -115,6 +116,7 @@ class BuiltModel:
     meshes: LlamaMeshes
     optimizer: Any  # torchside.optim.FusedAdam
     jax_specs: dict[str, JaxSpec]
+    plan: Any = None  # the jaxside.plan.Plan it was placed by; None: the built-in placement
 
 
 @dataclass(frozen=True)
@@ -126,13 +128,13 @@ class JaxSpec:
     transposes: bool
 
 
-def build(options: PlanOptions, device: str = "cpu") -> BuiltModel:
-    """The model placed on this process's ranks (a process group of the mesh's size must be up)."""
+def build(options: PlanOptions, device: str = "cpu", plan=None) -> BuiltModel:
+    """The model placed on this process's ranks by `plan` (a process group of the mesh's size must be up)."""
     from torchside.models.llama_parallel import build_meshes
     from torchside.optim import FusedAdam, requantize_fp8_weights
 
     meshes = build_meshes("cpu", dp=options.mesh.dp_shard, tp=options.mesh.tp, replicate=options.mesh.dp_replicate)
-    model = place(options, _unplaced_model(options), meshes, device)
+    model = place(options, _unplaced_model(options, plan), meshes, device, plan)
     optimizer = FusedAdam(
         model.parameters(),
         master_weights=options.keeps_master,
@@ -142,38 +144,41 @@ def build(options: PlanOptions, device: str = "cpu") -> BuiltModel:
     if options.fp8_params is not None:
         requantize_fp8_weights(optimizer, model)
     shapes = {name: tuple(p.shape) for name, p in model.named_parameters()}
-    return BuiltModel(options, model, meshes, optimizer, jax_specs(options, shapes))
+    return BuiltModel(options, model, meshes, optimizer, jax_specs(options, shapes, plan), plan)
 
 
-def place(options: PlanOptions, model: nn.Module, meshes: LlamaMeshes, device: str) -> nn.Module:
-    """Where every parameter lives: the built-in placement (the table of torchside.parallel.placements).
+def _planned(plan) -> dict[str, Any]:
+    """The `plan=` argument of the builders: none for the built-in placement (their default plan)."""
+    return {} if plan is None else {"plan": plan}
 
-    The one place a placement plan plugs in (issue 33): `parallelize(model, plan=...)` here, and the
-    rest of `shardbridge plan` prices whatever it builds.
-    """
+
+def place(options: PlanOptions, model: nn.Module, meshes: LlamaMeshes, device: str, plan=None) -> nn.Module:
+    """Where every parameter lives: by `plan` (jaxside.plan.Plan), None for the built-in placement."""
     if options.model == "llama":
         from torchside.models.llama_parallel import parallelize_llama
 
-        return parallelize_llama(model, meshes, device=device)
+        return parallelize_llama(model, meshes, device=device, **_planned(plan))
     from torchside.parallel import parallelize
 
     blocks = list(model.layers)
-    return parallelize(model, meshes.data, tp_mesh=meshes.tp, weight_mesh=meshes.weight, blocks=blocks, device=device)
+    return parallelize(
+        model, meshes.data, tp_mesh=meshes.tp, weight_mesh=meshes.weight, blocks=blocks, device=device, **_planned(plan)
+    )
 
 
-def _unplaced_model(options: PlanOptions) -> nn.Module:
-    """The model on the meta device; its GEMM weights FP8 parameters under `fp8_params`."""
+def _unplaced_model(options: PlanOptions, plan) -> nn.Module:
+    """The model on the meta device (Llama: its units' TP modes from `plan`); GEMM weights FP8 under `fp8_params`."""
     from torchside.autocast import quantized_model_init
     from torchside.recipe import recipe_from_name
 
     if options.fp8_params is None:
-        return _meta_model(options)
+        return _meta_model(options, plan)
     history = {"amax_history_len": HISTORY} if options.fp8_params == "delayed" else {}
     with quantized_model_init(enabled=True, recipe=recipe_from_name(options.fp8_params, **history)):
-        return _meta_model(options)
+        return _meta_model(options, plan)
 
 
-def _meta_model(options: PlanOptions) -> nn.Module:
+def _meta_model(options: PlanOptions, plan) -> nn.Module:
     import torch
 
     if options.model == "transformer":
@@ -193,8 +198,8 @@ def _meta_model(options: PlanOptions) -> nn.Module:
     )
 
 
-def jax_specs(options: PlanOptions, torch_shapes: dict[str, tuple[int, ...]]) -> dict[str, JaxSpec]:
-    """Per torch parameter, its twin's name and PartitionSpec by jaxside's rules (shapes only: no devices)."""
+def jax_specs(options: PlanOptions, torch_shapes: dict[str, tuple[int, ...]], plan=None) -> dict[str, JaxSpec]:
+    """Per torch parameter, its twin's name and PartitionSpec by jaxside's rules or `plan` (shapes only: no devices)."""
     import jax
     from flax import nnx
 
@@ -202,15 +207,16 @@ def jax_specs(options: PlanOptions, torch_shapes: dict[str, tuple[int, ...]]) ->
     from bridge import params
     from jaxside.sharding import MESH_AXES
 
-    jax_model = nnx.eval_shape(lambda: _jax_model(options))
+    jax_model = nnx.eval_shape(lambda: _jax_model(options, plan))
     mesh = jax.sharding.AbstractMesh(options.mesh.sizes, MESH_AXES)
-    shardings = {tuple(path): v.get_value() for path, v in nnx.to_flat_state(JM.shardings(jax_model, mesh))}
+    placed = JM.shardings(jax_model, mesh, **_planned(plan))
+    shardings = {tuple(path): v.get_value() for path, v in nnx.to_flat_state(placed)}
     shapes = {path: tuple(value.shape) for path, value in params.jax_parameters(jax_model).items()}
     pairs = params.pair_parameters(torch_shapes, shapes)
     return {p.torch_name: JaxSpec(p.jax_name, shardings[p.jax_path].spec, p.layout.transposes) for p in pairs}
 
 
-def _jax_model(options: PlanOptions):
+def _jax_model(options: PlanOptions, plan):
     if options.model == "transformer":
         from bridge import twins
 
@@ -222,14 +228,26 @@ def _jax_model(options: PlanOptions):
     from jaxside.models.llama_config import LLAMA_CONFIGS
 
     dtype = {"fp32": jnp.float32, "bf16": jnp.bfloat16}[options.dtype]
-    return Llama(LLAMA_CONFIGS[options.config], params_dtype=dtype, rngs=nnx.Rngs(0))
+    return Llama(LLAMA_CONFIGS[options.config], params_dtype=dtype, rngs=nnx.Rngs(0), **_planned(plan))
 
 
-def read_plan(path: str) -> None:
-    """A placement plan file; ValueError until torchside.parallel reads plans (issue 33): `place` is where it goes."""
-    raise ValueError(
-        f"PLAN {path}: placement plans are not readable yet (issue 33); leave PLAN out for the built-in placement"
-    )
+def read_plan(path: str):
+    """The placement plan in a TOML file (jaxside.plan.Plan; ValueError naming the file and the rule)."""
+    from jaxside.plan import Plan
+
+    return Plan.from_toml(path)
+
+
+def plan_mesh(plan) -> MeshShape | None:
+    """The mesh a plan names in its [mesh] table, None when it names none."""
+    if plan is None or plan.mesh is None:
+        return None
+    return MeshShape(**plan.mesh)
+
+
+def plan_sequence_parallel(plan) -> bool:
+    """Whether a plan's rules turn sequence parallelism on (the model must be built with it)."""
+    return plan is not None and any(rule.sequence_parallel for rule in plan.rules)
 
 
 @contextlib.contextmanager
@@ -248,4 +266,15 @@ def fake_world(size: int) -> Iterator[None]:
         dist.destroy_process_group()
 
 
-__all__ = ["MODELS", "BuiltModel", "JaxSpec", "PlanOptions", "build", "fake_world", "jax_specs", "place", "read_plan"]
+__all__ = [
+    "MODELS",
+    "BuiltModel",
+    "JaxSpec",
+    "PlanOptions",
+    "build",
+    "fake_world",
+    "jax_specs",
+    "place",
+    "plan_mesh",
+    "read_plan",
+]

@@ -148,11 +148,11 @@ def _forward_backward(built: build.BuiltModel) -> None:
         y.backward(dy.contiguous())
 
 
-def _measure(rank, world_size, options, counter):
+def _measure(rank, world_size, options, counter, plan):
     import warnings
 
     warnings.filterwarnings("ignore", message="DTensor random operators")
-    built = build.build(options)
+    built = build.build(options, plan=plan)
     predicted = cost.price(built) if rank == 0 else None
     axis_of = {id(built.meshes.world[name].get_group()): name for name in built.meshes.world.mesh_dim_names}
     with counter.record(rank):
@@ -180,9 +180,9 @@ def _by_axis(calls, axis_of) -> dict[tuple[str, str], tuple[int, int]]:
     return sent
 
 
-def _run(options: build.PlanOptions):
+def _run(options: build.PlanOptions, plan=None):
     with CollectiveCounter() as counter:
-        results = run_threads(_measure, options.mesh.size, options, counter)
+        results = run_threads(_measure, options.mesh.size, options, counter, plan)
     return results[0][0], *([r[i] for r in results] for i in (1, 2, 3))
 
 
@@ -226,3 +226,27 @@ def test_step_collectives_equal_what_the_process_group_ran(options):
         assert ran == expected, f"rank {rank}"
     if options.fp8_params is None:  # FusedAdam works on local shards; FP8 weights all-reduce amaxes (not priced)
         assert stepped == [{}] * options.mesh.size
+
+
+def test_a_plan_is_priced_as_it_places_and_communicates():
+    """FSDP on dim 1 of the down projections, blocks kept gathered after forward: bytes and collectives."""
+    from jaxside.plan import Plan
+
+    plan = Plan.from_dict(
+        {
+            "rule": [
+                {"match": "layers.*.layernorm_mlp.fc2_weight", "fsdp_dim": 1},
+                {"match": "layers.*", "reshard_after_forward": False},
+            ]
+        }
+    )
+    options = build.PlanOptions("transformer", parse_mesh("dp=2,tp=2"), layers=2, hidden=64, batch=4, seq=8)
+    predicted, held, sent, _ = _run(options, plan)
+    fc2 = next(p for p in predicted.parameters if p.name == "layers.0.layernorm_mlp.fc2_weight")
+    assert fc2.placements == "Replicate(), _StridedShard(1, sf=2), Shard(1)" and fc2.same_layout
+    expected = predicted.communication.totals()
+    assert expected[("dp_shard", "all_gather")][0] == 2  # forward only: no block reshards after it
+    memory = predicted.memory()
+    for rank in range(options.mesh.size):
+        assert {kind: memory[kind][rank] for kind in cost.MEMORY_KINDS} == held[rank], f"rank {rank}"
+        assert sent[rank] == expected, f"rank {rank}"

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import io
 import json
+from pathlib import Path
 
 import pytest
 from rich.console import Console
@@ -89,10 +90,43 @@ def test_png(tmp_path, stdout):
         (["--model", "gpt"], "model 'gpt': use one of transformer, llama"),
         (["--mesh", "dp=3", "--batch", "4"], "--batch 4 must divide over the 3 data-parallel ranks"),
         (["--mesh", "tp=3"], "tp=3 must divide the heads and ffn"),
-        (["plan.toml"], "placement plans are not readable yet"),
+        (["missing.toml"], "No such file"),
     ],
 )
 def test_bad_input_exits_2_with_one_error_line(capsys, argv, message):
     assert cli.main(["plan", "show", *argv]) == 2
     errors = capsys.readouterr().err.strip().splitlines()
     assert len(errors) == 1 and errors[0].startswith("error:") and message in errors[0], errors
+
+
+# ---- placement plans (jaxside.plan; examples/plans)
+
+PLANS = Path(__file__).parents[2] / "examples" / "plans"
+
+
+def test_show_a_plan_prices_what_it_places(stdout):
+    plan = str(PLANS / "fsdp_dim1_down_proj.toml")  # [mesh] dp = 2, tp = 2
+    assert cli.main(["plan", "show", plan, "--model", "llama", "--json"]) == 0
+    result = json.loads(stdout.getvalue())
+    assert result["mesh_axes"] == {"dp_replicate": 1, "dp_shard": 2, "tp": 2}
+    by_name = {p["name"]: p for p in result["parameters"]}
+    fc2 = by_name["layers.0.layernorm_mlp.fc2_weight"]  # [D, F] row-parallel: FSDP splits its TP shard's dim 1
+    assert fc2["placements"] == "Replicate(), _StridedShard(1, sf=2), Shard(1)"
+    assert fc2["pspec"] == "P(('tp', 'dp_shard'), None)"  # the Flax kernel [F, D]
+    assert all(p["same_layout"] for p in result["parameters"])
+
+
+def test_compare_two_plans(stdout):
+    plans = [str(PLANS / f"{name}.toml") for name in ("fsdp_dim1_down_proj", "attention_replicated_mlp_tp")]
+    assert cli.main(["plan", "compare", *plans, "--model", "llama"]) == 0
+    differing = stdout.getvalue().split("parameters placed differently")[1]
+    assert "layers.0.self_attention.layernorm_qkv.weight" in differing  # replicated over tp by the second
+    assert "layers.0.layernorm_mlp.fc1_weight" not in differing  # column-parallel, FSDP dim 0 in both
+
+
+def test_a_bad_plan_exits_2_naming_the_rule(tmp_path, capsys):
+    plan = tmp_path / "bad.toml"
+    plan.write_text('[[rule]]\nmatch = "layers.*.no_such_module"\nfsdp_dim = 1\n')
+    assert cli.main(["plan", "show", str(plan), *SMALL]) == 2
+    errors = capsys.readouterr().err.strip().splitlines()
+    assert len(errors) == 1 and "rule 0 (match 'layers.*.no_such_module') matches no parameter" in errors[0], errors
