@@ -192,10 +192,8 @@ def _meta_model(options: PlanOptions, plan) -> nn.Module:
     module_config = ModuleConfig(
         amax_history_len=HISTORY, tp_size=options.mesh.tp, sequence_parallel=options.sequence_parallel
     )
-    dtype = options.torch_dtype(options.dtype)
-    return Llama(
-        LLAMA_CONFIGS[options.config], params_dtype=dtype, device=torch.device("meta"), module_config=module_config
-    )
+    config, dtype = LLAMA_CONFIGS[options.config], options.torch_dtype(options.dtype)
+    return Llama(config, params_dtype=dtype, device=torch.device("meta"), module_config=module_config, **_planned(plan))
 
 
 def jax_specs(options: PlanOptions, torch_shapes: dict[str, tuple[int, ...]], plan=None) -> dict[str, JaxSpec]:
