@@ -20,12 +20,14 @@ input of a reduce-scatter, the tensor of an all-reduce (nccl-tests' "size"):
                         row GEMM: reduce-scatter of the output under sequence parallelism (backward:
                         all-gather), else an all-reduce; under sequence parallelism, an all-reduce of
                         the gradient of every TP-replicated parameter (norms, row biases)
+    Llama (tp)          the vocabulary-split embedding, the head and loss_parallel's cross entropy
+                        (`_vocab_parallel_collectives`)
 
 FP8 parameters are gathered as the bytes their FSDP2 hook sends (torchside.quantization.fsdp).
 
 Not priced (listed in `Communication.not_priced`): FP8 amax all-reduces (a few bytes per GEMM under
-an FP8 recipe, and per FP8 weight when the optimizer step re-quantizes it) and, for Llama, the collectives of torch's own TP styles on the embedding and
-the head and of loss_parallel.
+an FP8 recipe, and per FP8 weight when the optimizer step re-quantizes it), and a Llama embedding
+split by hidden columns.
 """
 
 from __future__ import annotations
@@ -197,12 +199,9 @@ def communication(built: BuiltModel) -> Communication:
     result = Communication()
     _fsdp_collectives(built, result)
     _tp_collectives(built, result)
+    if built.options.model == "llama":
+        _vocab_parallel_collectives(built, result)
     result.not_priced.append("FP8 amax all-reduces (a few bytes per GEMM under an FP8 recipe, per FP8 weight per step)")
-    if built.options.model == "llama" and built.meshes.tp is not None:
-        result.not_priced.append(
-            "tp: the embedding's and the head's collectives (torch's RowwiseParallel, PrepareModuleInput) "
-            "and loss_parallel's all-reduces"
-        )
     return result
 
 
@@ -292,6 +291,46 @@ def _tp_collectives(built: BuiltModel, result: Communication) -> None:
                         add("all_reduce", "forward", f"{what} output", size)
             if grad_is_partial_over_tp(spec.role, spec.parallel_mode, module.sequence_parallel):
                 add("all_reduce", "backward", f"{what} grad", math.prod(_tp_shape(param)) * param.dtype.itemsize)
+
+
+def _vocab_parallel_collectives(built: BuiltModel, result: Communication) -> None:
+    """Llama's TP outside our layers: the vocabulary-split embedding and head, and loss_parallel's cross entropy.
+
+    The embedding's partial lookups are summed (all-reduce; under sequence parallelism reduce-scattered,
+    and the gradient all-gathered back); the head gathers the hidden states (sequence parallelism:
+    all-gather, its gradient reduce-scattered; else the gradient of the replicated input is all-reduced);
+    the cross entropy all-reduces three fp32 values per token (the logits' max, the sum of their
+    exponentials, the target's logit). An embedding split by hidden columns is not priced.
+    """
+    from torch.distributed.tensor import DTensor, Shard
+
+    from torchside.parallel.mesh_axes import TP
+
+    options = built.options
+    if options.mesh.tp == 1:
+        return
+    weight = built.model.embedding.weight
+    names = weight.device_mesh.mesh_dim_names if isinstance(weight, DTensor) else ()
+    split = dict(zip(names, weight.placements)).get(TP) if names else None
+    if not (isinstance(split, Shard) and split.dim == 0):
+        result.not_priced.append(f"tp: the embedding split as {split} (not by vocabulary rows), the head, the loss")
+        return
+    tokens = options.seq * options.batch // options.mesh.dp
+    hidden = tokens * built.model.config.hidden_size * weight.dtype.itemsize
+
+    def add(kind: str, phase: str, what: str, size: int) -> None:
+        result.collectives.append(Collective(TP, kind, phase, "tp", what, size))
+
+    if options.sequence_parallel:
+        add("reduce_scatter", "forward", "embedding output", hidden)
+        add("all_gather", "backward", "embedding output grad", hidden)
+        add("all_gather", "forward", "lm_head input", hidden)
+        add("reduce_scatter", "backward", "lm_head input grad", hidden)
+    else:
+        add("all_reduce", "forward", "embedding output", hidden)
+        add("all_reduce", "backward", "lm_head input grad", hidden)
+    for what in ("max", "sum of exponentials", "target logit"):
+        add("all_reduce", "forward", f"loss_parallel: each token's logit {what}", tokens * 4)  # fp32 logits
 
 
 def _tp_shape(param) -> tuple[int, ...]:

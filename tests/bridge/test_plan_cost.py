@@ -219,6 +219,39 @@ COMM_CASES = {
 
 @pytest.mark.parametrize("options", COMM_CASES.values(), ids=COMM_CASES.keys())
 def test_step_collectives_equal_what_the_process_group_ran(options):
+    _check_collectives(options)
+
+
+@pytest.fixture
+def loss_parallel_on_threads(monkeypatch):
+    """torch's loss_parallel installs DTensor's (global) cross-entropy handlers on entry and removes them on
+    exit, which rank threads race on (KeyError): install them once for the test, their swaps no-ops."""
+    from torch.distributed.tensor.parallel import loss
+
+    loss._enable_custom_loss_ops()
+    monkeypatch.setattr(loss, "_enable_custom_loss_ops", lambda: None)
+    monkeypatch.setattr(loss, "_disable_custom_loss_ops", lambda: None)
+    yield
+    monkeypatch.undo()
+    loss._disable_custom_loss_ops()
+
+
+LLAMA_COMM_CASES = {
+    "TP": build.PlanOptions("llama", parse_mesh("tp=2"), batch=2, seq=8),
+    "FSDP x TP, sequence parallel, bf16": build.PlanOptions(
+        "llama", parse_mesh("dp=2,tp=2"), dtype="bf16", batch=4, seq=8, sequence_parallel=True
+    ),
+}
+
+
+@pytest.mark.usefixtures("loss_parallel_on_threads")
+@pytest.mark.parametrize("options", LLAMA_COMM_CASES.values(), ids=LLAMA_COMM_CASES.keys())
+def test_llama_step_collectives_equal_what_the_process_group_ran(options):
+    """With the vocabulary-split embedding and head and loss_parallel's cross entropy around the layers."""
+    _check_collectives(options)
+
+
+def _check_collectives(options) -> None:
     predicted, _, sent, stepped = _run(options)
     expected = predicted.communication.totals()
     assert expected, "the case must communicate"
