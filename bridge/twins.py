@@ -38,11 +38,12 @@ class TwinSpec:
     hidden: int
     tp_size: int
     amax_history_len: int
-    sequence_parallel: bool = False  # torch only: the JAX twin's layouts do not depend on it
 
     @property
     def ffn(self) -> int:
         return 4 * self.hidden
+
+    sequence_parallel: bool = False  # torch only: the JAX twin's layouts do not depend on it
 
 
 def _torch_linear_block(spec: TwinSpec, config):

@@ -184,7 +184,8 @@ def _meta_model(options: PlanOptions, plan) -> nn.Module:
     if options.model == "transformer":
         from bridge import twins
 
-        return twins.build_torch(options.twin_spec)  # on meta, in fp32 as verify builds it
+        # on meta, in fp32 as verify builds it (a plan: its TP modes per block)
+        return twins.build_torch(dataclasses.replace(options.twin_spec, **_planned(plan)))
     from jaxside.models.llama_config import LLAMA_CONFIGS
     from torchside.models import Llama
     from torchside.modules import ModuleConfig
@@ -218,7 +219,7 @@ def _jax_model(options: PlanOptions, plan):
     if options.model == "transformer":
         from bridge import twins
 
-        return twins.build_jax(options.twin_spec)
+        return twins.build_jax(dataclasses.replace(options.twin_spec, **_planned(plan)))
     import jax.numpy as jnp
     from flax import nnx
 
