@@ -304,6 +304,7 @@ def _vocab_parallel_collectives(built: BuiltModel, result: Communication) -> Non
     """
     from torch.distributed.tensor import DTensor, Shard
 
+    from bridge.layout import text
     from torchside.parallel.mesh_axes import TP
 
     options = built.options
@@ -313,7 +314,8 @@ def _vocab_parallel_collectives(built: BuiltModel, result: Communication) -> Non
     names = weight.device_mesh.mesh_dim_names if isinstance(weight, DTensor) else ()
     split = dict(zip(names, weight.placements)).get(TP) if names else None
     if not (isinstance(split, Shard) and split.dim == 0):
-        result.not_priced.append(f"tp: the embedding split as {split} (not by vocabulary rows), the head, the loss")
+        shown = "not split" if split is None else text.format_placements([split])
+        result.not_priced.append(f"tp: the embedding ({shown} over tp, not by vocabulary rows), the head, the loss")
         return
     tokens = options.seq * options.batch // options.mesh.dp
     hidden = tokens * built.model.config.hidden_size * weight.dtype.itemsize
