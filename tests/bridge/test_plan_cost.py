@@ -262,12 +262,14 @@ def _check_collectives(options) -> None:
 
 
 def test_a_plan_is_priced_as_it_places_and_communicates():
-    """FSDP on dim 1 of the down projections, blocks kept gathered after forward: bytes and collectives."""
+    """Attention replicated over tp, FSDP on dim 1 of the MLP's down projection, blocks kept gathered after
+    forward: bytes and collectives."""
     from jaxside.plan import Plan
 
     plan = Plan.from_dict(
         {
             "rule": [
+                {"match": "layers.*.self_attention", "tp": "replicate"},
                 {"match": "layers.*.layernorm_mlp.fc2_weight", "fsdp_dim": 1},
                 {"match": "layers.*", "reshard_after_forward": False},
             ]
@@ -279,6 +281,7 @@ def test_a_plan_is_priced_as_it_places_and_communicates():
     assert fc2.placements == "Replicate(), _StridedShard(1, sf=2), Shard(1)" and fc2.same_layout
     expected = predicted.communication.totals()
     assert expected[("dp_shard", "all_gather")][0] == 2  # forward only: no block reshards after it
+    assert expected[("tp", "all_reduce")][0] == 2 * 2  # the MLP's two GEMMs per block; attention is not split
     memory = predicted.memory()
     for rank in range(options.mesh.size):
         assert {kind: memory[kind][rank] for kind in cost.MEMORY_KINDS} == held[rank], f"rank {rank}"
