@@ -116,7 +116,6 @@ class BuiltModel:
     meshes: LlamaMeshes
     optimizer: Any  # torchside.optim.FusedAdam
     jax_specs: dict[str, JaxSpec]
-    plan: Any = None  # the jaxside.plan.Plan it was placed by; None: the built-in placement
 
 
 @dataclass(frozen=True)
@@ -144,7 +143,7 @@ def build(options: PlanOptions, device: str = "cpu", plan=None) -> BuiltModel:
     if options.fp8_params is not None:
         requantize_fp8_weights(optimizer, model)
     shapes = {name: tuple(p.shape) for name, p in model.named_parameters()}
-    return BuiltModel(options, model, meshes, optimizer, jax_specs(options, shapes, plan), plan)
+    return BuiltModel(options, model, meshes, optimizer, jax_specs(options, shapes, plan))
 
 
 def _planned(plan) -> dict[str, Any]:
