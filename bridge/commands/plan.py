@@ -4,7 +4,7 @@
 and prints, per parameter, the torch placements, the JAX twin's PartitionSpec and whether both put
 the same elements on every device; the bytes of parameters, gradients and optimizer states on
 every rank; and the collectives one training step runs per mesh axis. `plan compare` prints the
-totals of several meshes side by side. Exit codes: 0 done, 1 a parameter whose torch and JAX
+totals of several meshes or plans side by side. Exit codes: 0 done, 1 a parameter whose torch and JAX
 layouts differ, 2 bad input.
 """
 
@@ -60,7 +60,7 @@ def _add_model_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--master-weights",
         action=argparse.BooleanOptionalAction,
-        help="FusedAdam's fp32 master copies (default: for bf16 parameters)",
+        help="FusedAdam's fp32 master copies (default: for bf16 and FP8 parameters)",
     )
     parser.add_argument("--exp-avg-dtype", default="fp32", help="Adam's first moment: fp32, bf16, fp16 or e4m3")
     parser.add_argument("--exp-avg-sq-dtype", default="fp32", help="Adam's second moment: fp32, bf16, fp16 or e4m3")
