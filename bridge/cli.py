@@ -32,7 +32,7 @@ from rich.markup import escape
 from bridge.errors import CheckFailed
 
 # One line per verb; the module is imported only to build the parser (no heavy imports at top).
-COMMANDS = ("env", "layout", "quantize", "convert", "verify", "run", "demo")
+COMMANDS = ("env", "layout", "plan", "quantize", "convert", "verify", "run", "demo")
 
 # Without a terminal (a pipe, a log file) tables take the width they need up to this, so names never wrap.
 PIPE_WIDTH = 1000

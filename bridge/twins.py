@@ -60,6 +60,8 @@ class TwinSpec:
     def ffn(self) -> int:
         return 4 * self.hidden
 
+    sequence_parallel: bool = False  # torch only: the JAX twin's layouts do not depend on it
+
 
 def _torch_linear_block(spec: TwinSpec, config, index: int):
     import dataclasses
@@ -175,7 +177,9 @@ def build_torch(spec: TwinSpec):
 
     from torchside.modules import ModuleConfig
 
-    config = ModuleConfig(amax_history_len=spec.amax_history_len, tp_size=spec.tp_size)
+    config = ModuleConfig(
+        amax_history_len=spec.amax_history_len, tp_size=spec.tp_size, sequence_parallel=spec.sequence_parallel
+    )
     build_block = MODELS[spec.model][0]
 
     class Stack(nn.Module):
