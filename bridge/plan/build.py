@@ -128,10 +128,13 @@ class JaxSpec:
 
 
 def build(options: PlanOptions, device: str = "cpu", plan=None) -> BuiltModel:
-    """The model placed on this process's ranks by `plan` (a process group of the mesh's size must be up)."""
+    """The model placed on this process's ranks by `plan` (None: the default plan; a process group of the
+    mesh's size must be up)."""
+    from jaxside.plan import DEFAULT_PLAN
     from torchside.models.llama_parallel import build_meshes
     from torchside.optim import FusedAdam, requantize_fp8_weights
 
+    plan = plan or DEFAULT_PLAN
     meshes = build_meshes("cpu", dp=options.mesh.dp_shard, tp=options.mesh.tp, replicate=options.mesh.dp_replicate)
     model = place(options, _unplaced_model(options, plan), meshes, device, plan)
     optimizer = FusedAdam(
@@ -146,22 +149,17 @@ def build(options: PlanOptions, device: str = "cpu", plan=None) -> BuiltModel:
     return BuiltModel(options, model, meshes, optimizer, jax_specs(options, shapes, plan))
 
 
-def _planned(plan) -> dict[str, Any]:
-    """The `plan=` argument of the builders: none for the built-in placement (their default plan)."""
-    return {} if plan is None else {"plan": plan}
-
-
-def place(options: PlanOptions, model: nn.Module, meshes: LlamaMeshes, device: str, plan=None) -> nn.Module:
-    """Where every parameter lives: by `plan` (jaxside.plan.Plan), None for the built-in placement."""
+def place(options: PlanOptions, model: nn.Module, meshes: LlamaMeshes, device: str, plan) -> nn.Module:
+    """Where every parameter lives: by `plan` (jaxside.plan.Plan)."""
     if options.model == "llama":
         from torchside.models.llama_parallel import parallelize_llama
 
-        return parallelize_llama(model, meshes, device=device, **_planned(plan))
+        return parallelize_llama(model, meshes, device=device, plan=plan)
     from torchside.parallel import parallelize
 
     blocks = list(model.layers)
     return parallelize(
-        model, meshes.data, tp_mesh=meshes.tp, weight_mesh=meshes.weight, blocks=blocks, device=device, **_planned(plan)
+        model, meshes.data, tp_mesh=meshes.tp, weight_mesh=meshes.weight, blocks=blocks, device=device, plan=plan
     )
 
 
@@ -184,7 +182,7 @@ def _meta_model(options: PlanOptions, plan) -> nn.Module:
         from bridge import twins
 
         # on meta, in fp32 as verify builds it (a plan: its TP modes per block)
-        return twins.build_torch(dataclasses.replace(options.twin_spec, **_planned(plan)))
+        return twins.build_torch(dataclasses.replace(options.twin_spec, plan=plan))
     from jaxside.models.llama_config import LLAMA_CONFIGS
     from torchside.models import Llama
     from torchside.modules import ModuleConfig
@@ -193,11 +191,11 @@ def _meta_model(options: PlanOptions, plan) -> nn.Module:
         amax_history_len=HISTORY, tp_size=options.mesh.tp, sequence_parallel=options.sequence_parallel
     )
     config, dtype = LLAMA_CONFIGS[options.config], options.torch_dtype(options.dtype)
-    return Llama(config, params_dtype=dtype, device=torch.device("meta"), module_config=module_config, **_planned(plan))
+    return Llama(config, params_dtype=dtype, device=torch.device("meta"), module_config=module_config, plan=plan)
 
 
-def jax_specs(options: PlanOptions, torch_shapes: dict[str, tuple[int, ...]], plan=None) -> dict[str, JaxSpec]:
-    """Per torch parameter, its twin's name and PartitionSpec by jaxside's rules or `plan` (shapes only: no devices)."""
+def jax_specs(options: PlanOptions, torch_shapes: dict[str, tuple[int, ...]], plan) -> dict[str, JaxSpec]:
+    """Per torch parameter, its twin's name and PartitionSpec by `plan` (shapes only: no devices)."""
     import jax
     from flax import nnx
 
@@ -207,7 +205,7 @@ def jax_specs(options: PlanOptions, torch_shapes: dict[str, tuple[int, ...]], pl
 
     jax_model = nnx.eval_shape(lambda: _jax_model(options, plan))
     mesh = jax.sharding.AbstractMesh(options.mesh.sizes, MESH_AXES)
-    placed = JM.shardings(jax_model, mesh, **_planned(plan))
+    placed = JM.shardings(jax_model, mesh, plan=plan)
     shardings = {tuple(path): v.get_value() for path, v in nnx.to_flat_state(placed)}
     shapes = {path: tuple(value.shape) for path, value in params.jax_parameters(jax_model).items()}
     pairs = params.pair_parameters(torch_shapes, shapes)
@@ -218,7 +216,7 @@ def _jax_model(options: PlanOptions, plan):
     if options.model == "transformer":
         from bridge import twins
 
-        return twins.build_jax(dataclasses.replace(options.twin_spec, **_planned(plan)))
+        return twins.build_jax(dataclasses.replace(options.twin_spec, plan=plan))
     import jax.numpy as jnp
     from flax import nnx
 
@@ -226,7 +224,7 @@ def _jax_model(options: PlanOptions, plan):
     from jaxside.models.llama_config import LLAMA_CONFIGS
 
     dtype = {"fp32": jnp.float32, "bf16": jnp.bfloat16}[options.dtype]
-    return Llama(LLAMA_CONFIGS[options.config], params_dtype=dtype, rngs=nnx.Rngs(0), **_planned(plan))
+    return Llama(LLAMA_CONFIGS[options.config], params_dtype=dtype, rngs=nnx.Rngs(0), plan=plan)
 
 
 def read_plan(path: str):
