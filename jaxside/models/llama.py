@@ -53,6 +53,7 @@ def transformer_config(config: LlamaConfig, module_config: ModuleConfig) -> Tran
         normalization="RMSNorm",
         layernorm_epsilon=config.norm_eps,
         activation="swiglu",
+        glu_interleave=config.glu_interleave,
         bias=config.bias,
         qkv_format="sbhd",
         attn_mask_type="causal",
