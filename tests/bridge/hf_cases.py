@@ -7,6 +7,7 @@ size the 256-wide grid model amplifies fp32 reordering to 1.1e-5 relative.
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import numpy as np
@@ -89,3 +90,62 @@ def torch_logits(model, tokens: torch.Tensor) -> np.ndarray:
         logits = model(tokens)
     logits = logits.full_tensor() if hasattr(logits, "full_tensor") else logits
     return logits.transpose(0, 1).numpy()
+
+
+# ---- FP8 block-scaled checkpoints (DeepSeek-V3's / transformers' FineGrainedFP8 format)
+
+FP8_QUANTIZATION = {"quant_method": "fp8", "weight_block_size": [128, 128], "fmt": "e4m3"}
+E4M3_MAX = 448.0
+
+
+def quantize_blocks(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(E4M3 bytes, fp32 scale_inv [ceil(out/128), ceil(in/128)]) of a weight, each 128x128 block scaled by its amax."""
+    w64 = weight.double()
+    rows, cols = (-(-n // 128) for n in w64.shape)
+    scale_inv = torch.empty(rows, cols, dtype=torch.float32)
+    data = torch.empty(w64.shape, dtype=torch.float8_e4m3fn)
+    for i in range(rows):
+        for j in range(cols):
+            block = w64[i * 128 : (i + 1) * 128, j * 128 : (j + 1) * 128]
+            scale_inv[i, j] = max(block.abs().max().item(), 1e-30) / E4M3_MAX
+            data[i * 128 : (i + 1) * 128, j * 128 : (j + 1) * 128] = (block / scale_inv[i, j].double()).float()
+    return data, scale_inv
+
+
+def dequantize_blocks(data: torch.Tensor, scale_inv: torch.Tensor) -> torch.Tensor:
+    """float64 values of E4M3 bytes times their block's scale_inv (the format's definition)."""
+    scale = scale_inv.double().repeat_interleave(128, 0).repeat_interleave(128, 1)
+    return data.double() * scale[: data.shape[0], : data.shape[1]]
+
+
+def fp8_hf_checkpoint(directory: Path, **overrides) -> tuple[Path, LlamaForCausalLM, dict[str, torch.Tensor]]:
+    """A tiny FP8 block-scaled Llama directory (one model.safetensors + config.json with quantization_config).
+
+    Returns (directory, transformers' fp32 model holding the dequantized weights, the tensors written).
+    The projection weights are F8_E4M3 + fp32 weight_scale_inv; the embedding and norms bf16.
+    """
+    from safetensors.torch import save_file
+
+    settings = {"hidden_size": 256, "head_dim": 128, "num_attention_heads": 2, "num_key_value_heads": 1,
+                "intermediate_size": 256, "tie_word_embeddings": False} | overrides  # fmt: skip
+    config = HFConfig(vocab_size=160, num_hidden_layers=2, rms_norm_eps=1e-6, attn_implementation="eager", **settings)
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(config).eval()
+    tensors = {}
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            param.normal_(0.0, 1.6 / config.hidden_size**0.5)
+            if "norm" in name:
+                param.add_(1.0)
+            if name.endswith("_proj.weight"):
+                data, scale_inv = quantize_blocks(param)
+                tensors[name], tensors[name + "_scale_inv"] = data, scale_inv
+                param.copy_(dequantize_blocks(data, scale_inv))  # exact in fp32: an E4M3 value times an fp32 scale
+            else:
+                tensors[name] = param.to(torch.bfloat16)
+                param.copy_(tensors[name])
+    directory.mkdir(parents=True, exist_ok=True)
+    save_file(tensors, directory / hf_llama.SINGLE_FILE, metadata={"format": "pt"})
+    hf_config = config.to_dict() | {"quantization_config": FP8_QUANTIZATION, "architectures": ["LlamaForCausalLM"]}
+    (directory / hf_llama.CONFIG_FILE).write_text(json.dumps(hf_config, indent=2))
+    return directory, model, tensors

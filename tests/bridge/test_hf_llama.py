@@ -13,6 +13,7 @@ twice that size the 256-wide grid model amplifies fp32 reordering to 1.1e-5 rela
 from __future__ import annotations
 
 import json
+import shutil
 import threading
 from pathlib import Path
 
@@ -31,6 +32,8 @@ from jaxside.sharding import make_mesh
 from tests.bridge.hf_cases import (
     CASES,
     TOLERANCE,
+    dequantize_blocks,
+    fp8_hf_checkpoint,
     hf_model,
     random_tokens,
     reference_logits,
@@ -240,12 +243,98 @@ def test_bf16_checkpoints_load_bit_for_bit_in_both_frameworks(tmp_path):
                 assert torch.equal(tensor[rows].view(torch.int16), expected[hf_name].view(torch.int16)), hf_name
 
 
-def test_fp8_block_scaled_checkpoints_are_refused_clearly_for_now(sharded):
-    config = json.loads((sharded / "config.json").read_text())
-    quantization = {"quant_method": "fp8", "weight_block_size": [128, 128], "fmt": "e4m3"}
-    (sharded / "config.json").write_text(json.dumps({**config, "quantization_config": quantization}))
-    with pytest.raises(ValueError, match=r"config\.json: quantization_config=.*do not load yet"):
-        hf_llama.Checkpoint(sharded)
+# ---- FP8 block-scaled checkpoints: bytes and scales kept (torch), dequantized exactly (JAX)
+
+
+@pytest.fixture(scope="module")
+def fp8_checkpoint(tmp_path_factory):
+    """(directory, transformers' fp32 model with the dequantized weights, the tensors written, tokens)."""
+    directory, model, tensors = fp8_hf_checkpoint(tmp_path_factory.mktemp("fp8") / "hf")
+    return directory, model, tensors, random_tokens(model.config.vocab_size)
+
+
+def _hf_rows_of(tensor: torch.Tensor, source, config) -> dict[str, torch.Tensor]:
+    """Each HF tensor's rows of our full `tensor` (the table's writer direction)."""
+    return {name: tensor[rows] for name, rows in hf_llama.our_rows(source, config, tensor.shape[0]).items()}
+
+
+def test_fp8_checkpoint_loads_as_float8_block_scaling_parameters_with_the_files_bytes(fp8_checkpoint):
+    from torchside.checkpoint import quantized_params
+
+    directory, _, tensors, _ = fp8_checkpoint
+    model = torch_llama.load_hf(directory, dtype=torch.float32)
+    config = model.config
+    assert config.glu_interleave == 128
+    fp8 = {name: p for name, p in model.named_parameters() if quantized_params.is_quantized(p)}
+    assert set(fp8) == set(hf_llama.fp8_sources(config))  # every projection weight; norms, embedding, head not
+    for name, param in fp8.items():
+        source = hf_llama.sources(config)[name]
+        storage = quantized_params.local_of(param).quantized_storage
+        assert (storage.scheme, storage.fmt) == ("block128x128", "e4m3")
+        # Our scale block-rows, expanded to rows, pair with the HF scale rows exactly as the data rows do.
+        scale_rows = storage.rowwise_scale_inv.repeat_interleave(128, 0)
+        data, scales = _hf_rows_of(storage.rowwise_data, source, config), _hf_rows_of(scale_rows, source, config)
+        values = _hf_rows_of(storage.dequantize(torch.float32), source, config)
+        for hf_name in source.hf_names:
+            assert torch.equal(data[hf_name], tensors[hf_name].view(torch.uint8)), hf_name
+            assert torch.equal(scales[hf_name][::128], tensors[hf_name + "_scale_inv"]), hf_name
+            reference = dequantize_blocks(tensors[hf_name], tensors[hf_name + "_scale_inv"])
+            assert torch.equal(values[hf_name], reference.float()), hf_name  # the float64 formula, rounded once
+        assert torch.equal(storage.columnwise_data, storage.rowwise_data.t())
+        assert torch.equal(storage.columnwise_scale_inv, storage.rowwise_scale_inv.t())
+    assert model.embedding.weight.dtype == model.lm_head.weight.dtype == model.norm.weight.dtype == torch.float32
+
+
+def test_fp8_checkpoint_gives_the_logits_of_its_dequantized_weights(fp8_checkpoint):
+    """FP8 off: our FP8 parameters dequantize in the GEMMs; transformers holds the float64-dequantized weights."""
+    directory, reference_model, tensors, tokens = fp8_checkpoint
+    reference = reference_logits(reference_model, tokens)
+    assert relative(torch_logits(torch_llama.load_hf(directory, dtype=torch.float32), tokens), reference) <= TOLERANCE
+    twin = jax_llama.load_hf(directory, dtype=jnp.float32)
+    assert relative(jax_logits(twin, tokens), reference) <= TOLERANCE
+    config = hf_llama.Checkpoint(directory).config
+    fc1 = torch.tensor(np.asarray(twin.layers[0].layernorm_mlp.fc1_kernel.get_value()).T)  # glu_interleave 128
+    for hf_name, rows in _hf_rows_of(fc1, hf_llama.sources(config)["layers.0.layernorm_mlp.fc1_weight"], config).items():
+        assert torch.equal(rows, dequantize_blocks(tensors[hf_name], tensors[hf_name + "_scale_inv"]).float())  # exact
+
+
+def _fp8_defect(directory: Path, defect: str) -> tuple[str, ...]:
+    """Give an FP8 checkpoint one defect; the words its error must hold."""
+    from safetensors.torch import load_file, save_file
+
+    file, config_path = directory / hf_llama.SINGLE_FILE, directory / "config.json"
+    config = json.loads(config_path.read_text())
+    tensors = load_file(file)
+    scale = "model.layers.1.mlp.up_proj.weight_scale_inv"
+    if defect == "missing weight_scale_inv":
+        save_file({k: v for k, v in tensors.items() if k != scale}, file, metadata={"format": "pt"})
+        return str(directory), scale
+    if defect == "wrong scale shape":
+        save_file(tensors | {scale: tensors[scale][:1]}, file, metadata={"format": "pt"})
+        return file.name, scale, "[1, 2]"
+    edits = {"weight_block_size": {"weight_block_size": [1, 128]}, "fmt": {"fmt": "e5m2"}}
+    config["quantization_config"] = config["quantization_config"] | edits[defect]
+    config_path.write_text(json.dumps(config))
+    return "config.json", "[1, 128]" if defect == "weight_block_size" else "e5m2"
+
+
+FP8_DEFECTS = ["missing weight_scale_inv", "wrong scale shape", "weight_block_size", "fmt"]
+
+
+@pytest.mark.parametrize("defect", FP8_DEFECTS)
+def test_bad_fp8_checkpoints_are_refused_naming_the_file_and_tensor(fp8_checkpoint, tmp_path, defect):
+    bad = tmp_path / "bad"
+    shutil.copytree(fp8_checkpoint[0], bad)
+    words = _fp8_defect(bad, defect)
+    with pytest.raises(ValueError) as error:
+        torch_llama.load_hf(bad)
+    assert all(word in str(error.value) for word in words), (words, str(error.value))
+
+
+def test_fp8_with_head_dim_64_is_refused_not_requantized(tmp_path):
+    directory, _, _ = fp8_hf_checkpoint(tmp_path / "hf", head_dim=64, num_attention_heads=4, num_key_value_heads=2)
+    with pytest.raises(ValueError, match=r"config\.json: head_dim=64 is not a multiple of 128.*requantizing them is lossy"):
+        jax_llama.load_hf(directory)
 
 
 def test_the_bridge_moves_a_torch_llama_into_the_twin_with_the_same_logits():
