@@ -24,23 +24,27 @@ offset (torchside.checkpoint.safetensors_file, with its CRC32 table) before the 
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import os
 import re
 import shutil
 from collections.abc import Mapping
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from bridge.convert import facts
 from bridge.convert.plan import Box, Plan, TensorInfo, WriteJob, check_against
 from bridge.errors import CheckFailed
 from jaxside.models import hf_llama
 from torchside.checkpoint import safetensors_file
 
 TORCH_DTYPES = {"F32": "float32", "BF16": "bfloat16", "F16": "float16"}
+FP8_SCHEME = "block128x128"  # torchside's name of Float8BlockScaling's 128x128 weight blocks
 DEFAULT_MAX_SHARD_SIZE = "5GB"
 _UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12}
 _UNITS |= {"KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
@@ -63,6 +67,7 @@ class HfReader:
             raise ValueError(f"{self.path} is not a directory; pass a Hugging Face model directory")
         self.checkpoint = hf_llama.Checkpoint(self.path)
         self.tensors: dict[str, TensorInfo] = {}
+        self.facts: dict = {}  # bridge.convert.facts: an FP8 checkpoint's format and fc1 layout
         for ours, source in self.checkpoint.sources.items():
             infos = [self.checkpoint.tensors[name] for name in source.hf_names]
             dtypes = {info.dtype for info in infos}
@@ -70,8 +75,12 @@ class HfReader:
                 raise ValueError(f"{infos[0].file}: tensors {list(source.hf_names)} have dtypes {sorted(dtypes)}; "
                                  "they make one of our tensors, so they must share one")  # fmt: skip
             shape = (sum(info.shape[0] for info in infos), *infos[0].shape[1:])
-            self.tensors[f"model.{ours}"] = TensorInfo(f"model.{ours}", shape, TORCH_DTYPES[dtypes.pop()])
+            if ours in self.checkpoint.fp8_sources:
+                self._add_fp8(ours, shape)
+            else:
+                self.tensors[f"model.{ours}"] = TensorInfo(f"model.{ours}", shape, TORCH_DTYPES[dtypes.pop()])
         known = {name for source in self.checkpoint.sources.values() for name in source.hf_names}
+        known |= {name + hf_llama.SCALE_SUFFIX for name in known}
         unused = [name for name in sorted(self.checkpoint.tensors) if name not in known]
         self.skipped = [(n, "tied: the embedding" if n == "lm_head.weight" else "recomputed from config.json") for n in unused]
         files = sorted({info.file for info in self.checkpoint.tensors.values()})
@@ -80,6 +89,18 @@ class HfReader:
         # (transformers' files record none: such a source converts unverified, as a foreign safetensors file does)
         self._checked: set[str] = set()
 
+    def _add_fp8(self, ours: str, shape: tuple[int, ...]) -> None:
+        """An FP8 weight as torchside checkpoints hold one: raw E4M3 bytes and fp32 128x128 scales, plus its facts."""
+        block = hf_llama.BLOCK
+        buffers = {"rowwise_data": (shape, "uint8"), "rowwise_scale_inv": (tuple(-(-n // block) for n in shape), "float32")}
+        for buffer, (buffer_shape, dtype) in buffers.items():
+            self.tensors[f"model.{ours}.{buffer}"] = TensorInfo(f"model.{ours}.{buffer}", buffer_shape, dtype)
+        self.facts["glu_interleave"] = self.checkpoint.config.glu_interleave
+        self.facts.setdefault("fp8_params", {})[ours] = {
+            "scheme": FP8_SCHEME, "fmt": "e4m3", "hadamard": False, "shape": list(shape),
+            "dtype": TORCH_DTYPES[self.checkpoint.dtype()], "buffers": list(buffers),
+        }  # fmt: skip
+
     def read(self, key: str, box: Box) -> torch.Tensor:
         """The elements of `box` of our tensor `key`, from the byte ranges of the HF rows it is made of."""
         offsets, sizes = box
@@ -87,14 +108,17 @@ class HfReader:
         rows = (offsets[0], offsets[0] + sizes[0])
         cols = (offsets[1], offsets[1] + sizes[1]) if len(sizes) == 2 else None
 
-        def put(piece: hf_llama.Piece, values: torch.Tensor | None) -> None:
+        def put(piece: hf_llama.Piece, values) -> None:
             target = out[piece.dest : piece.dest + (piece.stop - piece.start) * piece.step : piece.step]
-            target.zero_() if values is None else target.copy_(values)
+            target.zero_() if values is None else target.copy_(torch.as_tensor(values))
 
-        ours = key.removeprefix("model.")
-        for name in self.checkpoint.sources[ours].hf_names:
+        ours, _, buffer = key.removeprefix("model.").rpartition(".")
+        if ours not in self.checkpoint.fp8_sources:  # a plain tensor: the whole key is our name
+            ours, buffer = key.removeprefix("model."), None
+        names = self.checkpoint.sources[ours].hf_names
+        for name in names + tuple(n + hf_llama.SCALE_SUFFIX for n in names if buffer):
             self._check(name)
-        self.checkpoint.read_box(ours, rows, cols, "pt", put)
+        self.checkpoint.read_box(ours, rows, cols, "pt", put, *([buffer] if buffer else []))
         return out
 
     def _check(self, name: str) -> None:
@@ -112,22 +136,67 @@ class HfReader:
         self._checked.add(name)
 
 
-def _target_config(options: Mapping[str, Any]) -> tuple[Path, hf_llama.LlamaConfig]:
+@dataclass(frozen=True)
+class _Target:
+    """The HF model to write: its config.json, our config (with the checkpoint's fc1 layout), FP8 or not."""
+
+    config_file: Path
+    config: hf_llama.LlamaConfig
+    fp8: bool  # projection weights as F8_E4M3 `weight` + `weight_scale_inv`
+    add_quantization: bool  # FP8 buffers but a config.json without quantization_config: write it in
+
+
+def _target(options: Mapping[str, Any], source_facts: Mapping[str, Any]) -> _Target:
+    """ValueError unless the checkpoint (its facts: bridge.convert.facts) writes exactly as the HF config says."""
     if not options.get("config"):
         raise ValueError("an HF target needs the model's config.json: pass --config PATH (the file or its directory)")
-    return hf_llama.read_config_file(options["config"])
+    path, config, quantized = hf_llama.read_config_file(options["config"])
+    fp8_params, w = source_facts.get("fp8_params", {}), facts.glu_interleave(source_facts)
+    fp8 = quantized or bool(fp8_params)
+    if not fp8:  # high precision: any fc1 layout maps to gate and up rows
+        return _Target(path, dataclasses.replace(config, glu_interleave=w), False, False)
+    config = config if quantized else hf_llama.fp8_config(config, hf_llama.FP8_QUANTIZATION, path)
+    if w != config.glu_interleave:
+        raise ValueError(
+            f"the checkpoint's fc1 interleaves gate and up rows in runs of {w} (glu_interleave), so a 128-row FP8 "
+            f"block of it mixes gate and up rows: an FP8 HF target needs glu_interleave {config.glu_interleave} "
+            "(what torchside.models.llama.load_hf gives an FP8 HF checkpoint); requantizing is lossy and not done"
+        )
+    for ours in hf_llama.fp8_sources(config):
+        held = fp8_params.get(ours)
+        if held is None or (held.get("scheme"), held.get("fmt")) != (FP8_SCHEME, "e4m3"):
+            what = "not FP8" if held is None else f"{held.get('scheme')}/{held.get('fmt')}"
+            raise ValueError(
+                f"model.{ours} is {what}: an FP8 HF checkpoint ({path}) holds every projection weight as "
+                f"{FP8_SCHEME}/e4m3 bytes and scales (Float8BlockScaling's weights); pass a config without "
+                "quantization_config to export high precision weights"
+            )
+    return _Target(path, config, True, not quantized)
 
 
-def check_target(plan: Plan, options: Mapping[str, Any]) -> None:
+def _expected(target: _Target) -> dict[str, tuple[int, ...]]:
+    """Our key and shape of every tensor the HF target is made of (FP8 weights: their two buffers)."""
+    fp8 = hf_llama.fp8_sources(target.config) if target.fp8 else {}
+    expected = {}
+    for ours, shape in hf_llama.our_shapes(target.config).items():
+        if ours in fp8:
+            expected[f"model.{ours}.rowwise_data"] = shape
+            expected[f"model.{ours}.rowwise_scale_inv"] = tuple(-(-n // hf_llama.BLOCK) for n in shape)
+        else:
+            expected[f"model.{ours}"] = shape
+    return expected
+
+
+def check_target(plan: Plan, options: Mapping[str, Any], source_facts: Mapping[str, Any] | None = None) -> None:
     """ValueError before anything is written if the plan's tensors do not make an HF Llama of the given config."""
     if plan.owners != 1:
         raise ValueError("an HF target is written by one process; run without torch.distributed")
-    _, config = _target_config(options)
-    expected = {f"model.{ours}": shape for ours, shape in hf_llama.our_shapes(config).items()}
+    target = _target(options, source_facts or {})
+    expected = _expected(target)
     extra = [e.source.key for e in plan.entries if e.target.key not in expected]
     if extra:
         raise ValueError(f"{', '.join(extra[:5])}: not part of a {hf_llama.ARCHITECTURE} of config {options['config']} "
-                         "(FP8 parameters do not export to HF yet; docs/hf.md)")  # fmt: skip
+                         "(an FP8 HF target holds rowwise FP8 buffers of the projection weights only; docs/hf.md)")  # fmt: skip
     check_against(plan, expected)
     parse_size(options.get("max_shard_size") or DEFAULT_MAX_SHARD_SIZE)
 
@@ -153,15 +222,27 @@ def _shards(specs: list[safetensors_file.TensorSpec], max_bytes: int) -> list[li
 
 def write(job: WriteJob) -> None:
     """config.json, the safetensors file(s) and (sharded) the index, into the directory `job.path`."""
-    config_file, config = _target_config(job.options)
-    entries = {e.target.key.removeprefix("model."): e.target for e in job.plan.entries}
-    table = hf_llama.sources(config)
-    rows: dict[str, tuple[str, list[int]]] = {}  # HF name -> (our name, our rows it is made of)
-    for ours, source in table.items():
-        for name, picked in hf_llama.our_rows(source, config, entries[ours].shape[0]).items():
-            rows[name] = (ours, picked)
-    specs = [(name, entries[rows[name][0]].dtype, (len(rows[name][1]), *entries[rows[name][0]].shape[1:]))
-             for name in hf_llama.hf_order(config)]  # fmt: skip
+    target = _target(job.options, job.facts)
+    config = target.config
+    entries = {e.target.key: e.target for e in job.plan.entries}
+    rows: dict[str, tuple[str, list[int]]] = {}  # HF name -> (our key, our rows it is made of)
+    fp8 = hf_llama.fp8_sources(config) if target.fp8 else {}
+    for ours, source in hf_llama.sources(config).items():
+        key = f"model.{ours}.rowwise_data" if ours in fp8 else f"model.{ours}"
+        for name, picked in hf_llama.our_rows(source, config, entries[key].shape[0]).items():
+            rows[name] = (key, picked)
+            if ours in fp8:  # the scales of those rows' 128-row blocks (each block one HF block: hf_llama)
+                blocks = [r // hf_llama.BLOCK for r in picked[:: hf_llama.BLOCK]]
+                rows[name + hf_llama.SCALE_SUFFIX] = (f"model.{ours}.rowwise_scale_inv", blocks)
+    parts: dict[str, list[str]] = {}  # our key -> the HF tensors made of it
+    for name, (key, _) in rows.items():
+        parts.setdefault(key, []).append(name)
+
+    def dtype(key: str) -> str:  # FP8 bytes travel as uint8 (torchside.checkpoint.quantized_params)
+        return "float8_e4m3fn" if key.endswith(".rowwise_data") else entries[key].dtype
+
+    specs = [(name, dtype(rows[name][0]), (len(rows[name][1]), *entries[rows[name][0]].shape[1:]))
+             for name in hf_llama.hf_order(config, target.fp8)]  # fmt: skip
     shards = _shards(specs, parse_size(job.options.get("max_shard_size") or DEFAULT_MAX_SHARD_SIZE))
     names = [f"model-{k:05d}-of-{len(shards):05d}.safetensors" for k in range(1, len(shards) + 1)]
     names = [hf_llama.SINGLE_FILE] if len(shards) == 1 else names
@@ -175,7 +256,7 @@ def write(job: WriteJob) -> None:
     for entry in job.plan.entries:  # one box each: the whole tensor (one owner)
         (box,) = entry.boxes[0]
         values = job.produce(entry.target.key, box)
-        for name in table[entry.target.key.removeprefix("model.")].hf_names:
+        for name in parts[entry.target.key]:
             file = where[name]
             fd = os.open(job.path / file, os.O_WRONLY)
             try:
@@ -190,4 +271,8 @@ def write(job: WriteJob) -> None:
         metadata = {"total_parameters": parameters, "total_size": sum(map(_nbytes, specs))}
         index = {"metadata": metadata, "weight_map": {name: where[name] for name, _, _ in specs}}
         (job.path / hf_llama.INDEX_FILE).write_text(json.dumps(index, indent=2) + "\n")
-    shutil.copyfile(config_file, job.path / hf_llama.CONFIG_FILE)
+    if target.add_quantization:  # the model's config, saying how its weights are stored now
+        hf_config = json.loads(target.config_file.read_text()) | {"quantization_config": hf_llama.FP8_QUANTIZATION}
+        (job.path / hf_llama.CONFIG_FILE).write_text(json.dumps(hf_config, indent=2) + "\n")
+    else:
+        shutil.copyfile(target.config_file, job.path / hf_llama.CONFIG_FILE)

@@ -149,3 +149,26 @@ def fp8_hf_checkpoint(directory: Path, **overrides) -> tuple[Path, LlamaForCausa
     hf_config = config.to_dict() | {"quantization_config": FP8_QUANTIZATION, "architectures": ["LlamaForCausalLM"]}
     (directory / hf_llama.CONFIG_FILE).write_text(json.dumps(hf_config, indent=2))
     return directory, model, tensors
+
+
+FP8_DEFECTS = ["missing weight_scale_inv", "wrong scale shape", "weight_block_size", "fmt"]
+
+
+def break_fp8(directory: Path, defect: str) -> tuple[str, ...]:
+    """Give an FP8 checkpoint (of `fp8_hf_checkpoint`) one defect of FP8_DEFECTS; the words its error must hold."""
+    from safetensors.torch import load_file, save_file
+
+    file, config_path = directory / hf_llama.SINGLE_FILE, directory / "config.json"
+    config = json.loads(config_path.read_text())
+    tensors = load_file(file)
+    scale = "model.layers.1.mlp.up_proj.weight_scale_inv"
+    if defect == "missing weight_scale_inv":
+        save_file({k: v for k, v in tensors.items() if k != scale}, file, metadata={"format": "pt"})
+        return str(directory), scale
+    if defect == "wrong scale shape":
+        save_file(tensors | {scale: tensors[scale][:1]}, file, metadata={"format": "pt"})
+        return file.name, scale, "[1, 2]"
+    edits = {"weight_block_size": {"weight_block_size": [1, 128]}, "fmt": {"fmt": "e5m2"}}
+    config["quantization_config"] = config["quantization_config"] | edits[defect]
+    config_path.write_text(json.dumps(config))
+    return "config.json", "[1, 128]" if defect == "weight_block_size" else "e5m2"

@@ -31,7 +31,9 @@ from jaxside.models.llama_config import LlamaConfig
 from jaxside.sharding import make_mesh
 from tests.bridge.hf_cases import (
     CASES,
+    FP8_DEFECTS,
     TOLERANCE,
+    break_fp8,
     dequantize_blocks,
     fp8_hf_checkpoint,
     hf_model,
@@ -298,34 +300,11 @@ def test_fp8_checkpoint_gives_the_logits_of_its_dequantized_weights(fp8_checkpoi
         assert torch.equal(rows, dequantize_blocks(tensors[hf_name], tensors[hf_name + "_scale_inv"]).float())  # exact
 
 
-def _fp8_defect(directory: Path, defect: str) -> tuple[str, ...]:
-    """Give an FP8 checkpoint one defect; the words its error must hold."""
-    from safetensors.torch import load_file, save_file
-
-    file, config_path = directory / hf_llama.SINGLE_FILE, directory / "config.json"
-    config = json.loads(config_path.read_text())
-    tensors = load_file(file)
-    scale = "model.layers.1.mlp.up_proj.weight_scale_inv"
-    if defect == "missing weight_scale_inv":
-        save_file({k: v for k, v in tensors.items() if k != scale}, file, metadata={"format": "pt"})
-        return str(directory), scale
-    if defect == "wrong scale shape":
-        save_file(tensors | {scale: tensors[scale][:1]}, file, metadata={"format": "pt"})
-        return file.name, scale, "[1, 2]"
-    edits = {"weight_block_size": {"weight_block_size": [1, 128]}, "fmt": {"fmt": "e5m2"}}
-    config["quantization_config"] = config["quantization_config"] | edits[defect]
-    config_path.write_text(json.dumps(config))
-    return "config.json", "[1, 128]" if defect == "weight_block_size" else "e5m2"
-
-
-FP8_DEFECTS = ["missing weight_scale_inv", "wrong scale shape", "weight_block_size", "fmt"]
-
-
 @pytest.mark.parametrize("defect", FP8_DEFECTS)
 def test_bad_fp8_checkpoints_are_refused_naming_the_file_and_tensor(fp8_checkpoint, tmp_path, defect):
     bad = tmp_path / "bad"
     shutil.copytree(fp8_checkpoint[0], bad)
-    words = _fp8_defect(bad, defect)
+    words = break_fp8(bad, defect)
     with pytest.raises(ValueError) as error:
         torch_llama.load_hf(bad)
     assert all(word in str(error.value) for word in words), (words, str(error.value))
