@@ -25,7 +25,8 @@ FORBIDDEN_IMPORTS = {
 # in jaxside, whose package __init__s import nothing, so that the table exists once (docs/twins.md).
 # torchside may import these and nothing else of jaxside; they import neither framework.
 SHARED = {"jaxside.models.llama_config", "jaxside.models.hf_llama"}
-SHARED_MAY_IMPORT = {"__future__", "json", "math", "dataclasses", "pathlib", "typing", "numpy", "safetensors"}
+SHARED_MAY_IMPORT = {"__future__", "json", "math", "dataclasses", "pathlib", "typing", "numpy", "safetensors",
+                     "ml_dtypes"}  # ml_dtypes: numpy's FP8 dtypes (hf_llama decodes E4M3 bytes), no framework
 
 
 @pytest.mark.parametrize("package", sorted(FORBIDDEN))

@@ -12,6 +12,7 @@ twice that size the 256-wide grid model amplifies fp32 reordering to 1.1e-5 rela
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import shutil
 import threading
@@ -211,6 +212,24 @@ def test_row_pieces_of_any_row_range_rebuild_the_fused_rows():
             assert torch.equal(full[ours], hf[hf_name])  # the writer's direction
 
 
+def test_row_pieces_of_runs_of_w_rebuild_fc1():
+    """glu_interleave w = 3: every sub-range of fc1's rows, read piece by piece, is gate run j then up run j."""
+    config = dataclasses.replace(SMALL, ffn_hidden_size=6, glu_interleave=3)
+    source = hf_llama.sources(config)["layers.0.layernorm_mlp.fc1_bias"]
+    gate, up = torch.arange(6.0), torch.arange(6.0) + 100
+    full = torch.tensor([0.0, 1, 2, 100, 101, 102, 3, 4, 5, 103, 104, 105])  # written out by hand
+    hf = {source.hf_names[0]: gate, source.hf_names[1]: up}
+    for start in range(len(full)):
+        for stop in range(start + 1, len(full) + 1):
+            out = torch.full((stop - start,), float("nan"))
+            for piece in hf_llama.row_pieces(source, config, start, stop):
+                values = hf[piece.hf_name][piece.start : piece.stop]
+                out[piece.dest : piece.dest + (piece.stop - piece.start) * piece.step : piece.step] = values
+            assert torch.equal(out, full[start:stop]), (start, stop)
+    rows = hf_llama.our_rows(source, config, len(full))
+    assert torch.equal(full[rows[source.hf_names[0]]], gate) and torch.equal(full[rows[source.hf_names[1]]], up)
+
+
 def test_the_names_pair_with_the_bridge_and_both_directions_agree():
     from bridge.params import pair_models
 
@@ -308,6 +327,46 @@ def test_bad_fp8_checkpoints_are_refused_naming_the_file_and_tensor(fp8_checkpoi
     with pytest.raises(ValueError) as error:
         torch_llama.load_hf(bad)
     assert all(word in str(error.value) for word in words), (words, str(error.value))
+
+
+def _load_fp8_on_fsdp_tp(rank: int, world_size: int, directory: Path, tokens: torch.Tensor, full: dict):
+    from torchside.checkpoint import quantized_params
+    from torchside.models.llama_parallel import build_meshes
+
+    meshes = build_meshes("cpu", dp=2, tp=2)
+    model = torch_llama.load_hf(directory, mesh=meshes.data, tp_mesh=meshes.tp, dtype=torch.float32)
+    differ = []
+    for name, param in model.named_parameters():
+        if quantized_params.is_quantized(param):
+            (chunk,) = param.__create_chunk_list__()  # this rank's box, as DCP describes it
+            (r0, c0), (rows, cols) = chunk.offsets, chunk.sizes
+            storage = quantized_params.local_of(param).quantized_storage
+            data, scales = full[name]
+            blocks = slice(r0 // 128, -(-(r0 + rows) // 128)), slice(c0 // 128, -(-(c0 + cols) // 128))
+            if not torch.equal(storage.rowwise_data, data[r0 : r0 + rows, c0 : c0 + cols]):
+                differ.append(f"{name} data")
+            if not torch.equal(storage.rowwise_scale_inv, scales[blocks]):
+                differ.append(f"{name} scales")
+    return torch_logits(model, tokens), differ, len(quantized_params.local_of(model.layers[0].layernorm_mlp.fc1_weight))
+
+
+def test_torch_fsdp2_x_tp_fp8_load_keeps_every_shards_bytes_and_scales(tmp_path):
+    """FSDP2 x TP (2 x 2, threaded): each rank's FP8 shard holds the single-device load's bytes and scales of its box."""
+    from torchside.checkpoint import quantized_params
+
+    directory, reference_model, _ = fp8_hf_checkpoint(tmp_path / "hf", num_attention_heads=4, num_key_value_heads=2)
+    tokens = random_tokens(reference_model.config.vocab_size)
+    single = torch_llama.load_hf(directory, dtype=torch.float32)
+    full = {}
+    for name, param in single.named_parameters():
+        if quantized_params.is_quantized(param):
+            storage = quantized_params.local_of(param).quantized_storage
+            full[name] = (storage.rowwise_data, storage.rowwise_scale_inv)
+    reference = reference_logits(reference_model, tokens)
+    for logits, differ, fc1_rows in run_threads(_load_fp8_on_fsdp_tp, 4, directory, tokens, full, timeout=120):
+        assert relative(logits, reference) <= TOLERANCE
+        assert differ == []
+        assert fc1_rows == 128  # 512 rows over tp 2 x dp 2: one 128-row block, one HF block-row, per rank
 
 
 def test_fp8_with_head_dim_64_is_refused_not_requantized(tmp_path):
