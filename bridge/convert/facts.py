@@ -21,6 +21,8 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from torchside.checkpoint import damaged
+
 FACTS_FILE = "shardbridge.facts.json"  # in a converted DCP or Orbax directory
 FACTS_KEY = "shardbridge.facts"  # in a converted safetensors file's header metadata
 
@@ -29,22 +31,16 @@ def glu_interleave(facts: Mapping[str, Any]) -> int:
     """The checkpoint's fc1 run length (1 when not recorded); ValueError if its modules disagree."""
     w = facts.get("glu_interleave", 1)
     if isinstance(w, bool) or not isinstance(w, int) or w < 1:
-        raise ValueError(f"the checkpoint records glu_interleave={w!r}: its fc1 layers differ, so no one layout splits them")
+        raise ValueError(
+            f"the checkpoint records glu_interleave={w!r}: its fc1 layers differ, so no one layout splits them"
+        )
     return w
 
 
 def read_file(directory: Path) -> dict[str, Any]:
     """The facts recorded in `directory` (none: {}); ValueError naming the file if it is not JSON."""
     path = Path(directory) / FACTS_FILE
-    if not path.is_file():
-        return {}
-    try:
-        facts = json.loads(path.read_text())
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as error:
-        raise ValueError(f"{path}: not readable JSON ({error}); restore it from a copy of the checkpoint") from error
-    if not isinstance(facts, dict):
-        raise ValueError(f"{path}: expected a JSON object; restore it from a copy of the checkpoint")
-    return facts
+    return damaged.read_json_object(path) if path.is_file() else {}
 
 
 def write_file(directory: Path, facts: Mapping[str, Any]) -> None:
