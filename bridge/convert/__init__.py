@@ -177,7 +177,7 @@ def convert(
         job = WriteJob(written_path, plan, rank, devices, produce, tensor_crcs, _barrier, target_options, target_facts)
         WRITERS[target_format](job)
         _barrier()
-        written = _read_back(written_path, target_format, produced) if verify else {}
+        written = _read_back(written_path, target_format, produced, target_facts) if verify else {}
         checksums = _checksums(plan.entries, produced, written)
         differ = [c for c in checksums if not c.ok]
         if differ:
@@ -214,8 +214,10 @@ def _devices(target_format: str, world: int):
     return tuple(jax.local_devices())
 
 
-def _read_back(path: Path, target_format: str, produced: Mapping[tuple[str, Box], int]) -> dict[tuple[str, Box], int]:
-    reader = open_reader(target_format, path, check=False)  # compared with what was produced instead
+def _read_back(path: Path, target_format: str, produced: Mapping[tuple[str, Box], int], target_facts: Mapping) -> dict[tuple[str, Box], int]:
+    # An HF directory does not record our fc1 layout: read it back in the one it was written from.
+    layout = {"glu_interleave": facts.glu_interleave(target_facts)} if target_format == "hf" else {}
+    reader = READERS[target_format](path, check=False, **layout)  # compared with what was produced instead
     return {(key, box): tensor_crc32(reader.read(key, box)) for key, box in produced}
 
 

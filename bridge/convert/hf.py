@@ -7,15 +7,20 @@ Reading: the directory is checked whole first (`hf_llama.Checkpoint`: architectu
 index, every file's header, every tensor's name, shape and dtype), before any weight byte is read.
 A box of one of our tensors is made of a few row ranges of HF tensors (`row_pieces`: the fused QKV
 from slices of q, k and v; fc1 from gate and up rows), each read by its byte ranges (`get_slice`).
-Files transformers writes carry no checksums: such a source converts unverified. Files this writer
-wrote carry torchside's `shardbridge.crc32` table: each HF tensor is checked against it before the
-first box made of it is read (CheckFailed on a mismatch).
+An FP8 block-scaled directory's projection weights read as torchside's FP8 buffers
+(`model.<fqn>.rowwise_data` uint8, `.rowwise_scale_inv` fp32 blocks), their facts in `facts`
+(bridge.convert.facts). Files transformers writes carry no checksums: such a source converts
+unverified. Files this writer wrote carry torchside's `shardbridge.crc32` table: each HF tensor is
+checked against it before the first box made of it is read (CheckFailed on a mismatch).
 
 Writing: HF holds no record of the Llama config, and neither does a DCP, Orbax or safetensors
 checkpoint of our model (a head count or rope_theta cannot be read off the shapes), so an HF target
 needs the HF `config.json` to write (`target_options["config"]`: the file or its directory; the CLI's
 `--config`). It is copied as it is; the plan's tensors are checked against it before anything is
-written. Files: `model.safetensors`, or `model-0000k-of-0000n.safetensors` plus
+written. FP8 buffers go back to F8_E4M3 `weight` + `weight_scale_inv` (with quantization_config,
+added to config.json if it lacks one), when the checkpoint's facts say fc1 is in runs of 128 and
+the buffers are block128x128/e4m3 (ValueError otherwise); a high-precision fc1 splits by its
+recorded glu_interleave. Files: `model.safetensors`, or `model-0000k-of-0000n.safetensors` plus
 `model.safetensors.index.json` once the tensors exceed `max_shard_size` (transformers' rule: tensors
 in its parameter order, a new shard when the next one would not fit). Written by one process: each
 of our tensors is produced whole (one box), split into its HF tensors, and each written at its
@@ -61,11 +66,12 @@ def parse_size(text: str | int) -> int:
 class HfReader:
     """An HF Llama directory's tensors under our keys (module docstring), read a box at a time."""
 
-    def __init__(self, path: str | os.PathLike, *, check: bool = True) -> None:
+    def __init__(self, path: str | os.PathLike, *, check: bool = True, glu_interleave: int | None = None) -> None:
+        """glu_interleave: present fc1 in that layout (hf_llama.Checkpoint; the read-back of a target written from one)."""
         self.path = Path(path)
         if not self.path.is_dir():
             raise ValueError(f"{self.path} is not a directory; pass a Hugging Face model directory")
-        self.checkpoint = hf_llama.Checkpoint(self.path)
+        self.checkpoint = hf_llama.Checkpoint(self.path, glu_interleave)
         self.tensors: dict[str, TensorInfo] = {}
         self.facts: dict = {}  # bridge.convert.facts: an FP8 checkpoint's format and fc1 layout
         for ours, source in self.checkpoint.sources.items():
@@ -165,11 +171,12 @@ def _target(options: Mapping[str, Any], source_facts: Mapping[str, Any]) -> _Tar
     for ours in hf_llama.fp8_sources(config):
         held = fp8_params.get(ours)
         if held is None or (held.get("scheme"), held.get("fmt")) != (FP8_SCHEME, "e4m3"):
+            fix = ("pass a config without quantization_config to export high precision weights" if held is None
+                   else "converting another FP8 format would requantize (lossy), which is not done")  # fmt: skip
             what = "not FP8" if held is None else f"{held.get('scheme')}/{held.get('fmt')}"
             raise ValueError(
-                f"model.{ours} is {what}: an FP8 HF checkpoint ({path}) holds every projection weight as "
-                f"{FP8_SCHEME}/e4m3 bytes and scales (Float8BlockScaling's weights); pass a config without "
-                "quantization_config to export high precision weights"
+                f"model.{ours} is {what} in the checkpoint, but an FP8 HF checkpoint ({path}) holds every projection "
+                f"weight as {FP8_SCHEME}/e4m3 bytes and scales (Float8BlockScaling's weights): {fix}"
             )
     return _Target(path, config, True, not quantized)
 

@@ -371,10 +371,15 @@ class TensorInfo:
 class Checkpoint:
     """An HF Llama directory, checked before any byte of a weight is read (config, files, names, shapes)."""
 
-    def __init__(self, directory: str | Path) -> None:
+    def __init__(self, directory: str | Path, glu_interleave: int | None = None) -> None:
+        """glu_interleave: present fc1 in runs of this many rows (None: 1, or 128 for an FP8 checkpoint)."""
         self.directory = Path(directory)
         self.config, self.quantization = read_config(self.directory)
         self.fp8 = self.quantization is not None
+        if glu_interleave not in (None, self.config.glu_interleave):
+            if self.fp8:
+                raise ValueError(f"{self.directory}: an FP8 checkpoint's fc1 reads in runs of {BLOCK} rows only")
+            self.config = dataclasses.replace(self.config, glu_interleave=glu_interleave)
         self.tensors = self._headers()
         self._check()
         self.sources = sources(self.config)

@@ -161,6 +161,28 @@ def test_a_torchside_save_of_our_llama_exports_to_hf(sources, tmp_path, source):
     assert_same_checkpoint(tmp_path / "hf", directory)
 
 
+def test_a_high_precision_fc1_in_runs_of_w_exports_by_its_recorded_layout(sources, tmp_path):
+    """A bf16 model with glu_interleave 32 (fc1 rows permuted by hand from load_hf's pairs) exports to the same HF files."""
+    import dataclasses
+
+    from torchside import checkpoint
+
+    directory, _ = sources["bf16_sharded"]
+    pairs = torch_llama.load_hf(directory)  # w = 1: rows 2i gate i, 2i + 1 up i
+    model = torch_llama.Llama(dataclasses.replace(pairs.config, glu_interleave=32), params_dtype=torch.bfloat16)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            value = pairs.get_parameter(name)
+            if "fc1" in name:  # runs of 32: gate rows 32j .. 32j + 31, then the same up rows
+                gate, up = (value[parity::2].unflatten(0, (-1, 32)) for parity in (0, 1))
+                value = torch.stack([gate, up], dim=1).flatten(0, 2)
+            param.copy_(value)
+    checkpoint.save(tmp_path / "run", model, step=1)
+    argv = ["convert", str(tmp_path / "run"), str(tmp_path / "hf"), "--from", "dcp", "--to", "hf"]
+    assert cli.main([*argv, "--config", str(directory), "--max-shard-size", SHARD]) == 0
+    assert_same_checkpoint(tmp_path / "hf", directory)
+
+
 def _fp8_llama_save(directory: Path, root: Path, glu_interleave: int) -> None:
     """A torchside save of a Llama of the FP8 checkpoint's config with Float8BlockScaling weights and the given fc1 layout."""
     import dataclasses
