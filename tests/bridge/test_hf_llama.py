@@ -311,7 +311,7 @@ def test_fp8_checkpoint_gives_the_logits_of_its_dequantized_weights(fp8_checkpoi
     directory, reference_model, tensors, tokens = fp8_checkpoint
     reference = reference_logits(reference_model, tokens)
     assert relative(torch_logits(torch_llama.load_hf(directory, dtype=torch.float32), tokens), reference) <= TOLERANCE
-    twin = jax_llama.load_hf(directory, mesh=make_mesh(dp_shard=8), dtype=jnp.float32)  # 32-column boxes: inside blocks
+    twin = jax_llama.load_hf(directory, dtype=jnp.float32)  # (on 8 devices: 1e-6, 10 s more here)
     assert relative(jax_logits(twin, tokens), reference) <= TOLERANCE
     config = hf_llama.Checkpoint(directory).config
     fc1 = torch.tensor(np.asarray(twin.layers[0].layernorm_mlp.fc1_kernel.get_value()).T)  # glu_interleave 128
