@@ -214,17 +214,22 @@ def _nbytes(spec: safetensors_file.TensorSpec) -> int:
 
 
 def _shards(specs: list[safetensors_file.TensorSpec], max_bytes: int) -> list[list[safetensors_file.TensorSpec]]:
-    """transformers' sharding: in order, a new shard when the next tensor would not fit (a big one alone)."""
-    shards: list[list] = [[]]
+    """transformers' sharding (huggingface_hub's split_state_dict_into_shards): in order, a tensor larger than
+    max_bytes gets a shard of its own at once; the others fill the current shard, a new one when the next would not fit."""
+    shards: list[list] = []
+    current: list = []
     size = 0
     for spec in specs:
         nbytes = _nbytes(spec)
-        if shards[-1] and size + nbytes > max_bytes:
-            shards.append([])
-            size = 0
-        shards[-1].append(spec)
+        if nbytes > max_bytes:
+            shards.append([spec])
+            continue
+        if current and size + nbytes > max_bytes:
+            shards.append(current)
+            current, size = [], 0
+        current.append(spec)
         size += nbytes
-    return shards
+    return shards + ([current] if current else [])
 
 
 def write(job: WriteJob) -> None:

@@ -216,13 +216,13 @@ def block_pieces(source: Source, config: LlamaConfig, start: int, stop: int) -> 
 def hf_order(config: LlamaConfig, fp8: bool = False) -> list[str]:
     """Every HF tensor name in the order transformers' LlamaForCausalLM lists its parameters (the writer's order).
 
-    fp8: transformers' FP8Linear registers `weight`, `weight_scale_inv`, then `bias`.
+    fp8: transformers' FP8Linear lists `weight`, `bias` (nn.Linear's, registered first), then `weight_scale_inv`.
     """
     names = ["model.embed_tokens.weight"]
     for i in range(config.num_layers):
         layer = f"model.layers.{i}."
-        suffixes = (".weight", ".weight" + SCALE_SUFFIX) if fp8 else (".weight",)
-        suffixes += (".bias",) if config.bias else ()
+        suffixes = (".weight", ".bias") if config.bias else (".weight",)
+        suffixes += (".weight" + SCALE_SUFFIX,) if fp8 else ()
         names += [f"{layer}self_attn.{p}_proj{s}" for p in "qkvo" for s in suffixes]
         names += [f"{layer}mlp.{p}_proj{s}" for p in ("gate", "up", "down") for s in suffixes]
         names += [f"{layer}input_layernorm.weight", f"{layer}post_attention_layernorm.weight"]

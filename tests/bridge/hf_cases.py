@@ -7,6 +7,7 @@ size the 256-wide grid model amplifies fp32 reordering to 1.1e-5 relative.
 
 from __future__ import annotations
 
+import copy
 import json
 from pathlib import Path
 
@@ -118,36 +119,41 @@ def dequantize_blocks(data: torch.Tensor, scale_inv: torch.Tensor) -> torch.Tens
     return data.double() * scale[: data.shape[0], : data.shape[1]]
 
 
-def fp8_hf_checkpoint(directory: Path, **overrides) -> tuple[Path, LlamaForCausalLM, dict[str, torch.Tensor]]:
-    """A tiny FP8 block-scaled Llama directory (one model.safetensors + config.json with quantization_config).
+def fp8_hf_checkpoint(
+    directory: Path, sharded: bool = False, **overrides
+) -> tuple[Path, LlamaForCausalLM, dict[str, torch.Tensor]]:
+    """A tiny FP8 block-scaled Llama directory, its files written by transformers' own `save_pretrained`.
 
     Returns (directory, transformers' fp32 model holding the dequantized weights, the tensors written).
     The projection weights are F8_E4M3 + fp32 weight_scale_inv; the embedding and norms bf16.
     """
-    from safetensors.torch import save_file
-
     settings = {"hidden_size": 256, "head_dim": 128, "num_attention_heads": 2, "num_key_value_heads": 1,
                 "intermediate_size": 256, "tie_word_embeddings": False} | overrides  # fmt: skip
     config = HFConfig(vocab_size=160, num_hidden_layers=2, rms_norm_eps=1e-6, attn_implementation="eager", **settings)
     torch.manual_seed(0)
     model = LlamaForCausalLM(config).eval()
+    stored = copy.deepcopy(model)  # holds the stored tensors, as transformers' FP8Linear would
     tensors = {}
     with torch.no_grad():
         for name, param in model.named_parameters():
             param.normal_(0.0, 1.6 / config.hidden_size**0.5)
             if "norm" in name:
                 param.add_(1.0)
+            module, _, kind = name.rpartition(".")
             if name.endswith("_proj.weight"):
                 data, scale_inv = quantize_blocks(param)
                 tensors[name], tensors[name + "_scale_inv"] = data, scale_inv
                 param.copy_(dequantize_blocks(data, scale_inv))  # exact in fp32: an E4M3 value times an fp32 scale
+                linear = stored.get_submodule(module)
+                linear.weight = torch.nn.Parameter(data, requires_grad=False)
+                linear.register_parameter("weight_scale_inv", torch.nn.Parameter(scale_inv, requires_grad=False))
             else:
                 tensors[name] = param.to(torch.bfloat16)
                 param.copy_(tensors[name])
-    directory.mkdir(parents=True, exist_ok=True)
-    save_file(tensors, directory / hf_llama.SINGLE_FILE, metadata={"format": "pt"})
-    hf_config = config.to_dict() | {"quantization_config": FP8_QUANTIZATION, "architectures": ["LlamaForCausalLM"]}
-    (directory / hf_llama.CONFIG_FILE).write_text(json.dumps(hf_config, indent=2))
+                setattr(stored.get_submodule(module), kind, torch.nn.Parameter(tensors[name], requires_grad=False))
+    save(stored, directory, sharded)
+    hf_config = json.loads((directory / hf_llama.CONFIG_FILE).read_text())
+    (directory / hf_llama.CONFIG_FILE).write_text(json.dumps(hf_config | {"quantization_config": FP8_QUANTIZATION}))
     return directory, model, tensors
 
 
@@ -158,10 +164,12 @@ def break_fp8(directory: Path, defect: str) -> tuple[str, ...]:
     """Give an FP8 checkpoint (of `fp8_hf_checkpoint`) one defect of FP8_DEFECTS; the words its error must hold."""
     from safetensors.torch import load_file, save_file
 
-    file, config_path = directory / hf_llama.SINGLE_FILE, directory / "config.json"
+    scale = "model.layers.1.mlp.up_proj.weight_scale_inv"
+    index = directory / hf_llama.INDEX_FILE
+    name = json.loads(index.read_text())["weight_map"][scale] if index.exists() else hf_llama.SINGLE_FILE
+    file, config_path = directory / name, directory / "config.json"
     config = json.loads(config_path.read_text())
     tensors = load_file(file)
-    scale = "model.layers.1.mlp.up_proj.weight_scale_inv"
     if defect == "missing weight_scale_inv":
         save_file({k: v for k, v in tensors.items() if k != scale}, file, metadata={"format": "pt"})
         return str(directory), scale

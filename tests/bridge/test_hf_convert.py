@@ -49,7 +49,7 @@ def reference_kernels(monkeypatch):
 @pytest.fixture(scope="module")
 def sources(tmp_path_factory) -> dict[str, tuple[Path, torch.nn.Module]]:
     """bf16, untied with biases, sharded over files with an index; fp32, tied, odd vocabulary, one file;
-    FP8 block-scaled (F8_E4M3 weights + fp32 weight_scale_inv, bf16 embedding, head and norms), one file."""
+    FP8 block-scaled (F8_E4M3 weights + fp32 weight_scale_inv, bf16 embedding, head and norms), sharded."""
     out = {}
     for name, case, dtype, sharded in (
         ("bf16_sharded", "mha_untied_bias", torch.bfloat16, True),
@@ -57,8 +57,8 @@ def sources(tmp_path_factory) -> dict[str, tuple[Path, torch.nn.Module]]:
     ):
         model = hf_model(case)
         out[name] = (save(model.to(dtype), tmp_path_factory.mktemp(name), sharded), model)
-    directory, model, _ = fp8_hf_checkpoint(tmp_path_factory.mktemp("fp8") / "hf")
-    out["fp8_single"] = (directory, model)
+    directory, model, _ = fp8_hf_checkpoint(tmp_path_factory.mktemp("fp8") / "hf", sharded=True)
+    out["fp8_sharded"] = (directory, model)
     return out
 
 
@@ -83,7 +83,7 @@ def assert_same_checkpoint(got: Path, expected: Path) -> None:
 
 
 @pytest.mark.parametrize("via", ["dcp", "orbax", "safetensors"])
-@pytest.mark.parametrize("source", ["bf16_sharded", "fp32_single", "fp8_single"])
+@pytest.mark.parametrize("source", ["bf16_sharded", "fp32_single", "fp8_sharded"])
 def test_hf_roundtrip_is_byte_identical(sources, source, via, tmp_path):
     """FP8: the bytes and scales travel as torchside's FP8 buffers (uint8 data, fp32 scale_inv), never dequantized."""
     directory, _ = sources[source]
@@ -91,7 +91,7 @@ def test_hf_roundtrip_is_byte_identical(sources, source, via, tmp_path):
     assert cli.main(["convert", str(directory), str(tmp_path / via), "--from", "hf", "--to", via]) == 0
     held = open_reader(via, tmp_path / via).tensors
     fp8 = {key: info.dtype for key, info in held.items() if key.endswith(("rowwise_data", "rowwise_scale_inv"))}
-    assert len(fp8) == (16 if source == "fp8_single" else 0)  # (qkv, proj, fc1, fc2) x 2 layers x (data, scales)
+    assert len(fp8) == (16 if source == "fp8_sharded" else 0)  # (qkv, proj, fc1, fc2) x 2 layers x (data, scales)
     assert set(fp8.values()) <= {"uint8", "float32"}
     back = ["convert", str(tmp_path / via), str(tmp_path / "back"), "--from", via, "--to", "hf"]
     assert cli.main([*back, "--config", str(directory), "--max-shard-size", shard_size]) == 0
@@ -145,7 +145,7 @@ def test_hf_to_dcp_on_two_ranks_each_reads_only_its_own_rows(sources, tmp_path, 
     assert all(torch.equal(one[k].view(torch.uint8), two[k].view(torch.uint8)) for k in one)
 
 
-@pytest.mark.parametrize("source", ["bf16_sharded", "fp8_single"])
+@pytest.mark.parametrize("source", ["bf16_sharded", "fp8_sharded"])
 def test_a_torchside_save_of_our_llama_exports_to_hf(sources, tmp_path, source):
     """Our keys are the ones torchside.checkpoint.save writes for a Llama: its step exports back to the same HF files.
 
@@ -199,7 +199,7 @@ def _fp8_llama_save(directory: Path, root: Path, glu_interleave: int) -> None:
 
 def test_an_fp8_fc1_with_another_gate_up_layout_is_refused_not_split_wrongly(sources, tmp_path, capsys):
     """glu_interleave 1: a 128-row FP8 block of fc1 holds 64 gate and 64 up rows, which no HF block holds."""
-    directory, _ = sources["fp8_single"]
+    directory, _ = sources["fp8_sharded"]
     _fp8_llama_save(directory, tmp_path / "run", glu_interleave=1)
     argv = ["convert", str(tmp_path / "run"), str(tmp_path / "hf"), "--from", "dcp", "--to", "hf", "--config", str(directory)]
     assert cli.main(argv) == 2
@@ -210,7 +210,7 @@ def test_an_fp8_fc1_with_another_gate_up_layout_is_refused_not_split_wrongly(sou
 def test_a_checkpoint_loads_only_into_a_model_with_its_fc1_layout(sources, tmp_path):
     from torchside import checkpoint
 
-    directory, _ = sources["fp8_single"]
+    directory, _ = sources["fp8_sharded"]
     _fp8_llama_save(directory, tmp_path / "run", glu_interleave=128)
     assert json.loads(next((tmp_path / "run").glob("step-*/shardbridge.json")).read_text())["glu_interleave"] == 128
     config, _ = hf_llama.read_config(directory)
@@ -281,9 +281,10 @@ def test_bad_fp8_hf_input_exits_2_and_writes_nothing(sources, tmp_path, capsys, 
     bad = tmp_path / "bad"
     if defect == "head_dim 64":  # k and v heads share a 128-row block: refused, not requantized
         fp8_hf_checkpoint(bad, head_dim=64, num_attention_heads=4, num_key_value_heads=2)
+        capsys.readouterr()  # (transformers' save progress)
         words = ("config.json", "head_dim=64", "requantizing")
     else:
-        shutil.copytree(sources["fp8_single"][0], bad)
+        shutil.copytree(sources["fp8_sharded"][0], bad)
         words = break_fp8(bad, defect)
     assert cli.main(["convert", str(bad), str(tmp_path / "out"), "--from", "hf", "--to", "dcp"]) == 2
     (line,) = capsys.readouterr().err.strip().splitlines()
