@@ -34,15 +34,15 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from bridge.convert import dcp, hf, orbax, safetensors
+from bridge.convert import dcp, facts, hf, orbax, safetensors
 from bridge.convert.plan import Box, Plan, PlanEntry, WriteJob, check_against, itemsize, make_plan
 from bridge.errors import CheckFailed
 from torchside.checkpoint import commit
 from torchside.checkpoint.checksums import crc32_combine, tensor_crc32
 
 # One row per format: how to read a box of a source, how to write a target. A reader is built as
-# reader(path, check=...) and has `tensors`, `skipped`, `verifiable` and `read(key, box)`; a writer
-# is writer(job: WriteJob) and records its format's checksums.
+# reader(path, check=...) and has `tensors`, `skipped`, `verifiable`, `facts` (bridge.convert.facts)
+# and `read(key, box)`; a writer is writer(job: WriteJob) and records its format's checksums and the facts.
 READERS = {
     "dcp": dcp.DcpReader,
     "safetensors": safetensors.SafetensorsReader,
@@ -55,9 +55,9 @@ WRITERS: dict[str, Callable[[WriteJob], None]] = {
     "orbax": orbax.write,
     "hf": hf.write,
 }
-# Targets whose own description fixes the tensors they hold: check(plan, target_options) raises
+# Targets whose own description fixes the tensors they hold: check(plan, target_options, facts) raises
 # ValueError before anything is written (an HF target: its config.json).
-TARGET_CHECKS: dict[str, Callable[[Plan, Mapping], None]] = {"hf": hf.check_target}
+TARGET_CHECKS: dict[str, Callable[[Plan, Mapping, Mapping], None]] = {"hf": hf.check_target}
 ProgressCallback = Callable[[str, int], None]  # (target key, bytes written)
 
 
@@ -153,8 +153,9 @@ def convert(
     plan = make_plan(reader.tensors, source_format, target_format, owners, with_optimizer=with_optimizer, architecture=architecture)
     if expected is not None:
         check_against(plan, expected)
+    target_facts = _target_facts(plan, reader.facts)
     if target_format in TARGET_CHECKS:
-        TARGET_CHECKS[target_format](plan, target_options)
+        TARGET_CHECKS[target_format](plan, target_options, target_facts)
     skipped = plan.skipped + tuple(reader.skipped)
     if dry_run:
         return ConvertResult(plan, skipped, (), reader.verifiable)
@@ -175,10 +176,10 @@ def convert(
         def tensor_crcs() -> dict[str, int]:
             return _tensor_crcs(plan.entries, produced)
 
-        job = WriteJob(written_path, plan, rank, devices, produce, tensor_crcs, _barrier, target_options)
+        job = WriteJob(written_path, plan, rank, devices, produce, tensor_crcs, _barrier, target_options, target_facts)
         WRITERS[target_format](job)
         _barrier()
-        written = _read_back(written_path, target_format, produced) if verify else {}
+        written = _read_back(written_path, target_format, produced, target_facts) if verify else {}
         checksums = _checksums(plan.entries, produced, written)
         differ = [c for c in checksums if not c.ok]
         if differ:
@@ -193,6 +194,17 @@ def convert(
     return ConvertResult(plan, skipped, checksums, reader.verifiable)
 
 
+def _target_facts(plan: Plan, source_facts: Mapping) -> dict:
+    """The source's facts with each FP8 parameter under the target's name for it."""
+    names = {}
+    for entry in plan.entries:
+        for buffer in ("rowwise_data", "columnwise_data"):
+            if entry.source.key.endswith(f".{buffer}") and entry.target.key.endswith(f".{buffer}"):
+                source, target = (key.removeprefix("model.").removesuffix(f".{buffer}") for key in (entry.source.key, entry.target.key))
+                names[source] = target
+    return facts.renamed(source_facts, names)
+
+
 def _devices(target_format: str, world: int):
     """The JAX devices an Orbax target is placed on (None for the other formats)."""
     if target_format != "orbax":
@@ -204,8 +216,10 @@ def _devices(target_format: str, world: int):
     return tuple(jax.local_devices())
 
 
-def _read_back(path: Path, target_format: str, produced: Mapping[tuple[str, Box], int]) -> dict[tuple[str, Box], int]:
-    reader = open_reader(target_format, path, check=False)  # compared with what was produced instead
+def _read_back(path: Path, target_format: str, produced: Mapping[tuple[str, Box], int], target_facts: Mapping) -> dict[tuple[str, Box], int]:
+    # An HF directory does not record our fc1 layout: read it back in the one it was written from.
+    layout = {"glu_interleave": facts.glu_interleave(target_facts)} if target_format == "hf" else {}
+    reader = READERS[target_format](path, check=False, **layout)  # compared with what was produced instead
     return {(key, box): tensor_crc32(reader.read(key, box)) for key, box in produced}
 
 

@@ -41,6 +41,7 @@ from torch.distributed.checkpoint.metadata import (
 from torch.distributed.checkpoint.planner import LoadPlan, SavePlan, WriteItem, WriteItemType
 from torch.distributed.checkpoint.planner_helpers import TensorWriteData, create_read_items_for_chunk_list
 
+from bridge.convert import facts
 from bridge.convert.plan import Box, TensorInfo, WriteJob
 from bridge.errors import CheckFailed
 from torchside.checkpoint import checksums, commit, validate
@@ -89,6 +90,7 @@ class DcpReader:
             self._files.setdefault(index.fqn, set()).add(info.relative_path)
             if index.fqn not in self._holds.setdefault(info.relative_path, []):
                 self._holds[info.relative_path].append(index.fqn)
+        self.facts = _facts(directory)
         self._sums = checksums.recorded(directory) if check else {}
         self.verifiable = bool(self._sums)
         self._checked: set[str] = set()
@@ -150,6 +152,14 @@ def _read_metadata(directory: Path):
     return validate.read_dcp_metadata(directory, recorded)
 
 
+def _facts(directory: Path) -> dict:
+    """A torchside save's FP8 facts and fc1 layout (its shardbridge.json), or a converted DCP's (bridge.convert.facts)."""
+    if (directory / commit.METADATA_FILE).exists():
+        metadata = commit.read_metadata(directory)
+        return {key: metadata[key] for key in ("fp8_params", "glu_interleave") if metadata.get(key)}
+    return facts.read_file(directory)
+
+
 def first_failure(error: CheckpointException) -> BaseException:
     """The original exception inside DCP's CheckpointException (this rank's if it failed, else the first rank's)."""
     failures = error.failures
@@ -196,3 +206,5 @@ def write(job: WriteJob) -> None:
         dcp.save({}, storage_writer=writer, planner=_BoxSavePlanner(items, job.produce), no_dist=not dist.is_initialized())
     except CheckpointException as error:
         raise first_failure(error) from None
+    if job.owner == 0:
+        facts.write_file(job.path, job.facts)

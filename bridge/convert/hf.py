@@ -7,15 +7,20 @@ Reading: the directory is checked whole first (`hf_llama.Checkpoint`: architectu
 index, every file's header, every tensor's name, shape and dtype), before any weight byte is read.
 A box of one of our tensors is made of a few row ranges of HF tensors (`row_pieces`: the fused QKV
 from slices of q, k and v; fc1 from gate and up rows), each read by its byte ranges (`get_slice`).
-Files transformers writes carry no checksums: such a source converts unverified. Files this writer
-wrote carry torchside's `shardbridge.crc32` table: each HF tensor is checked against it before the
-first box made of it is read (CheckFailed on a mismatch).
+An FP8 block-scaled directory's projection weights read as torchside's FP8 buffers
+(`model.<fqn>.rowwise_data` uint8, `.rowwise_scale_inv` fp32 blocks), their facts in `facts`
+(bridge.convert.facts). Files transformers writes carry no checksums: such a source converts
+unverified. Files this writer wrote carry torchside's `shardbridge.crc32` table: each HF tensor is
+checked against it before the first box made of it is read (CheckFailed on a mismatch).
 
 Writing: HF holds no record of the Llama config, and neither does a DCP, Orbax or safetensors
 checkpoint of our model (a head count or rope_theta cannot be read off the shapes), so an HF target
 needs the HF `config.json` to write (`target_options["config"]`: the file or its directory; the CLI's
 `--config`). It is copied as it is; the plan's tensors are checked against it before anything is
-written. Files: `model.safetensors`, or `model-0000k-of-0000n.safetensors` plus
+written. FP8 buffers go back to F8_E4M3 `weight` + `weight_scale_inv` (with quantization_config,
+added to config.json if it lacks one), when the checkpoint's facts say fc1 is in runs of 128 and
+the buffers are block128x128/e4m3 (ValueError otherwise); a high-precision fc1 splits by its
+recorded glu_interleave. Files: `model.safetensors`, or `model-0000k-of-0000n.safetensors` plus
 `model.safetensors.index.json` once the tensors exceed `max_shard_size` (transformers' rule: tensors
 in its parameter order, a new shard when the next one would not fit). Written by one process,
 streamed: each of our tensors is produced in dim-0 blocks as tall as the largest of its HF tensors
@@ -26,23 +31,27 @@ is about one HF tensor, never a whole fused QKV or fc1.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import os
 import re
 import shutil
 from collections.abc import Mapping
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from bridge.convert import facts
 from bridge.convert.plan import Box, Plan, PlanEntry, TensorInfo, WriteJob, check_against, itemsize
 from bridge.errors import CheckFailed
 from jaxside.models import hf_llama
 from torchside.checkpoint import safetensors_file
 
 TORCH_DTYPES = {"F32": "float32", "BF16": "bfloat16", "F16": "float16"}
+FP8_SCHEME = "block128x128"  # torchside's name of Float8BlockScaling's 128x128 weight blocks
 DEFAULT_MAX_SHARD_SIZE = "5GB"
 _UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12}
 _UNITS |= {"KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
@@ -59,12 +68,14 @@ def parse_size(text: str | int) -> int:
 class HfReader:
     """An HF Llama directory's tensors under our keys (module docstring), read a box at a time."""
 
-    def __init__(self, path: str | os.PathLike, *, check: bool = True) -> None:
+    def __init__(self, path: str | os.PathLike, *, check: bool = True, glu_interleave: int | None = None) -> None:
+        """glu_interleave: present fc1 in that layout (hf_llama.Checkpoint; the read-back of a target written from one)."""
         self.path = Path(path)
         if not self.path.is_dir():
             raise ValueError(f"{self.path} is not a directory; pass a Hugging Face model directory")
-        self.checkpoint = hf_llama.Checkpoint(self.path)
+        self.checkpoint = hf_llama.Checkpoint(self.path, glu_interleave)
         self.tensors: dict[str, TensorInfo] = {}
+        self.facts: dict = {}  # bridge.convert.facts: an FP8 checkpoint's format and fc1 layout
         for ours, source in self.checkpoint.sources.items():
             infos = [self.checkpoint.tensors[name] for name in source.hf_names]
             dtypes = {info.dtype for info in infos}
@@ -72,8 +83,12 @@ class HfReader:
                 raise ValueError(f"{infos[0].file}: tensors {list(source.hf_names)} have dtypes {sorted(dtypes)}; "
                                  "they make one of our tensors, so they must share one")  # fmt: skip
             shape = (sum(info.shape[0] for info in infos), *infos[0].shape[1:])
-            self.tensors[f"model.{ours}"] = TensorInfo(f"model.{ours}", shape, TORCH_DTYPES[dtypes.pop()])
+            if ours in self.checkpoint.fp8_sources:
+                self._add_fp8(ours, shape)
+            else:
+                self.tensors[f"model.{ours}"] = TensorInfo(f"model.{ours}", shape, TORCH_DTYPES[dtypes.pop()])
         known = {name for source in self.checkpoint.sources.values() for name in source.hf_names}
+        known |= {name + hf_llama.SCALE_SUFFIX for name in known}
         unused = [name for name in sorted(self.checkpoint.tensors) if name not in known]
         self.skipped = [(n, "tied: the embedding" if n == "lm_head.weight" else "recomputed from config.json") for n in unused]
         files = sorted({info.file for info in self.checkpoint.tensors.values()})
@@ -82,6 +97,18 @@ class HfReader:
         # (transformers' files record none: such a source converts unverified, as a foreign safetensors file does)
         self._checked: set[str] = set()
 
+    def _add_fp8(self, ours: str, shape: tuple[int, ...]) -> None:
+        """An FP8 weight as torchside checkpoints hold one: raw E4M3 bytes and fp32 128x128 scales, plus its facts."""
+        block = hf_llama.BLOCK
+        buffers = {"rowwise_data": (shape, "uint8"), "rowwise_scale_inv": (tuple(-(-n // block) for n in shape), "float32")}
+        for buffer, (buffer_shape, dtype) in buffers.items():
+            self.tensors[f"model.{ours}.{buffer}"] = TensorInfo(f"model.{ours}.{buffer}", buffer_shape, dtype)
+        self.facts["glu_interleave"] = self.checkpoint.config.glu_interleave
+        self.facts.setdefault("fp8_params", {})[ours] = {
+            "scheme": FP8_SCHEME, "fmt": "e4m3", "hadamard": False, "shape": list(shape),
+            "dtype": TORCH_DTYPES[self.checkpoint.dtype()], "buffers": list(buffers),
+        }  # fmt: skip
+
     def read(self, key: str, box: Box) -> torch.Tensor:
         """The elements of `box` of our tensor `key`, from the byte ranges of the HF rows it is made of."""
         offsets, sizes = box
@@ -89,14 +116,17 @@ class HfReader:
         rows = (offsets[0], offsets[0] + sizes[0])
         cols = (offsets[1], offsets[1] + sizes[1]) if len(sizes) == 2 else None
 
-        def put(piece: hf_llama.Piece, values: torch.Tensor | None) -> None:
+        def put(piece: hf_llama.Piece, values) -> None:
             target = out[piece.dest : piece.dest + (piece.stop - piece.start) * piece.step : piece.step]
-            target.zero_() if values is None else target.copy_(values)
+            target.zero_() if values is None else target.copy_(torch.as_tensor(values))
 
-        ours = key.removeprefix("model.")
-        for name in self.checkpoint.sources[ours].hf_names:
+        ours, _, buffer = key.removeprefix("model.").rpartition(".")
+        if ours not in self.checkpoint.fp8_sources:  # a plain tensor: the whole key is our name
+            ours, buffer = key.removeprefix("model."), None
+        names = self.checkpoint.sources[ours].hf_names
+        for name in names + tuple(n + hf_llama.SCALE_SUFFIX for n in names if buffer):
             self._check(name)
-        self.checkpoint.read_box(ours, rows, cols, "pt", put)
+        self.checkpoint.read_box(ours, rows, cols, "pt", put, *([buffer] if buffer else []))
         return out
 
     def _check(self, name: str) -> None:
@@ -114,22 +144,68 @@ class HfReader:
         self._checked.add(name)
 
 
-def _target_config(options: Mapping[str, Any]) -> tuple[Path, hf_llama.LlamaConfig]:
+@dataclass(frozen=True)
+class _Target:
+    """The HF model to write: its config.json, our config (with the checkpoint's fc1 layout), FP8 or not."""
+
+    config_file: Path
+    config: hf_llama.LlamaConfig
+    fp8: bool  # projection weights as F8_E4M3 `weight` + `weight_scale_inv`
+    add_quantization: bool  # FP8 buffers but a config.json without quantization_config: write it in
+
+
+def _target(options: Mapping[str, Any], source_facts: Mapping[str, Any]) -> _Target:
+    """ValueError unless the checkpoint (its facts: bridge.convert.facts) writes exactly as the HF config says."""
     if not options.get("config"):
         raise ValueError("an HF target needs the model's config.json: pass --config PATH (the file or its directory)")
-    return hf_llama.read_config_file(options["config"])
+    path, config, quantized = hf_llama.read_config_file(options["config"])
+    fp8_params, w = source_facts.get("fp8_params", {}), facts.glu_interleave(source_facts)
+    fp8 = quantized or bool(fp8_params)
+    if not fp8:  # high precision: any fc1 layout maps to gate and up rows
+        return _Target(path, dataclasses.replace(config, glu_interleave=w), False, False)
+    config = config if quantized else hf_llama.fp8_config(config, hf_llama.FP8_QUANTIZATION, path)
+    if w != config.glu_interleave:
+        raise ValueError(
+            f"the checkpoint's fc1 interleaves gate and up rows in runs of {w} (glu_interleave), so a 128-row FP8 "
+            f"block of it mixes gate and up rows: an FP8 HF target needs glu_interleave {config.glu_interleave} "
+            "(what torchside.models.llama.load_hf gives an FP8 HF checkpoint); requantizing is lossy and not done"
+        )
+    for ours in hf_llama.fp8_sources(config):
+        held = fp8_params.get(ours)
+        if held is None or (held.get("scheme"), held.get("fmt")) != (FP8_SCHEME, "e4m3"):
+            fix = ("pass a config without quantization_config to export high precision weights" if held is None
+                   else "converting another FP8 format would requantize (lossy), which is not done")  # fmt: skip
+            what = "not FP8" if held is None else f"{held.get('scheme')}/{held.get('fmt')}"
+            raise ValueError(
+                f"model.{ours} is {what} in the checkpoint, but an FP8 HF checkpoint ({path}) holds every projection "
+                f"weight as {FP8_SCHEME}/e4m3 bytes and scales (Float8BlockScaling's weights): {fix}"
+            )
+    return _Target(path, config, True, not quantized)
 
 
-def check_target(plan: Plan, options: Mapping[str, Any]) -> None:
+def _expected(target: _Target) -> dict[str, tuple[int, ...]]:
+    """Our key and shape of every tensor the HF target is made of (FP8 weights: their two buffers)."""
+    fp8 = hf_llama.fp8_sources(target.config) if target.fp8 else {}
+    expected = {}
+    for ours, shape in hf_llama.our_shapes(target.config).items():
+        if ours in fp8:
+            expected[f"model.{ours}.rowwise_data"] = shape
+            expected[f"model.{ours}.rowwise_scale_inv"] = tuple(-(-n // hf_llama.BLOCK) for n in shape)
+        else:
+            expected[f"model.{ours}"] = shape
+    return expected
+
+
+def check_target(plan: Plan, options: Mapping[str, Any], source_facts: Mapping[str, Any] | None = None) -> None:
     """ValueError before anything is written if the plan's tensors do not make an HF Llama of the given config."""
     if plan.owners != 1:
         raise ValueError("an HF target is written by one process; run without torch.distributed")
-    _, config = _target_config(options)
-    expected = {f"model.{ours}": shape for ours, shape in hf_llama.our_shapes(config).items()}
+    target = _target(options, source_facts or {})
+    expected = _expected(target)
     extra = [e.source.key for e in plan.entries if e.target.key not in expected]
     if extra:
         raise ValueError(f"{', '.join(extra[:5])}: not part of a {hf_llama.ARCHITECTURE} of config {options['config']} "
-                         "(FP8 parameters do not export to HF yet; docs/hf.md)")  # fmt: skip
+                         "(an FP8 HF target holds rowwise FP8 buffers of the projection weights only; docs/hf.md)")  # fmt: skip
     check_against(plan, expected)
     parse_size(options.get("max_shard_size") or DEFAULT_MAX_SHARD_SIZE)
 
@@ -140,25 +216,46 @@ def _nbytes(spec: safetensors_file.TensorSpec) -> int:
 
 
 def _shards(specs: list[safetensors_file.TensorSpec], max_bytes: int) -> list[list[safetensors_file.TensorSpec]]:
-    """transformers' sharding: in order, a new shard when the next tensor would not fit (a big one alone)."""
-    shards: list[list] = [[]]
+    """transformers' sharding (huggingface_hub's split_state_dict_into_shards): in order, a tensor larger than
+    max_bytes gets a shard of its own at once; the others fill the current shard, a new one when the next would not fit."""
+    shards: list[list] = []
+    current: list = []
     size = 0
     for spec in specs:
         nbytes = _nbytes(spec)
-        if shards[-1] and size + nbytes > max_bytes:
-            shards.append([])
-            size = 0
-        shards[-1].append(spec)
+        if nbytes > max_bytes:
+            shards.append([spec])
+            continue
+        if current and size + nbytes > max_bytes:
+            shards.append(current)
+            current, size = [], 0
+        current.append(spec)
         size += nbytes
-    return shards
+    return shards + ([current] if current else [])
 
 
 def write(job: WriteJob) -> None:
     """config.json, the safetensors file(s) and (sharded) the index, into the directory `job.path`."""
-    config_file, config = _target_config(job.options)
-    entries = {e.target.key.removeprefix("model."): e for e in job.plan.entries}
-    ours_of, shapes = hf_llama.ours_of(config), hf_llama.hf_shapes(config)
-    specs = [(name, entries[ours_of[name]].target.dtype, shapes[name]) for name in hf_llama.hf_order(config)]
+    target = _target(job.options, job.facts)
+    config = target.config
+    entries = {e.target.key: e for e in job.plan.entries}
+    fp8 = hf_llama.fp8_sources(config) if target.fp8 else {}
+    shapes = hf_llama.hf_shapes(config, target.fp8)
+    of_ours = {}  # our key -> (its table entry, the pieces function of its rows)
+    for ours, source in hf_llama.sources(config).items():
+        if ours in fp8:
+            of_ours[f"model.{ours}.rowwise_data"] = (source, hf_llama.row_pieces)
+            of_ours[f"model.{ours}.rowwise_scale_inv"] = (source, hf_llama.block_pieces)
+        else:
+            of_ours[f"model.{ours}"] = (source, hf_llama.row_pieces)
+    key_of = {piece.hf_name: key for key, (source, pieces) in of_ours.items()
+              for piece in pieces(source, config, 0, entries[key].target.shape[0])}  # fmt: skip
+
+    def dtype(name: str) -> str:  # FP8 bytes travel as uint8 (torchside.checkpoint.quantized_params)
+        key = key_of[name]
+        return "float8_e4m3fn" if key.endswith(".rowwise_data") else entries[key].target.dtype
+
+    specs = [(name, dtype(name), shapes[name]) for name in hf_llama.hf_order(config, target.fp8)]
     shards = _shards(specs, parse_size(job.options.get("max_shard_size") or DEFAULT_MAX_SHARD_SIZE))
     names = [f"model-{k:05d}-of-{len(shards):05d}.safetensors" for k in range(1, len(shards) + 1)]
     names = [hf_llama.SINGLE_FILE] if len(shards) == 1 else names
@@ -171,8 +268,8 @@ def write(job: WriteJob) -> None:
     crcs: dict[str, int] = {}
     fds = {file: os.open(job.path / file, os.O_WRONLY) for file in names}
     try:
-        for ours, source in hf_llama.sources(config).items():
-            for name, offset, rows in _row_blocks(job, entries[ours], source, config, shapes):
+        for key, (source, pieces) in of_ours.items():
+            for name, offset, rows in _row_blocks(job, entries[key], source, config, pieces, shapes):
                 file, start = where[name], layouts[where[name]].offsets[name] + offset
                 crcs[name] = safetensors_file.write_at(fds[file], start, rows, crcs.get(name, 0))
     finally:
@@ -185,22 +282,27 @@ def write(job: WriteJob) -> None:
         metadata = {"total_parameters": parameters, "total_size": sum(map(_nbytes, specs))}
         index = {"metadata": metadata, "weight_map": {name: where[name] for name, _, _ in specs}}
         (job.path / hf_llama.INDEX_FILE).write_text(json.dumps(index, indent=2) + "\n")
-    shutil.copyfile(config_file, job.path / hf_llama.CONFIG_FILE)
+    if target.add_quantization:  # the model's config, saying how its weights are stored now
+        hf_config = json.loads(target.config_file.read_text()) | {"quantization_config": hf_llama.FP8_QUANTIZATION}
+        (job.path / hf_llama.CONFIG_FILE).write_text(json.dumps(hf_config, indent=2) + "\n")
+    else:
+        shutil.copyfile(target.config_file, job.path / hf_llama.CONFIG_FILE)
 
 
-def _row_blocks(job: WriteJob, entry: PlanEntry, source: hf_llama.Source, config, shapes):
+def _row_blocks(job: WriteJob, entry: PlanEntry, source: hf_llama.Source, config, pieces, shapes):
     """(HF name, byte offset in it, its rows) of one of our tensors, produced a dim-0 block at a time.
 
     A block has as many rows as the largest of the HF tensors it is made of (peak memory: about one
-    HF tensor, not the fused one); its rows go to the HF tensors by `row_pieces`, the reader's table,
-    in increasing HF row order (each HF tensor's CRC32 runs on in that order).
+    HF tensor, not the fused one); its rows go to the HF tensors by `pieces` (`row_pieces`, the
+    reader's table, or `block_pieces` for FP8 scales), in increasing HF row order (each HF tensor's
+    CRC32 runs on in that order).
     """
     key, shape = entry.target.key, entry.target.shape
-    block = max(shapes[name][0] for name in source.hf_names)
+    block = max(shapes[piece.hf_name][0] for piece in pieces(source, config, 0, shape[0]))
     row_bytes = math.prod(shape[1:]) * itemsize(entry.target.dtype)
     for start in range(0, shape[0], block):
         stop = min(shape[0], start + block)
         values = job.produce(key, ((start, *[0] * (len(shape) - 1)), (stop - start, *shape[1:])))
-        for piece in hf_llama.row_pieces(source, config, start, stop):
+        for piece in pieces(source, config, start, stop):
             rows = values[piece.dest : piece.dest + (piece.stop - piece.start) * piece.step : piece.step]
             yield piece.hf_name, piece.start * row_bytes, rows

@@ -28,6 +28,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from bridge.convert import facts
 from bridge.convert.plan import Box, TensorInfo, WriteJob
 from bridge.errors import CheckFailed
 from torchside.checkpoint import commit
@@ -75,6 +76,7 @@ class OrbaxReader:
         for _, leaf in jax.tree_util.tree_leaves_with_path(tree):
             name = leaf.name
             self.tensors[name] = TensorInfo(name, tuple(leaf.shape), str(np.dtype(leaf.dtype)))
+        self.facts = facts.read_file(self.path)
         self._recorded = checkpoint.recorded_checksums(self.path) if check else None
         self.verifiable = self._recorded is not None
         self._checked: set[str] = set()
@@ -167,6 +169,7 @@ def write(job: WriteJob) -> None:
             checkpointer.save(Path(job.path).absolute(), nest(arrays))
             checkpointer.wait_until_finished()
     checkpoint.write_checksums(job.path, job.tensor_crcs())
+    facts.write_file(job.path, job.facts)
 
 
 def _array(info: TensorInfo, produce: Callable[[str, Box], torch.Tensor], devices: Sequence):

@@ -128,6 +128,7 @@ class WriteJob:
     tensor_crcs: Callable[[], dict[str, int]]  # every target tensor's CRC32 once all boxes are produced (collective)
     barrier: Callable[[], None]
     options: Mapping[str, Any] = field(default_factory=dict)  # the target format's own (an HF target: config, max_shard_size)
+    facts: Mapping[str, Any] = field(default_factory=dict)  # what the checkpoint says it holds (bridge.convert.facts)
 
     def boxes(self) -> list[tuple[TensorInfo, Box]]:
         """This process's (tensor, box) pairs, in plan order."""

@@ -13,11 +13,13 @@ without one (written elsewhere) converts unverified.
 
 from __future__ import annotations
 
+import json
 import math
 import os
 
 import torch
 
+from bridge.convert import facts
 from bridge.convert.plan import Box, TensorInfo, WriteJob, itemsize
 from bridge.errors import CheckFailed
 from torchside.checkpoint import safetensors_file
@@ -41,6 +43,7 @@ class SafetensorsReader:
             if not hasattr(torch, self.tensors[key].dtype):
                 raise ValueError(f"{self.path}: tensor {key} has dtype {entry['dtype']}, which torch cannot hold")
         self.skipped: list[tuple[str, str]] = []
+        self.facts = json.loads(self.header.metadata.get(facts.FACTS_KEY, "{}"))  # bridge.convert.facts
         self._recorded = self.header.recorded_crcs() if check else None
         self.verifiable = self._recorded is not None
         self._checked: set[str] = set()
@@ -83,7 +86,8 @@ def _spec(info: TensorInfo) -> safetensors_file.TensorSpec:
 
 def write(job: WriteJob) -> None:
     """Write every tensor into one file: the header (by owner 0), this process's boxes, then the CRC32 table."""
-    layout = safetensors_file.layout([_spec(t) for t in job.tensors()], {"format": "pt"})
+    recorded = {facts.FACTS_KEY: json.dumps(dict(job.facts), sort_keys=True)} if job.facts else {}
+    layout = safetensors_file.layout([_spec(t) for t in job.tensors()], {"format": "pt", **recorded})
     if job.owner == 0:
         safetensors_file.create(job.path, layout)
     job.barrier()

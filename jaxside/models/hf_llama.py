@@ -21,10 +21,21 @@ The table (our names are the torch model's; the JAX twin's follow bridge.params'
 
 "grouped": our fused QKV rows are grouped by key/value head (torchside.modules.multihead_attention):
 for each of the G groups, its N/G query heads, then its key head, then its value head, H rows each.
-"interleaved": our fc1 row 2i is gate row i, row 2i + 1 is up row i (torchside.modules.layernorm_mlp).
+"interleaved": our fc1 rows alternate gate and up in runs of `LlamaConfig.glu_interleave` (w) rows
+(torchside.modules.layernorm_mlp): with w = 1 row 2i is gate row i, row 2i + 1 up row i.
 Columns are never permuted: HF's o_proj reads heads in the order our proj does. HF's rotary
 (`rotate_half` on the two halves of each head) is our layout too: tests/bridge/test_hf_llama.py
 checks that against transformers' own logits rather than assuming it.
+
+FP8 block-scaled checkpoints (config.json `quantization_config` = {"quant_method": "fp8",
+"weight_block_size": [128, 128], "fmt": "e4m3"}: DeepSeek-V3's and transformers' FineGrainedFP8
+format): every projection weight is F8_E4M3 `X.weight` [out, in] plus fp32 `X.weight_scale_inv`
+[ceil(out/128), ceil(in/128)], value = weight * scale_inv of its 128 x 128 block; norms and the
+embedding (and head) stay high precision. Such a checkpoint reads with `glu_interleave` = 128, and
+only when head_dim, hidden_size and intermediate_size are multiples of 128: then each 128-row block
+of our fused QKV and fc1 is one block-row of one HF tensor, so the bytes and scales keep their
+blocks (`read_box(..., buffer="rowwise_data" / "rowwise_scale_inv")`); otherwise a block of ours
+would mix two HF blocks with two scales, and requantizing would be lossy: ValueError.
 
 `row_pieces` says where the rows [start, stop) of one of our tensors come from: a few contiguous
 row ranges of HF tensors (or zeros), each written to every `step`-th row from `dest`. A loader reads
@@ -33,6 +44,7 @@ only those ranges (and only its columns), so each rank or device reads the bytes
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from dataclasses import dataclass
 from pathlib import Path
@@ -43,6 +55,9 @@ ARCHITECTURE = "LlamaForCausalLM"
 CONFIG_FILE, SINGLE_FILE, INDEX_FILE = "config.json", "model.safetensors", "model.safetensors.index.json"
 IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)  # buffers some old exports wrote; recomputed from the config
 FLOAT_DTYPES = ("F32", "BF16", "F16")
+FP8_DTYPE, SCALE_DTYPE, BLOCK = "F8_E4M3", "F32", 128  # an FP8 weight's bytes, its scales' dtype, the block
+SCALE_SUFFIX = "_scale_inv"  # HF's name of a weight's scales: `X.weight` -> `X.weight_scale_inv`
+FP8_QUANTIZATION = {"quant_method": "fp8", "weight_block_size": [BLOCK, BLOCK], "fmt": "e4m3"}
 
 
 @dataclass(frozen=True)
@@ -103,8 +118,18 @@ def ours_of(config: LlamaConfig) -> dict[str, str]:
     return {hf: source.ours for source in sources(config).values() for hf in source.hf_names}
 
 
-def hf_shapes(config: LlamaConfig) -> dict[str, tuple[int, ...]]:
-    """The shape every HF tensor must have for `config`."""
+def is_projection_weight(hf_name: str) -> bool:
+    """q/k/v/o, gate/up/down `weight`s: the ones an FP8 checkpoint stores as F8_E4M3 bytes with scales."""
+    return hf_name.endswith("_proj.weight")
+
+
+def fp8_sources(config: LlamaConfig) -> dict[str, Source]:
+    """The table's entries stored FP8 in an FP8 checkpoint (the projection weights), by our name."""
+    return {ours: s for ours, s in sources(config).items() if is_projection_weight(s.hf_names[0])}
+
+
+def hf_shapes(config: LlamaConfig, fp8: bool = False) -> dict[str, tuple[int, ...]]:
+    """The shape every HF tensor must have for `config` (fp8: with each projection weight's `weight_scale_inv`)."""
     d, h, f, v = config.hidden_size, config.head_dim, config.ffn_hidden_size, config.vocab_size
     q, kv = config.num_heads * h, config.num_kv_heads * h
     rows = {"q_proj": q, "k_proj": kv, "v_proj": kv, "o_proj": d, "gate_proj": f, "up_proj": f, "down_proj": d}
@@ -120,6 +145,8 @@ def hf_shapes(config: LlamaConfig) -> dict[str, tuple[int, ...]]:
             shapes[hf] = (rows[projection],)
         else:
             shapes[hf] = (rows[projection], cols.get(projection, d))
+            if fp8:
+                shapes[hf + SCALE_SUFFIX] = tuple(-(-n // BLOCK) for n in shapes[hf])
     return shapes
 
 
@@ -131,12 +158,19 @@ def row_pieces(source: Source, config: LlamaConfig, start: int, stop: int) -> li
         real = max(start, min(stop, config.vocab_size))
         pieces = [Piece(source.hf_names[0], start, real, 0)] if real > start else []
         return pieces + ([Piece(None, real, stop, real - start)] if stop > real else [])
-    if source.kind == "interleaved":
+    if source.kind == "interleaved" and config.glu_interleave == 1:
         pieces = []
         for parity, hf_name in enumerate(source.hf_names):  # gate on even rows, up on odd ones
             first = start + (parity - start) % 2
             if first < stop:
                 pieces.append(Piece(hf_name, first // 2, (stop - 1 - parity) // 2 + 1, first - start, 2))
+        return pieces
+    if source.kind == "interleaved":  # runs of w rows: gate run j, then up run j
+        w, pieces = config.glu_interleave, []
+        for run in range(start // w, (stop - 1) // w + 1):
+            lo, hi = max(start, run * w), min(stop, (run + 1) * w)
+            hf_lo = (run // 2) * w + lo - run * w
+            pieces.append(Piece(source.hf_names[run % 2], hf_lo, hf_lo + hi - lo, lo - start))
         return pieces
     if source.kind == "grouped":
         return _grouped_pieces(source, config, start, stop)
@@ -165,12 +199,30 @@ def _grouped_pieces(source: Source, config: LlamaConfig, start: int, stop: int) 
     return pieces
 
 
-def hf_order(config: LlamaConfig) -> list[str]:
-    """Every HF tensor name in the order transformers' LlamaForCausalLM lists its parameters (the writer's order)."""
+def block_pieces(source: Source, config: LlamaConfig, start: int, stop: int) -> list[Piece]:
+    """`row_pieces` of the scale rows [start, stop) of an FP8 weight: its 128-row blocks' pieces, of `X.weight_scale_inv`.
+
+    Needs every piece of those rows to start and end on a block (`fp8_config`'s conditions).
+    """
+    pieces = []
+    for piece in row_pieces(source, config, start * BLOCK, stop * BLOCK):
+        if piece.step != 1 or (piece.start | piece.stop | piece.dest) % BLOCK:
+            raise AssertionError(f"{piece} of {source.ours} cuts a {BLOCK}-row block")
+        name = piece.hf_name + SCALE_SUFFIX
+        pieces.append(Piece(name, piece.start // BLOCK, piece.stop // BLOCK, piece.dest // BLOCK))
+    return pieces
+
+
+def hf_order(config: LlamaConfig, fp8: bool = False) -> list[str]:
+    """Every HF tensor name in the order transformers' LlamaForCausalLM lists its parameters (the writer's order).
+
+    fp8: transformers' FP8Linear lists `weight`, `bias` (nn.Linear's, registered first), then `weight_scale_inv`.
+    """
     names = ["model.embed_tokens.weight"]
     for i in range(config.num_layers):
         layer = f"model.layers.{i}."
         suffixes = (".weight", ".bias") if config.bias else (".weight",)
+        suffixes += (".weight" + SCALE_SUFFIX,) if fp8 else ()
         names += [f"{layer}self_attn.{p}_proj{s}" for p in "qkvo" for s in suffixes]
         names += [f"{layer}mlp.{p}_proj{s}" for p in ("gate", "up", "down") for s in suffixes]
         names += [f"{layer}input_layernorm.weight", f"{layer}post_attention_layernorm.weight"]
@@ -232,19 +284,44 @@ def _rope(hf: dict, path: Path) -> tuple[float, RopeScaling | None]:
 
 
 def read_config(directory: str | Path) -> tuple[LlamaConfig, dict | None]:
-    """(our LlamaConfig, the quantization_config or None) of an HF Llama directory; ValueError naming the file."""
+    """(our LlamaConfig, the quantization_config or None) of an HF Llama directory; ValueError naming the file.
+
+    An FP8 checkpoint's config has glu_interleave = 128 (`fp8_config`).
+    """
     path = Path(directory) / CONFIG_FILE
     return parse_config(_read_json(path), path)
 
 
-def read_config_file(path: str | Path) -> tuple[Path, LlamaConfig]:
-    """(the file, our LlamaConfig) of an HF config.json, or of the one in directory `path` (the HF writer's input)."""
+def read_config_file(path: str | Path) -> tuple[Path, LlamaConfig, bool]:
+    """(the file, our LlamaConfig, whether FP8) of an HF config.json, or of the one in directory `path` (the HF writer's input)."""
     path = Path(path)
     path = path / CONFIG_FILE if path.is_dir() else path
     config, quantization = parse_config(_read_json(path), path)
-    if quantization is not None:
-        raise ValueError(f"{path}: quantization_config={quantization}; FP8 block-scaled export is not supported yet")
-    return path, config
+    return path, config, quantization is not None
+
+
+def fp8_config(config: LlamaConfig, quantization: object, path: Path) -> LlamaConfig:
+    """`config` with glu_interleave = 128 for an FP8 block-scaled checkpoint; ValueError naming the file otherwise.
+
+    The module docstring says which checkpoints qualify and why the others are refused.
+    """
+    if not isinstance(quantization, dict) or quantization.get("quant_method") != "fp8":
+        raise ValueError(f"{path}: quantization_config={quantization}; only {FP8_QUANTIZATION} loads here")
+    fmt, block = quantization.get("fmt", "e4m3"), quantization.get("weight_block_size")
+    if fmt != "e4m3" or block != [BLOCK, BLOCK]:
+        raise ValueError(
+            f"{path}: quantization_config has fmt={fmt!r}, weight_block_size={block}; only fmt 'e4m3' with "
+            f"[{BLOCK}, {BLOCK}] blocks (Float8BlockScaling's weights) loads"
+        )
+    sizes = {"head_dim": config.head_dim, "hidden_size": config.hidden_size, "intermediate_size": config.ffn_hidden_size}
+    for name, size in sizes.items():
+        if size % BLOCK:
+            raise ValueError(
+                f"{path}: {name}={size} is not a multiple of {BLOCK}: a {BLOCK}-row block of our fused QKV or fc1 "
+                f"would mix two HF blocks with two scales, and requantizing them is lossy, so it is not done; "
+                "dequantize the checkpoint first (docs/hf.md)"
+            )
+    return dataclasses.replace(config, glu_interleave=BLOCK)
 
 
 def parse_config(hf: dict, path: Path) -> tuple[LlamaConfig, dict | None]:
@@ -280,7 +357,8 @@ def parse_config(hf: dict, path: Path) -> tuple[LlamaConfig, dict | None]:
         raise ValueError(f"{path}: lacks {error}") from error
     except (TypeError, ValueError) as error:
         raise ValueError(f"{path}: {error}") from error
-    return config, hf.get("quantization_config")
+    quantization = hf.get("quantization_config")
+    return (config if quantization is None else fp8_config(config, quantization, path)), quantization
 
 
 @dataclass(frozen=True)
@@ -293,17 +371,19 @@ class TensorInfo:
 class Checkpoint:
     """An HF Llama directory, checked before any byte of a weight is read (config, files, names, shapes)."""
 
-    def __init__(self, directory: str | Path) -> None:
+    def __init__(self, directory: str | Path, glu_interleave: int | None = None) -> None:
+        """glu_interleave: present fc1 in runs of this many rows (None: 1, or 128 for an FP8 checkpoint)."""
         self.directory = Path(directory)
         self.config, self.quantization = read_config(self.directory)
-        if self.quantization is not None:
-            raise ValueError(
-                f"{self.directory / CONFIG_FILE}: quantization_config={self.quantization}; FP8 block-scaled "
-                "checkpoints do not load yet (issue 30): dequantize them first"
-            )
+        self.fp8 = self.quantization is not None
+        if glu_interleave not in (None, self.config.glu_interleave):
+            if self.fp8:
+                raise ValueError(f"{self.directory}: an FP8 checkpoint's fc1 reads in runs of {BLOCK} rows only")
+            self.config = dataclasses.replace(self.config, glu_interleave=glu_interleave)
         self.tensors = self._headers()
         self._check()
         self.sources = sources(self.config)
+        self.fp8_sources = fp8_sources(self.config) if self.fp8 else {}
 
     def _files(self) -> dict[str, Path]:
         """{tensor name: file} from the index, or None when the model is one file."""
@@ -347,17 +427,24 @@ class Checkpoint:
         return tensors
 
     def _check(self) -> None:
-        expected = hf_shapes(self.config)
+        expected = hf_shapes(self.config, self.fp8)
         for name, shape in expected.items():
             info = self.tensors.get(name)
             if info is None:
-                raise ValueError(f"{self.directory}: tensor {name!r} is missing from the checkpoint")
+                why = f" (an FP8 checkpoint stores one beside each {FP8_DTYPE} weight)" if name.endswith(SCALE_SUFFIX) else ""
+                raise ValueError(f"{self.directory}: tensor {name!r} is missing from the checkpoint{why}")
             if info.shape != shape:
                 raise ValueError(
                     f"{info.file}: tensor {name!r} is {list(info.shape)}, but config.json gives {list(shape)}"
+                    + (f" ([ceil(out/{BLOCK}), ceil(in/{BLOCK})] blocks)" if name.endswith(SCALE_SUFFIX) else "")
                 )
-            if info.dtype not in FLOAT_DTYPES:
-                raise ValueError(f"{info.file}: tensor {name!r} is {info.dtype}; expected one of {FLOAT_DTYPES}")
+            dtypes = FLOAT_DTYPES
+            if self.fp8 and is_projection_weight(name):
+                dtypes = (FP8_DTYPE,)
+            elif name.endswith(SCALE_SUFFIX):
+                dtypes = (SCALE_DTYPE,)
+            if info.dtype not in dtypes:
+                raise ValueError(f"{info.file}: tensor {name!r} is {info.dtype}; expected one of {dtypes}")
         tied_head = {"lm_head.weight"} if self.config.tie_word_embeddings else set()
         known = expected.keys() | tied_head
         extra = [n for n in self.tensors if n not in known and not n.endswith(IGNORED_SUFFIXES)]
@@ -368,35 +455,84 @@ class Checkpoint:
         """The checkpoint's float dtype (of the embedding), as safetensors names it."""
         return self.tensors["model.embed_tokens.weight"].dtype
 
-    def read_box(self, ours: str, rows: tuple[int, int], cols: tuple[int, int] | None, framework: str, put) -> None:
+    def read_box(
+        self, ours: str, rows: tuple[int, int], cols: tuple[int, int] | None, framework: str, put, buffer: str | None = None
+    ) -> None:
         """Read our rows [rows) (and columns [cols) of a 2-D tensor) of `ours` in `framework` ("pt", "flax").
 
         put(piece, values) receives each piece's values (None for a zeros piece): the caller writes them.
+        An FP8 weight (`self.fp8_sources`): `buffer` "rowwise_data" gives its bytes (numpy uint8),
+        "rowwise_scale_inv" its scales (numpy fp32; rows and cols then count 128-blocks), None its
+        values dequantized exactly (numpy fp32: each E4M3 value times its block's scale, one rounding).
         """
         from safetensors import SafetensorError, safe_open
 
-        for piece in row_pieces(self.sources[ours], self.config, *rows):
+        fp8 = ours in self.fp8_sources
+        if buffer not in ((None, "rowwise_data", "rowwise_scale_inv") if fp8 else (None,)):
+            raise AssertionError(f"{ours} has no buffer {buffer!r}")
+        scales = buffer == "rowwise_scale_inv"
+        pieces = (block_pieces if scales else row_pieces)(self.sources[ours], self.config, *rows)
+        for piece in pieces:
             if piece.hf_name is None:
                 put(piece, None)
                 continue
             info = self.tensors[piece.hf_name]
             try:
-                with safe_open(str(info.file), framework=framework) as file:
+                if fp8 and not scales:
+                    data = _fp8_bytes(info, piece.hf_name, (piece.start, piece.stop), cols)
+                    put(piece, data if buffer else self._dequantized(piece, cols, data))
+                    continue
+                with safe_open(str(info.file), framework="numpy" if fp8 else framework) as file:
                     view, rows_read = file.get_slice(piece.hf_name), slice(piece.start, piece.stop)
                     values = view[rows_read] if cols is None else view[rows_read, slice(*cols)]
             except (SafetensorError, OSError) as error:
                 raise ValueError(f"{info.file}: reading tensor {piece.hf_name!r} failed ({error})") from error
             put(piece, values)
 
+    def _dequantized(self, piece: Piece, cols: tuple[int, int], data):
+        """Bytes `data` of HF rows [piece) and columns [cols) as fp32 values: E4M3 times the block's scale_inv."""
+        import ml_dtypes
+        import numpy as np
+        from safetensors import safe_open
+
+        scale_name = piece.hf_name + SCALE_SUFFIX
+        first_row, first_col = piece.start // BLOCK, cols[0] // BLOCK
+        with safe_open(str(self.tensors[scale_name].file), framework="numpy") as file:
+            blocks = file.get_slice(scale_name)[first_row : -(-piece.stop // BLOCK), first_col : -(-cols[1] // BLOCK)]
+        scale = np.repeat(np.repeat(blocks, BLOCK, axis=0), BLOCK, axis=1)
+        r0, c0 = piece.start - first_row * BLOCK, cols[0] - first_col * BLOCK
+        scale = scale[r0 : r0 + data.shape[0], c0 : c0 + data.shape[1]]
+        return data.view(ml_dtypes.float8_e4m3fn).astype(np.float32) * scale.astype(np.float32)
+
+
+def _fp8_bytes(info: TensorInfo, name: str, rows: tuple[int, int], cols: tuple[int, int] | None):
+    """Rows [rows) and columns [cols) of an F8_E4M3 tensor as numpy uint8 (safetensors' numpy reader has no FP8)."""
+    import numpy as np
+
+    with open(info.file, "rb") as file:
+        header_size = int.from_bytes(file.read(8), "little")
+        begin, end = json.loads(file.read(header_size))[name]["data_offsets"]
+    if end - begin != info.shape[0] * info.shape[1]:
+        raise OSError(f"the header gives {end - begin} bytes for a {list(info.shape)} {FP8_DTYPE} tensor")
+    matrix = np.memmap(info.file, np.uint8, "r", offset=8 + header_size + begin, shape=info.shape)
+    return np.array(matrix[slice(*rows), slice(*(cols or (0, info.shape[1])))])
+
 
 __all__ = [
     "ARCHITECTURE",
+    "BLOCK",
+    "FP8_QUANTIZATION",
+    "SCALE_SUFFIX",
     "Checkpoint",
     "Piece",
     "Source",
     "TensorInfo",
+    "block_pieces",
+    "fp8_config",
+    "fp8_sources",
     "hf_order",
     "hf_shapes",
+    "is_projection_weight",
     "our_rows",
     "our_shapes",
     "ours_of",

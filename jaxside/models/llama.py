@@ -57,6 +57,7 @@ def transformer_config(
         normalization="RMSNorm",
         layernorm_epsilon=config.norm_eps,
         activation="swiglu",
+        glu_interleave=config.glu_interleave,
         bias=config.bias,
         qkv_format="sbhd",
         attn_mask_type="causal",

@@ -11,6 +11,8 @@ Options real Llama-family checkpoints need (Hugging Face `config.json` names in 
 `lm_head.weight`; `rope_theta` and `rope_scaling` [rope_theta, rope_scaling or rope_parameters]
 of type "llama3" (`RopeScaling`); `norm_eps` [rms_norm_eps]; `bias` [attention_bias and
 mlp_bias, which must agree: our TransformerConfig has one `bias` for every projection].
+`glu_interleave` is not HF's: it is our fc1 layout (gate and up rows alternate in runs of that
+many rows; 128 keeps 128x128 block-scaled FP8 gate/up weights byte for byte, docs/hf.md).
 
 Vocabulary padding: a vocabulary split over devices must divide evenly (torch's TP splits the
 embedding rows; JAX refuses uneven dims), so the models hold `padded_vocab_size(tp)` rows, the
@@ -59,7 +61,8 @@ class RopeScaling:
         return where(medium, smoothed, slowed)
 
 
-_SIZES = ("vocab_size", "hidden_size", "num_layers", "num_heads", "num_kv_heads", "ffn_hidden_size", "vocab_multiple")
+_SIZES = ("vocab_size", "hidden_size", "num_layers", "num_heads", "num_kv_heads", "ffn_hidden_size", "vocab_multiple",
+          "glu_interleave")  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -80,6 +83,7 @@ class LlamaConfig:
     rope_scaling: RopeScaling | None = None
     bias: bool = False  # a bias on every projection (q, k, v, o, gate, up, down)
     vocab_multiple: int = 1  # the padded vocabulary is a multiple of lcm(this, tp): module docstring
+    glu_interleave: int = 1  # fc1's gate and up rows alternate in runs of this many (the modules' LayerNormMLP)
 
     def __post_init__(self) -> None:
         for name in _SIZES:
@@ -90,6 +94,11 @@ class LlamaConfig:
             raise ValueError(
                 f"LlamaConfig(num_heads={self.num_heads}, num_kv_heads={self.num_kv_heads}): num_heads must be a "
                 "multiple of num_kv_heads"
+            )
+        if self.ffn_hidden_size % self.glu_interleave:
+            raise ValueError(
+                f"LlamaConfig(ffn_hidden_size={self.ffn_hidden_size}, glu_interleave={self.glu_interleave}): "
+                "ffn_hidden_size must be a multiple of glu_interleave (fc1 holds whole runs of gate and up rows)"
             )
         if self.head_dim is None:
             if self.hidden_size % self.num_heads:

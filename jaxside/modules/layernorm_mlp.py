@@ -9,8 +9,10 @@ and fc2 row-parallel: on a mesh with tp > 1 the ffn dim is split over tp, on tp 
 Activations follow torchside's table. Each torch op there computes in fp32 and rounds its result to
 the activation dtype; here each op (`_op`) does the same, so both round at the same places, in the
 forward and, through autodiff, in the backward. A gated activation computes function(gate) * up from
-fc1's output with gate and up interleaved (feature 2i is gate i, 2i + 1 is up i), as torchside's
-twin does: a column split of the kernel over tp then keeps whole (gate, up) pairs.
+fc1's output with gate and up interleaved in runs of `glu_interleave` (w) features (run 2j: gate
+features jw .. jw + w - 1, run 2j + 1: the same up features; w = 1: feature 2i is gate i, 2i + 1
+up i), as torchside's twin does: a column split of the kernel over tp then keeps whole (gate, up)
+runs when F / tp is a multiple of w (the arrays are global here, so any split computes the same).
 """
 
 from __future__ import annotations
@@ -89,6 +91,7 @@ class LayerNormMLP(FP8Module):
         bias: bool = True,
         normalization: str = "LayerNorm",
         activation: str = "gelu",
+        glu_interleave: int = 1,
         zero_centered_gamma: bool = False,
         params_dtype=jnp.float32,
         kernel_init: Initializer | None = None,
@@ -102,6 +105,13 @@ class LayerNormMLP(FP8Module):
         self.ffn_hidden_size = check_size("LayerNormMLP", "ffn_hidden_size", ffn_hidden_size)
         if activation not in ACTIVATIONS:
             raise ValueError(f"LayerNormMLP(activation={activation!r}): use one of {', '.join(ACTIVATIONS)}")
+        self.glu_interleave = check_size("LayerNormMLP", "glu_interleave", glu_interleave)
+        if glu_interleave > 1 and (not ACTIVATIONS[activation].gated or self.ffn_hidden_size % glu_interleave):
+            raise ValueError(
+                f"LayerNormMLP(activation={activation!r}, ffn_hidden_size={ffn_hidden_size}, glu_interleave="
+                f"{glu_interleave}): runs of gate and up rows need a gated activation (*glu) and ffn_hidden_size a "
+                "multiple of glu_interleave"
+            )
         config = check_config("LayerNormMLP", config)
         if config.parallel_mode is not None:
             raise ValueError(
@@ -129,8 +139,8 @@ class LayerNormMLP(FP8Module):
         activation = ACTIVATIONS[self.activation]
         if not activation.gated:
             return activation.function(h_TF1)
-        pairs = h_TF1.reshape(*h_TF1.shape[:-1], -1, 2)  # interleaved (module docstring)
-        gate_TF, linear_TF = pairs[..., 0], pairs[..., 1]
+        runs = h_TF1.reshape(*h_TF1.shape[:-1], -1, 2, self.glu_interleave)  # interleaved (module docstring)
+        gate_TF, linear_TF = (runs[..., half, :].reshape(*h_TF1.shape[:-1], -1) for half in (0, 1))
         return _op(jnp.multiply, activation.function(gate_TF), linear_TF)
 
     def __call__(self, x_TH) -> Array | tuple[Array, Array | None]:

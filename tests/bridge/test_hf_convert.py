@@ -20,10 +20,21 @@ import torch.distributed.checkpoint as dcp
 from safetensors.torch import load_file, save_file
 
 from bridge import cli
-from bridge.convert import convert, hf
+from bridge.convert import convert, hf, open_reader
 from bridge.convert.plan import make_plan
 from jaxside.models import hf_llama
-from tests.bridge.hf_cases import TOLERANCE, hf_model, random_tokens, reference_logits, relative, save, torch_logits
+from tests.bridge.hf_cases import (
+    FP8_DEFECTS,
+    TOLERANCE,
+    break_fp8,
+    fp8_hf_checkpoint,
+    hf_model,
+    random_tokens,
+    reference_logits,
+    relative,
+    save,
+    torch_logits,
+)
 from tests.distributed import run_threads
 from torchside.models import llama as torch_llama
 
@@ -37,7 +48,8 @@ def reference_kernels(monkeypatch):
 
 @pytest.fixture(scope="module")
 def sources(tmp_path_factory) -> dict[str, tuple[Path, torch.nn.Module]]:
-    """bf16, untied with biases, sharded over files with an index; fp32, tied, odd vocabulary, one file."""
+    """bf16, untied with biases, sharded over files with an index; fp32, tied, odd vocabulary, one file;
+    FP8 block-scaled (F8_E4M3 weights + fp32 weight_scale_inv, bf16 embedding, head and norms), sharded."""
     out = {}
     for name, case, dtype, sharded in (
         ("bf16_sharded", "mha_untied_bias", torch.bfloat16, True),
@@ -45,6 +57,8 @@ def sources(tmp_path_factory) -> dict[str, tuple[Path, torch.nn.Module]]:
     ):
         model = hf_model(case)
         out[name] = (save(model.to(dtype), tmp_path_factory.mktemp(name), sharded), model)
+    directory, model, _ = fp8_hf_checkpoint(tmp_path_factory.mktemp("fp8") / "hf", sharded=True)
+    out["fp8_sharded"] = (directory, model)
     return out
 
 
@@ -69,11 +83,16 @@ def assert_same_checkpoint(got: Path, expected: Path) -> None:
 
 
 @pytest.mark.parametrize("via", ["dcp", "orbax", "safetensors"])
-@pytest.mark.parametrize("source", ["bf16_sharded", "fp32_single"])
+@pytest.mark.parametrize("source", ["bf16_sharded", "fp32_single", "fp8_sharded"])
 def test_hf_roundtrip_is_byte_identical(sources, source, via, tmp_path):
+    """FP8: the bytes and scales travel as torchside's FP8 buffers (uint8 data, fp32 scale_inv), never dequantized."""
     directory, _ = sources[source]
     shard_size = SHARD if (directory / hf_llama.INDEX_FILE).exists() else "1GB"
     assert cli.main(["convert", str(directory), str(tmp_path / via), "--from", "hf", "--to", via]) == 0
+    held = open_reader(via, tmp_path / via).tensors
+    fp8 = {key: info.dtype for key, info in held.items() if key.endswith(("rowwise_data", "rowwise_scale_inv"))}
+    assert len(fp8) == (16 if source == "fp8_sharded" else 0)  # (qkv, proj, fc1, fc2) x 2 layers x (data, scales)
+    assert set(fp8.values()) <= {"uint8", "float32"}
     back = ["convert", str(tmp_path / via), str(tmp_path / "back"), "--from", via, "--to", "hf"]
     assert cli.main([*back, "--config", str(directory), "--max-shard-size", shard_size]) == 0
     assert_same_checkpoint(tmp_path / "back", directory)
@@ -126,14 +145,41 @@ def test_hf_to_dcp_on_two_ranks_each_reads_only_its_own_rows(sources, tmp_path, 
     assert all(torch.equal(one[k].view(torch.uint8), two[k].view(torch.uint8)) for k in one)
 
 
-def test_a_torchside_save_of_our_llama_exports_to_hf(sources, tmp_path):
-    """Our keys are the ones torchside.checkpoint.save writes for a Llama: its step exports back to the same HF files."""
+@pytest.mark.parametrize("source", ["bf16_sharded", "fp8_sharded"])
+def test_a_torchside_save_of_our_llama_exports_to_hf(sources, tmp_path, source):
+    """Our keys are the ones torchside.checkpoint.save writes for a Llama: its step exports back to the same HF files.
+
+    FP8: the model holds Float8BlockScaling parameters with glu_interleave 128; shardbridge.json records both.
+    """
+    from torchside import checkpoint
+
+    directory, _ = sources[source]
+    checkpoint.save(tmp_path / "run", torch_llama.load_hf(directory), step=3)
+    shard_size = SHARD if (directory / hf_llama.INDEX_FILE).exists() else "1GB"
+    argv = ["convert", str(tmp_path / "run"), str(tmp_path / "hf"), "--from", "dcp", "--to", "hf"]
+    assert cli.main([*argv, "--config", str(directory), "--max-shard-size", shard_size]) == 0  # train.step, rng: left out
+    assert_same_checkpoint(tmp_path / "hf", directory)
+
+
+def test_a_high_precision_fc1_in_runs_of_w_exports_by_its_recorded_layout(sources, tmp_path):
+    """A bf16 model with glu_interleave 32 (fc1 rows permuted by hand from load_hf's pairs) exports to the same HF files."""
+    import dataclasses
+
     from torchside import checkpoint
 
     directory, _ = sources["bf16_sharded"]
-    checkpoint.save(tmp_path / "run", torch_llama.load_hf(directory), step=3)
+    pairs = torch_llama.load_hf(directory)  # w = 1: rows 2i gate i, 2i + 1 up i
+    model = torch_llama.Llama(dataclasses.replace(pairs.config, glu_interleave=32), params_dtype=torch.bfloat16)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            value = pairs.get_parameter(name)
+            if "fc1" in name:  # runs of 32: gate rows 32j .. 32j + 31, then the same up rows
+                gate, up = (value[parity::2].unflatten(0, (-1, 32)) for parity in (0, 1))
+                value = torch.stack([gate, up], dim=1).flatten(0, 2)
+            param.copy_(value)
+    checkpoint.save(tmp_path / "run", model, step=1)
     argv = ["convert", str(tmp_path / "run"), str(tmp_path / "hf"), "--from", "dcp", "--to", "hf"]
-    assert cli.main([*argv, "--config", str(directory), "--max-shard-size", SHARD]) == 0  # train.step, rng: left out
+    assert cli.main([*argv, "--config", str(directory), "--max-shard-size", SHARD]) == 0
     assert_same_checkpoint(tmp_path / "hf", directory)
 
 
@@ -155,6 +201,48 @@ def test_an_hf_export_produces_no_more_than_one_hf_tensor_at_a_time_and_verifies
     for fused in ("self_attention.layernorm_qkv.weight", "layernorm_mlp.fc1_weight"):
         blocks = [nbytes for key, nbytes in produced if key == f"model.layers.0.{fused}"]
         assert len(blocks) > 1 and sum(blocks) == sum(hf_bytes[n] for n in table[f"layers.0.{fused}"].hf_names)
+
+
+def _fp8_llama_save(directory: Path, root: Path, glu_interleave: int) -> None:
+    """A torchside save of a Llama of the FP8 checkpoint's config with Float8BlockScaling weights and the given fc1 layout."""
+    import dataclasses
+
+    from torchside import checkpoint
+    from torchside.autocast import quantized_model_init
+    from torchside.recipe import Float8BlockScaling
+
+    config, _ = hf_llama.read_config(directory)
+    with quantized_model_init(recipe=Float8BlockScaling()):
+        model = torch_llama.Llama(dataclasses.replace(config, glu_interleave=glu_interleave), params_dtype=torch.bfloat16)
+    checkpoint.save(root, model, step=1)
+
+
+def test_an_fp8_fc1_with_another_gate_up_layout_is_refused_not_split_wrongly(sources, tmp_path, capsys):
+    """glu_interleave 1: a 128-row FP8 block of fc1 holds 64 gate and 64 up rows, which no HF block holds."""
+    directory, _ = sources["fp8_sharded"]
+    _fp8_llama_save(directory, tmp_path / "run", glu_interleave=1)
+    argv = ["convert", str(tmp_path / "run"), str(tmp_path / "hf"), "--from", "dcp", "--to", "hf", "--config", str(directory)]
+    assert cli.main(argv) == 2
+    assert "runs of 1 (glu_interleave)" in capsys.readouterr().err
+    assert not (tmp_path / "hf").exists()
+
+
+def test_a_checkpoint_loads_only_into_a_model_with_its_fc1_layout(sources, tmp_path):
+    from torchside import checkpoint
+
+    directory, _ = sources["fp8_sharded"]
+    _fp8_llama_save(directory, tmp_path / "run", glu_interleave=128)
+    assert json.loads(next((tmp_path / "run").glob("step-*/shardbridge.json")).read_text())["glu_interleave"] == 128
+    config, _ = hf_llama.read_config(directory)
+    import dataclasses
+
+    from torchside.autocast import quantized_model_init
+    from torchside.recipe import Float8BlockScaling
+
+    with quantized_model_init(recipe=Float8BlockScaling()):
+        other = torch_llama.Llama(dataclasses.replace(config, glu_interleave=1), params_dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match=r"runs of 128 \(glu_interleave\) in the checkpoint, 1 in the model"):
+        checkpoint.load(tmp_path / "run", other)
 
 
 def test_max_shard_size_spelling():
@@ -208,15 +296,20 @@ def test_bad_hf_input_exits_2_and_writes_nothing(sources, tmp_path, capsys, defe
     assert sorted(p.name for p in tmp_path.iterdir()) == ["bad"]  # no target, no .out.partial
 
 
-def test_hf_fp8_block_scaled_source_is_refused(sources, tmp_path, capsys):
+@pytest.mark.parametrize("defect", ["head_dim 64", *FP8_DEFECTS])
+def test_bad_fp8_hf_input_exits_2_and_writes_nothing(sources, tmp_path, capsys, defect):
     bad = tmp_path / "bad"
-    shutil.copytree(sources["fp32_single"][0], bad)
-    config = json.loads((bad / "config.json").read_text())
-    fp8 = {"quant_method": "fp8", "weight_block_size": [128, 128], "fmt": "e4m3"}
-    (bad / "config.json").write_text(json.dumps(config | {"quantization_config": fp8}))
+    if defect == "head_dim 64":  # k and v heads share a 128-row block: refused, not requantized
+        fp8_hf_checkpoint(bad, head_dim=64, num_attention_heads=4, num_key_value_heads=2)
+        capsys.readouterr()  # (transformers' save progress)
+        words = ("config.json", "head_dim=64", "requantizing")
+    else:
+        shutil.copytree(sources["fp8_sharded"][0], bad)
+        words = break_fp8(bad, defect)
     assert cli.main(["convert", str(bad), str(tmp_path / "out"), "--from", "hf", "--to", "dcp"]) == 2
-    assert "FP8 block-scaled" in capsys.readouterr().err
-    assert not (tmp_path / "out").exists()
+    (line,) = capsys.readouterr().err.strip().splitlines()
+    assert line.startswith("error:") and all(word in line for word in words), line
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["bad"]
 
 
 def test_to_hf_needs_a_config_that_fits(sources, tmp_path, capsys):

@@ -12,8 +12,10 @@ twice that size the 256-wide grid model amplifies fp32 reordering to 1.1e-5 rela
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
+import shutil
 import threading
 from pathlib import Path
 
@@ -31,7 +33,11 @@ from jaxside.models.llama_config import LlamaConfig
 from jaxside.sharding import make_mesh
 from tests.bridge.hf_cases import (
     CASES,
+    FP8_DEFECTS,
     TOLERANCE,
+    break_fp8,
+    dequantize_blocks,
+    fp8_hf_checkpoint,
     hf_model,
     random_tokens,
     reference_logits,
@@ -236,6 +242,24 @@ def test_row_pieces_of_any_row_range_rebuild_the_fused_rows():
             assert torch.equal(full[ours], hf[hf_name])  # the writer's direction
 
 
+def test_row_pieces_of_runs_of_w_rebuild_fc1():
+    """glu_interleave w = 3: every sub-range of fc1's rows, read piece by piece, is gate run j then up run j."""
+    config = dataclasses.replace(SMALL, ffn_hidden_size=6, glu_interleave=3)
+    source = hf_llama.sources(config)["layers.0.layernorm_mlp.fc1_bias"]
+    gate, up = torch.arange(6.0), torch.arange(6.0) + 100
+    full = torch.tensor([0.0, 1, 2, 100, 101, 102, 3, 4, 5, 103, 104, 105])  # written out by hand
+    hf = {source.hf_names[0]: gate, source.hf_names[1]: up}
+    for start in range(len(full)):
+        for stop in range(start + 1, len(full) + 1):
+            out = torch.full((stop - start,), float("nan"))
+            for piece in hf_llama.row_pieces(source, config, start, stop):
+                values = hf[piece.hf_name][piece.start : piece.stop]
+                out[piece.dest : piece.dest + (piece.stop - piece.start) * piece.step : piece.step] = values
+            assert torch.equal(out, full[start:stop]), (start, stop)
+    rows = hf_llama.our_rows(source, config, len(full))
+    assert torch.equal(full[rows[source.hf_names[0]]], gate) and torch.equal(full[rows[source.hf_names[1]]], up)
+
+
 def test_the_names_pair_with_the_bridge_and_both_directions_agree():
     from bridge.params import pair_models
 
@@ -270,12 +294,115 @@ def test_bf16_checkpoints_load_bit_for_bit_in_both_frameworks(tmp_path):
                 assert torch.equal(tensor[rows].view(torch.int16), expected[hf_name].view(torch.int16)), hf_name
 
 
-def test_fp8_block_scaled_checkpoints_are_refused_clearly_for_now(sharded):
-    config = json.loads((sharded / "config.json").read_text())
-    quantization = {"quant_method": "fp8", "weight_block_size": [128, 128], "fmt": "e4m3"}
-    (sharded / "config.json").write_text(json.dumps({**config, "quantization_config": quantization}))
-    with pytest.raises(ValueError, match=r"config\.json: quantization_config=.*do not load yet"):
-        hf_llama.Checkpoint(sharded)
+# ---- FP8 block-scaled checkpoints: bytes and scales kept (torch), dequantized exactly (JAX)
+
+
+@pytest.fixture(scope="module")
+def fp8_checkpoint(tmp_path_factory):
+    """(directory, transformers' fp32 model with the dequantized weights, the tensors written, tokens)."""
+    directory, model, tensors = fp8_hf_checkpoint(tmp_path_factory.mktemp("fp8") / "hf")
+    return directory, model, tensors, random_tokens(model.config.vocab_size)
+
+
+def _hf_rows_of(tensor: torch.Tensor, source, config) -> dict[str, torch.Tensor]:
+    """Each HF tensor's rows of our full `tensor` (the table's writer direction)."""
+    return {name: tensor[rows] for name, rows in hf_llama.our_rows(source, config, tensor.shape[0]).items()}
+
+
+def test_fp8_checkpoint_loads_as_float8_block_scaling_parameters_with_the_files_bytes(fp8_checkpoint):
+    from torchside.checkpoint import quantized_params
+
+    directory, _, tensors, _ = fp8_checkpoint
+    model = torch_llama.load_hf(directory, dtype=torch.float32)
+    config = model.config
+    assert config.glu_interleave == 128
+    fp8 = {name: p for name, p in model.named_parameters() if quantized_params.is_quantized(p)}
+    assert set(fp8) == set(hf_llama.fp8_sources(config))  # every projection weight; norms, embedding, head not
+    for name, param in fp8.items():
+        source = hf_llama.sources(config)[name]
+        storage = quantized_params.local_of(param).quantized_storage
+        assert (storage.scheme, storage.fmt) == ("block128x128", "e4m3")
+        # Our scale block-rows, expanded to rows, pair with the HF scale rows exactly as the data rows do.
+        scale_rows = storage.rowwise_scale_inv.repeat_interleave(128, 0)
+        data, scales = _hf_rows_of(storage.rowwise_data, source, config), _hf_rows_of(scale_rows, source, config)
+        values = _hf_rows_of(storage.dequantize(torch.float32), source, config)
+        for hf_name in source.hf_names:
+            assert torch.equal(data[hf_name], tensors[hf_name].view(torch.uint8)), hf_name
+            assert torch.equal(scales[hf_name][::128], tensors[hf_name + "_scale_inv"]), hf_name
+            reference = dequantize_blocks(tensors[hf_name], tensors[hf_name + "_scale_inv"])
+            assert torch.equal(values[hf_name], reference.float()), hf_name  # the float64 formula, rounded once
+        assert torch.equal(storage.columnwise_data, storage.rowwise_data.t())
+        assert torch.equal(storage.columnwise_scale_inv, storage.rowwise_scale_inv.t())
+    assert model.embedding.weight.dtype == model.lm_head.weight.dtype == model.norm.weight.dtype == torch.float32
+
+
+def test_fp8_checkpoint_gives_the_logits_of_its_dequantized_weights(fp8_checkpoint):
+    """FP8 off: our FP8 parameters dequantize in the GEMMs; transformers holds the float64-dequantized weights."""
+    directory, reference_model, tensors, tokens = fp8_checkpoint
+    reference = reference_logits(reference_model, tokens)
+    assert relative(torch_logits(torch_llama.load_hf(directory, dtype=torch.float32), tokens), reference) <= TOLERANCE
+    twin = jax_llama.load_hf(directory, dtype=jnp.float32)  # (on 8 devices: 1e-6, 10 s more here)
+    assert relative(jax_logits(twin, tokens), reference) <= TOLERANCE
+    config = hf_llama.Checkpoint(directory).config
+    fc1 = torch.tensor(np.asarray(twin.layers[0].layernorm_mlp.fc1_kernel.get_value()).T)  # glu_interleave 128
+    for hf_name, rows in _hf_rows_of(fc1, hf_llama.sources(config)["layers.0.layernorm_mlp.fc1_weight"], config).items():
+        assert torch.equal(rows, dequantize_blocks(tensors[hf_name], tensors[hf_name + "_scale_inv"]).float())  # exact
+
+
+@pytest.mark.parametrize("defect", FP8_DEFECTS)
+def test_bad_fp8_checkpoints_are_refused_naming_the_file_and_tensor(fp8_checkpoint, tmp_path, defect):
+    bad = tmp_path / "bad"
+    shutil.copytree(fp8_checkpoint[0], bad)
+    words = break_fp8(bad, defect)
+    with pytest.raises(ValueError) as error:
+        torch_llama.load_hf(bad)
+    assert all(word in str(error.value) for word in words), (words, str(error.value))
+
+
+def _load_fp8_on_fsdp_tp(rank: int, world_size: int, directory: Path, tokens: torch.Tensor, full: dict):
+    from torchside.checkpoint import quantized_params
+    from torchside.models.llama_parallel import build_meshes
+
+    meshes = build_meshes("cpu", dp=2, tp=2)
+    model = torch_llama.load_hf(directory, mesh=meshes.data, tp_mesh=meshes.tp, dtype=torch.float32)
+    differ = []
+    for name, param in model.named_parameters():
+        if quantized_params.is_quantized(param):
+            (chunk,) = param.__create_chunk_list__()  # this rank's box, as DCP describes it
+            (r0, c0), (rows, cols) = chunk.offsets, chunk.sizes
+            storage = quantized_params.local_of(param).quantized_storage
+            data, scales = full[name]
+            blocks = slice(r0 // 128, -(-(r0 + rows) // 128)), slice(c0 // 128, -(-(c0 + cols) // 128))
+            if not torch.equal(storage.rowwise_data, data[r0 : r0 + rows, c0 : c0 + cols]):
+                differ.append(f"{name} data")
+            if not torch.equal(storage.rowwise_scale_inv, scales[blocks]):
+                differ.append(f"{name} scales")
+    return torch_logits(model, tokens), differ, len(quantized_params.local_of(model.layers[0].layernorm_mlp.fc1_weight))
+
+
+def test_torch_fsdp2_x_tp_fp8_load_keeps_every_shards_bytes_and_scales(tmp_path):
+    """FSDP2 x TP (2 x 2, threaded): each rank's FP8 shard holds the single-device load's bytes and scales of its box."""
+    from torchside.checkpoint import quantized_params
+
+    directory, reference_model, _ = fp8_hf_checkpoint(tmp_path / "hf", num_attention_heads=4, num_key_value_heads=2)
+    tokens = random_tokens(reference_model.config.vocab_size)
+    single = torch_llama.load_hf(directory, dtype=torch.float32)
+    full = {}
+    for name, param in single.named_parameters():
+        if quantized_params.is_quantized(param):
+            storage = quantized_params.local_of(param).quantized_storage
+            full[name] = (storage.rowwise_data, storage.rowwise_scale_inv)
+    reference = reference_logits(reference_model, tokens)
+    for logits, differ, fc1_rows in run_threads(_load_fp8_on_fsdp_tp, 4, directory, tokens, full, timeout=120):
+        assert relative(logits, reference) <= TOLERANCE
+        assert differ == []
+        assert fc1_rows == 128  # 512 rows over tp 2 x dp 2: one 128-row block, one HF block-row, per rank
+
+
+def test_fp8_with_head_dim_64_is_refused_not_requantized(tmp_path):
+    directory, _, _ = fp8_hf_checkpoint(tmp_path / "hf", head_dim=64, num_attention_heads=4, num_key_value_heads=2)
+    with pytest.raises(ValueError, match=r"config\.json: head_dim=64 is not a multiple of 128.*requantizing them is lossy"):
+        jax_llama.load_hf(directory)
 
 
 def test_the_bridge_moves_a_torch_llama_into_the_twin_with_the_same_logits():

@@ -76,6 +76,7 @@ def load(
             target,
             fp8_params=(metadata["fp8_params"], live_fp8),
             param_groups=(metadata["param_groups"], live_groups),
+            layouts=(metadata, validate.glu_interleave(model)),
         )
         if verify:
             validate.check_files(step_path, dcp_metadata, process_group)

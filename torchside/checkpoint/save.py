@@ -147,6 +147,7 @@ def _metadata(app: AppState, extra: dict[str, Any] | None, group: dist.ProcessGr
         "world_size": dist.get_world_size(group) if dist.is_initialized() else 1,
         "param_groups": app.param_groups() if app.optimizer is not None else None,
         "fp8_params": {fqn: quantized_params.describe(p) for fqn, p in app.fp8_params.items()},
+        **validate.glu_interleave(app.model),
         "torch_version": torch.__version__,
         "saved_at": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
     }

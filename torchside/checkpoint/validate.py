@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch import Tensor
+from torch import Tensor, nn
 from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.metadata import (
     BytesStorageMetadata,
@@ -83,11 +83,16 @@ def check_fits(
     *,
     fp8_params: tuple[dict[str, dict], dict[str, dict]] = ({}, {}),
     param_groups: tuple[list[dict] | None, list[dict] | None] = (None, None),
+    layouts: tuple[dict, dict] = ({}, {}),
 ) -> None:
     """ValueError listing everything the model and the checkpoint disagree on: keys, shapes, dtypes,
     FP8 parameters' scheme and format (`fp8_params`: saved, live `quantized_params.describe`s) and the
-    optimizer's param groups (`param_groups`: saved, live; parameters by FQN)."""
+    optimizer's param groups (`param_groups`: saved, live; parameters by FQN) and fc1's layout
+    (`layouts`: saved, live `glu_interleave`s)."""
     problems = _param_group_problems(*param_groups) + _fp8_problems(*fp8_params)
+    if layouts[0].get("glu_interleave", 1) != layouts[1].get("glu_interleave", 1):  # same shapes, other rows
+        was, now = (layout.get("glu_interleave", 1) for layout in layouts)
+        problems.append(f"fc1 gate/up rows in runs of {was} (glu_interleave) in the checkpoint, {now} in the model")
     problems += _key_problems(metadata.state_dict_metadata, flatten(target))
     if problems:
         shown = "\n  ".join(problems[:_LISTED])
@@ -96,6 +101,17 @@ def check_fits(
             f"checkpoint {step_path} does not fit this model ({len(problems)} differences):\n  {shown}{more}\n"
             "Build the model (and optimizer with its param groups, FP8 parameters, recipe) as it was when saved."
         )
+
+
+def glu_interleave(model: nn.Module) -> dict:
+    """{"glu_interleave": w} when the gated fc1s have runs of w != 1 gate and up rows (a list if they differ), else {}.
+
+    Saved in shardbridge.json: the shapes do not show it, and a converter splits fc1 into gate and up by it.
+    """
+    runs = sorted({m.glu_interleave for m in model.modules() if hasattr(m, "glu_interleave")})
+    if runs in ([], [1]):
+        return {}  # the layout every checkpoint had before glu_interleave existed
+    return {"glu_interleave": runs[0] if len(runs) == 1 else runs}
 
 
 def _key_problems(saved: dict[str, Any], wanted: dict[str, Tensor]) -> list[str]:

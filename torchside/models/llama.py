@@ -50,6 +50,7 @@ def transformer_config(
         normalization="RMSNorm",
         layernorm_epsilon=config.norm_eps,
         activation="swiglu",
+        glu_interleave=config.glu_interleave,
         bias=config.bias,
         kv_channels=config.head_dim,
         qkv_format="sbhd",

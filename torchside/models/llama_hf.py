@@ -9,6 +9,13 @@ name-and-layout table, which names the few row ranges of the HF tensors it is ma
 fused QKV: slices of q, k and v; for fc1: of gate and up), and only those rows and this shard's
 columns are read (`safe_open(...).get_slice`). A rank never reads another rank's bytes.
 
+An FP8 block-scaled checkpoint (jaxside.models.hf_llama's docstring) builds the model under
+`quantized_model_init(recipe=Float8BlockScaling())` with glu_interleave = 128: every projection
+weight is a Float8BlockScaling parameter whose `rowwise_data` and `rowwise_scale_inv` receive the
+HF bytes and scales of its shard as they are (no dequantization, no requantization); its
+columnwise copy is their transpose, rebuilt as a checkpoint load rebuilds it. The embedding, an
+untied head and the norms stay high precision (`dtype`, default the embedding's).
+
 The materialization initializes the weights randomly before they are overwritten (time, not memory:
 each rank allocates only its shards). The vocabulary is padded to a multiple of the mesh's
 tp x dp_shard size, the same multiple `jaxside.models.llama.load_hf` uses on the same devices, so
@@ -25,10 +32,13 @@ from torch import Tensor
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
-from jaxside.models.hf_llama import Checkpoint, Piece
+from jaxside.models.hf_llama import BLOCK, Checkpoint, Piece
+from torchside.autocast import quantized_model_init
+from torchside.checkpoint import quantized_params
 from torchside.models.llama import Llama
 from torchside.models.llama_parallel import LlamaMeshes, parallelize_llama
 from torchside.modules import ModuleConfig
+from torchside.recipe import Float8BlockScaling
 
 DTYPES = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16}
 
@@ -45,6 +55,14 @@ def _box(param: Tensor) -> tuple[Tensor, tuple[int, ...], tuple[int, ...]]:
     return param._local_tensor, tuple(chunk.offsets), tuple(chunk.sizes)
 
 
+def _read_into(checkpoint: Checkpoint, name: str, local: Tensor, rows, cols, buffer: str | None = None) -> None:
+    def put(piece: Piece, values) -> None:
+        target = local[piece.dest : piece.dest + (piece.stop - piece.start) * piece.step : piece.step]
+        target.zero_() if values is None else target.copy_(torch.as_tensor(values))
+
+    checkpoint.read_box(name, rows, cols, "pt", put, *([buffer] if buffer else []))  # (a float read: as before)
+
+
 @torch.no_grad()
 def _fill(checkpoint: Checkpoint, name: str, param: Tensor) -> None:
     local, offsets, sizes = _box(param)
@@ -52,12 +70,15 @@ def _fill(checkpoint: Checkpoint, name: str, param: Tensor) -> None:
         return
     rows = (offsets[0], offsets[0] + sizes[0])
     cols = (offsets[1], offsets[1] + sizes[1]) if local.dim() == 2 else None
-
-    def put(piece: Piece, values: Tensor | None) -> None:
-        target = local[piece.dest : piece.dest + (piece.stop - piece.start) * piece.step : piece.step]
-        target.zero_() if values is None else target.copy_(values)
-
-    checkpoint.read_box(name, rows, cols, "pt", put)
+    if not quantized_params.is_quantized(param):
+        _read_into(checkpoint, name, local, rows, cols)
+        return
+    # An FP8 weight: the HF bytes and scales as they are; the shard starts on a block (FSDP2 and TP check it).
+    storage = quantized_params.local_of(param).quantized_storage
+    _read_into(checkpoint, name, storage.rowwise_data, rows, cols, "rowwise_data")
+    blocks = [(lo // BLOCK, -(-hi // BLOCK)) for lo, hi in (rows, cols)]
+    _read_into(checkpoint, name, storage.rowwise_scale_inv, *blocks, "rowwise_scale_inv")
+    quantized_params.complete(storage)  # the columnwise copy: the rowwise one transposed
 
 
 def load_hf(
@@ -78,7 +99,9 @@ def load_hf(
     vocab_multiple = tp * _mesh_size(mesh)
     config = dataclasses.replace(checkpoint.config, vocab_multiple=vocab_multiple)
     dtype = DTYPES[checkpoint.dtype()] if dtype is None else dtype
-    model = Llama(config, params_dtype=dtype, device="meta", module_config=ModuleConfig(tp_size=tp))
+    # An FP8 checkpoint's projection weights become Float8BlockScaling parameters (128x128 E4M3 blocks).
+    with quantized_model_init(enabled=checkpoint.fp8, recipe=Float8BlockScaling()):
+        model = Llama(config, params_dtype=dtype, device="meta", module_config=ModuleConfig(tp_size=tp))
     parallelize_llama(model, LlamaMeshes(world=None, data=mesh, tp=tp_mesh, weight=None), device=device)
     params = dict(model.named_parameters())
     unmapped = sorted(set(params) ^ set(checkpoint.sources))

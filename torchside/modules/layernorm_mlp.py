@@ -5,13 +5,17 @@ Shape legend: T tokens (all leading dims), H hidden size, F ffn hidden size, F1 
 `fc1_weight` [F1, H], `fc1_bias` [F1], `fc2_weight` [H, F], `fc2_bias` [H].
 
 A gated activation (the `*glu` rows of ACTIVATIONS) computes function(gate) * up, with gate and up
-interleaved in fc1's output: feature 2i is gate i, feature 2i + 1 is up i (so `fc1_weight` rows
-alternate gate, up). TransformerEngine stacks [gate; up] instead; interleaving makes every
-contiguous run of rows whole (gate, up) pairs, so a plain Shard(0) splits the gated fc1 over TP and
-DCP, FSDP2 and JAX all describe it (a [gate; up] weight would need each half split on its own: a
-strided placement DCP cannot save). From separate gate and up weights [F, H]:
-`torch.stack([gate, up], dim=1).flatten(0, 1)`. Activations run in the activation dtype through
-torch ops.
+interleaved in fc1's output in runs of `glu_interleave` (w) features: run 2j is gate features
+jw .. jw + w - 1, run 2j + 1 the same up features (w = 1, the default: feature 2i is gate i, 2i + 1
+up i). TransformerEngine stacks [gate; up] instead; interleaving makes every contiguous run of 2w
+rows whole (gate, up) pairs, so a plain Shard(0) splits the gated fc1 over TP and DCP, FSDP2 and
+JAX all describe it (a [gate; up] weight would need each half split on its own: a strided
+placement DCP cannot save). w = 128 makes every 128-row block of `fc1_weight` one block-row of
+gate or of up, so 128x128 block-scaled FP8 gate and up weights map onto it byte for byte
+(docs/hf.md). From separate gate and up weights [F, H]:
+`torch.stack([gate.unflatten(0, (-1, w)), up.unflatten(0, (-1, w))], dim=1).flatten(0, 2)`. Each
+TP shard of fc1 must hold whole runs (F / tp a multiple of w); FSDP2 gathers fc1 before the
+activation, so its shards need not. Activations run in the activation dtype through torch ops.
 
 With tp_size > 1 (and `set_parallel_mode`, TransformerEngine's name, True by default here), fc1 is column-parallel (this rank: `fc1_weight` [F1/tp, H], `fc1_bias` [F1/tp]) and
 fc2 row-parallel (`fc2_weight` [H, F/tp]; `fc2_bias` [H] added after the reduction), so the
@@ -66,6 +70,20 @@ ACTIVATIONS: dict[str, Activation] = {
 }
 
 
+def check_glu_interleave(owner: str, glu_interleave: object, ffn_hidden_size: int, gated: bool, tp_size: int) -> int:
+    """ValueError unless fc1's runs of `glu_interleave` rows fit F and every TP shard of it (module docstring)."""
+    w = check_size(owner, "glu_interleave", glu_interleave)
+    if w > 1 and not gated:
+        raise ValueError(f"{owner}(glu_interleave={w}): only a gated activation (*glu) interleaves; leave it 1")
+    if w > 1 and ffn_hidden_size % (w * tp_size):  # (w = 1: the placement checks say it for tp)
+        raise ValueError(
+            f"{owner}(ffn_hidden_size={ffn_hidden_size}, glu_interleave={w}, tp_size={tp_size}): each TP shard of "
+            f"fc1 must hold whole runs of {w} gate and {w} up rows, so ffn_hidden_size must be a multiple of "
+            f"glu_interleave x tp_size = {w * tp_size}; choose a glu_interleave or tp that divides it"
+        )
+    return w
+
+
 class LayerNormMLP(FP8Module):
     """Norm + MLP with TransformerEngine's te.LayerNormMLP arguments; TP settings come from `config`."""
 
@@ -80,6 +98,7 @@ class LayerNormMLP(FP8Module):
         bias: bool = True,
         normalization: str = "LayerNorm",
         activation: str = "gelu",
+        glu_interleave: int = 1,
         zero_centered_gamma: bool = False,
         params_dtype: torch.dtype | None = None,
         device: torch.device | str | None = None,
@@ -105,6 +124,7 @@ class LayerNormMLP(FP8Module):
             )
         column, row = ("column", "row") if set_parallel_mode else (None, None)
         gated = ACTIVATIONS[activation].gated
+        check_glu_interleave("LayerNormMLP", glu_interleave, ffn_hidden_size, gated, (config or ModuleConfig()).tp_size)
         norm = NormSettings(normalization, eps, zero_centered_gamma)
         fc1_features = 2 * ffn_hidden_size if gated else ffn_hidden_size
         params = norm.param_specs(hidden_size, prefix="layer_norm_")
@@ -123,14 +143,15 @@ class LayerNormMLP(FP8Module):
             self.register_parameter("fc1_bias", None)
             self.register_parameter("fc2_bias", None)
         self.hidden_size, self.ffn_hidden_size, self.return_bias = hidden_size, ffn_hidden_size, return_bias
-        self.activation = activation
+        self.activation, self.glu_interleave = activation, glu_interleave
         self.norm = norm
 
     def _activate(self, h_TF1: Tensor) -> Tensor:
         activation = ACTIVATIONS[self.activation]
         if not activation.gated:
             return activation.function(h_TF1)
-        gate_TF, up_TF = h_TF1.unflatten(-1, (-1, 2)).unbind(-1)  # interleaved (module docstring)
+        runs = h_TF1.unflatten(-1, (-1, 2, self.glu_interleave))  # interleaved in runs of w (module docstring)
+        gate_TF, up_TF = (half.flatten(-2) for half in runs.unbind(-2))
         return activation.function(gate_TF) * up_TF
 
     def forward(self, x_TH: Tensor) -> Tensor | tuple[Tensor, Tensor | None]:
@@ -154,8 +175,8 @@ class LayerNormMLP(FP8Module):
     def extra_repr(self) -> str:
         return (
             f"hidden_size={self.hidden_size}, ffn_hidden_size={self.ffn_hidden_size}, "
-            f"activation={self.activation}, normalization={self.norm.normalization}, tp_size={self.tp_size}"
+            f"activation={self.activation}, glu_interleave={self.glu_interleave}, normalization={self.norm.normalization}, tp_size={self.tp_size}"
         )
 
 
-__all__ = ["ACTIVATIONS", "Activation", "LayerNormMLP"]
+__all__ = ["ACTIVATIONS", "Activation", "LayerNormMLP", "check_glu_interleave"]

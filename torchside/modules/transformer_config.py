@@ -80,6 +80,7 @@ class TransformerConfig:
     layernorm_epsilon: float = 1e-5
     zero_centered_gamma: bool = False
     activation: str = "gelu"  # a key of torchside.modules.ACTIVATIONS
+    glu_interleave: int = 1  # a gated fc1's gate and up rows alternate in runs of this many (LayerNormMLP)
     bias: bool = True  # every projection's bias (TransformerEngine's `bias`)
     qkv_bias: bool | None = None  # the QKV projection's bias alone; None follows `bias`
     fuse_qkv_params: bool = True  # one [Q; K; V] weight and GEMM; False: separate query/key/value weights

@@ -84,6 +84,7 @@ class TransformerLayer(TensorParallelMixin, nn.Module):
             bias=config.bias,
             normalization=norm.normalization,
             activation=config.activation,
+            glu_interleave=config.glu_interleave,
             zero_centered_gamma=norm.zero_centered_gamma,
             params_dtype=params_dtype,
             set_parallel_mode=config.mlp_tp == "split",
