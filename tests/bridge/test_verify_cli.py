@@ -92,21 +92,6 @@ TRANSFORMER = ["--model", "transformer", "--layers", "2", "--hidden", "256", "--
 
 
 @pytest.mark.slow
-@pytest.mark.multiprocess
-def test_transformer_passes_a_block_scaled_recipe_on_fsdp_tp(tmp_path, monkeypatch):
-    """MXFP8, 2 steps, both within the same-scale bound: each step starts from one state (bridge.numerics)."""
-    monkeypatch.setenv("TRITON_INTERPRET", "0")
-    report_file = tmp_path / "report.json"
-    smaller = ["--layers", "1", "--hidden", "128"]  # CI time; the grid test below runs the issue's 2 x 256
-    arguments = ["verify", *TRANSFORMER, *smaller, "--recipe", "mxfp8", "--steps", "2", "--mesh", "dp=2,tp=2",
-                 "--report", str(report_file)]  # fmt: skip
-    assert main(arguments) == 0
-    (report,) = json.loads(report_file.read_text())
-    limits = {(c["step"], c["stage"]): c["tolerance"]["relative"] for c in report["checks"] if c["stage"] == "forward"}
-    assert limits == {(0, "forward"): 2.0**-5, (1, "forward"): 2.0**-5}  # u_E4M3 / 2 at every step
-
-
-@pytest.mark.slow
 @pytest.mark.grid
 @pytest.mark.multiprocess
 @pytest.mark.parametrize("mesh", ["dp=2,tp=2", "rep=2,dp=2"])
@@ -149,18 +134,24 @@ def test_run_starts_a_co_located_script(tmp_path):
 
 @pytest.mark.slow
 @pytest.mark.multiprocess
-# CI runs the plan with new module code (replicated attention); the other is in the grid (a few minutes each
-# on 2 cores). The embedding plan has no embedding in these stacks: tests/bridge/test_placement_plans.py.
+# CI runs the plan with new module code (replicated attention), and MXFP8 with it (one launch: CI time); the
+# other plan is in the grid (a few minutes each on 2 cores). The embedding plan has no embedding in these
+# stacks: tests/bridge/test_placement_plans.py.
 @pytest.mark.parametrize("plan", [pytest.param("fsdp_dim1_down_proj", marks=pytest.mark.grid), "attention_replicated_mlp_tp"])
-def test_an_example_plan_passes_without_fp8_and_under_current_scaling(tmp_path, monkeypatch, plan):
-    """`verify --plan`: both twins placed by an example plan (on its 2 x 2 mesh), 2 steps, FP8 off and current."""
+def test_an_example_plan_passes_without_fp8_under_current_scaling_and_mxfp8(tmp_path, monkeypatch, plan):
+    """`verify --plan`: both twins placed by an example plan (on its 2 x 2 mesh), 2 steps, FP8 off, current
+    scaling and MXFP8; MXFP8's two steps within the same-scale bound: each step starts from one state
+    (bridge.numerics). The grid test above runs every recipe on the built-in placement, 2 x 256."""
     monkeypatch.setenv("TRITON_INTERPRET", "0")
     report_file = tmp_path / "report.json"
-    arguments = ["verify", *TRANSFORMER, "--layers", "1", "--hidden", "128", "--recipe", "off,current", "--steps", "2",
-                 "--plan", str(PLANS / f"{plan}.toml"), "--report", str(report_file)]  # fmt: skip
+    arguments = ["verify", *TRANSFORMER, "--layers", "1", "--hidden", "128", "--recipe", "off,current,mxfp8",
+                 "--steps", "2", "--plan", str(PLANS / f"{plan}.toml"), "--report", str(report_file)]  # fmt: skip
     assert main(arguments) == 0
     reports = json.loads(report_file.read_text())
     assert [(r["recipe"], r["mesh"], r["passed"]) for r in reports] == [
         ("off", "dp_shard=2,tp=2", True),
         ("current", "dp_shard=2,tp=2", True),
+        ("mxfp8", "dp_shard=2,tp=2", True),
     ]
+    limits = {(c["step"], c["stage"]): c["tolerance"]["relative"] for c in reports[2]["checks"] if c["stage"] == "forward"}
+    assert limits == {(0, "forward"): 2.0**-5, (1, "forward"): 2.0**-5}  # u_E4M3 / 2 at every step
