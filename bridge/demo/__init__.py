@@ -4,8 +4,9 @@ Stages (each check is one row of the final table, bridge.demo.report):
 
 1. dp x tp co-located torch+JAX processes (bridge.runtime.launch; one per GPU, or CPU processes):
    the tiny Llama of our TransformerLayers trains `steps` steps under the recipe with FusedAdam on the
-   synthetic corpus, saves a DCP checkpoint asynchronously, and meanwhile moves its shards into JAX
-   on the same devices: layouts and one forward pass compared (bridge.demo.train, bridge.demo.jax_side);
+   synthetic corpus, saves a DCP checkpoint asynchronously, and meanwhile moves its shards into the
+   full JAX Llama twin on the same devices: layouts compared, and the logits of the whole model on
+   one unseen batch, the twin sharded on the JAX mesh (bridge.demo.train, bridge.demo.jax_side);
 2. reload_dp processes (another topology, FSDP2 only) load the checkpoint; every parameter must
    equal the trained one bit for bit (bridge.demo.checkpoint);
 3. this process converts the checkpoint to Orbax (bridge.convert) and restores it with

@@ -15,6 +15,11 @@ bridge.params' rules.
   from, runs one unseen batch sharded on the JAX mesh (batch over the data-parallel axes, as torch's
   ranks split it); its logits against the torch Llama's, each process comparing its own shard and one
   all-reduce adding them up (bridge.numerics), against bridge.numerics' forward tolerance for the recipe.
+  The twin's kernels start as zeros: a parameter the pairing left out would show in the logits.
+
+On the multi-process CPU mesh (gloo) this runs too: an earlier layer-only version ran its twin on
+rank 0's device because a sharded forward had segfaulted there; on JAX 0.10.2 it did not (2026-12-02).
+The price is one compile of the sharded program per process instead of one on rank 0.
 """
 
 from __future__ import annotations
