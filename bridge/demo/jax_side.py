@@ -1,68 +1,54 @@
-"""The demo's JAX side, in the training processes: the trained shards in JAX, their layouts and a forward pass.
+"""The demo's JAX side, in the training processes: the trained model in JAX, its layouts and its logits.
 
-- layouts: for every TransformerLayer parameter, where torch keeps each element (its DTensor placements,
-  as bridge.transfer translates them) against where the jaxside twin keeps it (jaxside.sharding's rules
-  on the JAX mesh of the same devices; a torch weight [out, in] is a Flax kernel [in, out]). A mismatch
+The JAX model is jaxside.models.llama's `Llama`, the full twin of the torch Llama (embedding, the
+TransformerLayers, final RMSNorm, tied or untied head), every parameter paired with torch's by
+bridge.params' rules.
+
+- layouts: for every parameter, where torch keeps each element (its DTensor placements, as
+  bridge.transfer translates them) against where the twin keeps it (jaxside.sharding's rules on the
+  JAX mesh of the same devices; a torch weight [out, in] is a Flax kernel [in, out]). A mismatch
   counts; the tolerance is none.
-- transfer: the TransformerLayer parameters cross zero-copy into JAX and are relaid as the twin's
-  kernels on the JAX mesh (bridge.params); each process's JAX shard must equal the trained tensor's
-  elements there, bit for bit.
-- numerics: one unseen batch through the torch Llama (hooks keep the input of the first layer and every
-  layer's output, gathered over the DP ranks), and from the same hidden states through the jaxside twin
-  of the layers with the trained weights and the FP8 scaling state that forward started from; relative
-  error per layer against bridge.numerics' forward tolerance for the recipe. The twin runs on rank 0's
-  JAX device on the whole batch: the sharded forward on the multi-process JAX CPU mesh crashed here (a
-  segfault when its output is read; JAX 0.10, gloo collectives), so the comparison does not depend on it.
+- transfer: the parameters cross zero-copy into JAX and are relaid as the twin's kernels on the JAX
+  mesh (bridge.params); each process's JAX shard must equal the trained tensor's elements there, bit
+  for bit.
+- numerics: the twin, holding those moved shards and the FP8 scaling state torch's forward starts
+  from, runs one unseen batch sharded on the JAX mesh (batch over the data-parallel axes, as torch's
+  ranks split it); its logits against the torch Llama's, each process comparing its own shard and one
+  all-reduce adding them up (bridge.numerics), against bridge.numerics' forward tolerance for the recipe.
+  The twin's kernels start as zeros: a parameter the pairing left out would show in the logits.
 
-The embedding and the tied head have no JAX twin here: the comparison covers the TransformerLayers.
+On the multi-process CPU mesh (gloo) this runs too: an earlier layer-only version ran its twin on
+rank 0's device because a sharded forward had segfaulted there; on JAX 0.10.2 it did not (2026-12-02).
+The price is one compile of the sharded program per process instead of one on rank 0.
 """
 
 from __future__ import annotations
 
-import functools
+import dataclasses
+import math
 from pathlib import Path
 from typing import Any
 
 from bridge import layout, params
-from bridge.numerics import tolerance
+from bridge.numerics import local_stats, reduce_stats, tolerance
 
 EVAL_STEP = 1_000_000  # a corpus batch no training step used
 LAYOUT_PNG = "layouts.png"
 
 
-def _jax_twin(config):
-    """A stack of jaxside TransformerLayers with the Llama block's settings (kernels start as zeros)."""
-    import jax.numpy as jnp
+def jax_twin(model):
+    """The jaxside Llama of this torch Llama's config, holding as many vocabulary rows (kernels start as zeros)."""
     from flax import nnx
 
-    import jaxside.modules as JM
+    from jaxside.models.llama import Llama
 
-    zeros = lambda key, shape, dtype: jnp.zeros(shape, dtype)  # noqa: E731  (torch's values replace them)
-    block = JM.TransformerConfig(
-        normalization="RMSNorm", layernorm_epsilon=config.norm_eps, activation="swiglu", bias=False,
-        qkv_format="sbhd", attn_mask_type="causal",
-    )  # fmt: skip
-    rngs = nnx.Rngs(0)
-
-    class Layers(nnx.Module):
-        def __init__(self) -> None:
-            self.layers = nnx.List(
-                [
-                    JM.TransformerLayer(
-                        config.hidden_size, config.ffn_hidden_size, config.num_heads,
-                        num_gqa_groups=config.num_kv_heads, config=block, kernel_init=zeros,
-                        output_kernel_init=zeros, rngs=rngs,
-                    )  # fmt: skip
-                    for _ in range(config.num_layers)
-                ]
-            )
-            self.rotary = JM.RotaryPositionEmbedding(config.head_dim, rotary_base=config.rope_theta)
-
-    return Layers()
+    # torch pads the vocabulary for its TP size; the twin pads to the same rows, so the two pair up.
+    config = dataclasses.replace(model.config, vocab_multiple=model.padded_vocab_size)
+    return Llama(config, kernel_init=nnx.initializers.zeros, rngs=nnx.Rngs(0))
 
 
 def cross_check(runtime, model, meshes, options, corpus, out: str, reference: dict) -> dict[str, Any]:
-    """The layout and forward checks (module docstring); every rank calls it, all get the same checks."""
+    """The layout, transfer and logits checks (module docstring); every rank calls it, all get the same result."""
     import torch
     import torch.distributed as dist
     from flax import nnx
@@ -71,12 +57,11 @@ def cross_check(runtime, model, meshes, options, corpus, out: str, reference: di
     from bridge.runtime import jax_mesh
 
     mesh = jax_mesh(meshes.world)
-    twin = _jax_twin(model.config)
+    twin = jax_twin(model)
     JM.place(twin, mesh)
     shardings = {tuple(path): v.get_value() for path, v in nnx.to_flat_state(JM.shardings(twin, mesh))}
-    torch_params = {n: p for n, p in model.named_parameters() if n.startswith("layers.")}
-    jax_shapes = {path: tuple(v.shape) for path, v in params.jax_parameters(twin).items()}
-    pairs = params.pair_parameters({n: tuple(p.shape) for n, p in torch_params.items()}, jax_shapes)
+    torch_params = dict(model.named_parameters())
+    pairs = params.pair_models(model, twin)
 
     same = {p.torch_name: params.same_layout(torch_params[p.torch_name], p, shardings[p.jax_path], mesh) for p in pairs}
     mismatched = [name for name, equal in same.items() if not equal]
@@ -89,20 +74,19 @@ def cross_check(runtime, model, meshes, options, corpus, out: str, reference: di
     moved_differ = sorted({name for names in differ_per_rank for name in names})
 
     scaling = _scaling_state(model)  # before the forward: DelayedScaling's update at its region's exit moves them on
+    params.load_into_jax(twin, moved)
+    _load_scaling_state(twin, scaling)
+    tokens = corpus.batch(EVAL_STEP, options.batch_size, options.seq_len)[:, :-1]
     with torch.no_grad():
-        hidden, torch_outputs = _torch_forward(model, meshes, options, corpus)
-    # The whole batch's activations on rank 0 (DP ranks' columns; every TP rank holds a copy).
-    hidden, *torch_outputs = (_gather_batch(t, meshes) for t in (hidden, *torch_outputs))
+        torch_logits = _torch_logits(model, meshes, options.recipe, tokens)
     limit = tolerance(options.recipe, "forward", device_type=runtime.torch_device.type)
-    result = {
+    relative, max_abs, nan = _compare_logits(options.recipe, twin, tokens, torch_logits, meshes.world, mesh)
+    return {
         "layouts": {"parameters": len(pairs), "mismatched": mismatched},
         "transfer": {"parameters": len(pairs), "differ": moved_differ},
+        "forward": {"relative": math.inf if nan else relative, "max_abs": max_abs},  # a NaN fails the check
         "forward_tolerance": limit.relative,
     }
-    if runtime.rank == 0:
-        result["forward"] = _forward_checks(options.recipe, limit, model.config, pairs, reference, scaling, hidden,
-                                            torch_outputs)  # fmt: skip
-    return result
 
 
 def _same_values(array, full, pair: params.ParamPair) -> bool:
@@ -114,19 +98,8 @@ def _same_values(array, full, pair: params.ParamPair) -> bool:
     return np.array_equal(np.asarray(shard.data).view(np.uint32), expected[shard.index].view(np.uint32))
 
 
-def _gather_batch(local, meshes):
-    """[S, B, D] from every DP rank's [S, b, D] (rank 0 gets it; the TP ranks' copies are skipped)."""
-    import torch
-    import torch.distributed as dist
-
-    pieces = [torch.empty_like(local) for _ in range(dist.get_world_size())]
-    dist.all_gather(pieces, local.contiguous())
-    tp = meshes.world.size(2)
-    return torch.cat(pieces[::tp], dim=1)
-
-
 def _scaling_state(model) -> dict:
-    """A CPU copy of the layers' buffers (FP8 scales and amax histories among them) by name; every rank calls it.
+    """A CPU copy of the model's buffers (FP8 scales and amax histories among them) by name; every rank calls it.
 
     A copy, not `.cpu()`, which is the live buffer itself on a CPU run: it would show the state after the
     next forward's DelayedScaling update, not the scales that forward casts with (0.03 error vs 1e-7).
@@ -135,14 +108,13 @@ def _scaling_state(model) -> dict:
 
     return {
         name: (buffer.full_tensor() if isinstance(buffer, DTensor) else buffer).detach().to("cpu", copy=True)
-        for name, buffer in model.layers.named_buffers(prefix="layers")
+        for name, buffer in model.named_buffers()
     }
 
 
-def _load_scaling_state(twin, state: dict, device) -> None:
-    """The torch layers' scaling state into the twin's FP8State variables of the same names and shapes."""
+def _load_scaling_state(twin, state: dict) -> None:
+    """torch's scaling state into the twin's FP8State variables of the same names, where the twin keeps them."""
     import jax
-    import jax.numpy as jnp
     from flax import nnx
 
     import jaxside.modules as JM
@@ -151,44 +123,10 @@ def _load_scaling_state(twin, state: dict, device) -> None:
     for path, variable in flat.items():
         name = params.dotted(path)
         if name in state:
-            variable.set_value(jax.device_put(jnp.asarray(state[name].numpy()), device))
+            value = state[name].numpy()  # the whole tensor on every process: each takes its shard of it
+            sharding = variable.get_value().sharding
+            variable.set_value(jax.make_array_from_callback(value.shape, sharding, lambda index, v=value: v[index]))
     nnx.update(twin, nnx.from_flat_state(flat))
-
-
-def _forward_checks(
-    recipe_name: str, limit, config, pairs, reference: dict, scaling: dict, hidden, torch_outputs
-) -> list:
-    """The twin on this process's device with the trained weights, on the whole batch, against torch's outputs."""
-    import math
-
-    import jax
-    import jax.numpy as jnp
-
-    from bridge.numerics import local_stats
-
-    device = jax.local_devices()[0]
-    twin = _jax_twin(config)
-    values = {}
-    for pair in pairs:
-        full = reference[pair.torch_name]
-        values[pair.jax_path] = jax.device_put(jnp.asarray(pair.layout.to_jax(full).numpy()), device)
-    params.load_into_jax(twin, values)
-    _load_scaling_state(twin, scaling, device)  # DelayedScaling: the scales torch's forward uses
-    checks = []
-    jax_outputs = _jax_forward(recipe_name, twin, jax.device_put(jnp.asarray(hidden.numpy()), device))
-    for i, (theirs, ours) in enumerate(zip(jax_outputs, torch_outputs)):
-        sq_diff, sq_ref, nans, max_abs = local_stats(_to_torch(theirs), ours, 1).tolist()
-        relative = math.sqrt(sq_diff / sq_ref) if sq_ref > 0 else math.inf
-        passed = limit.passes(relative, max_abs, nans > 0)
-        checks.append({"name": f"layers.{i}", "relative": relative, "max_abs": max_abs, "passed": passed})
-    return checks
-
-
-def _to_torch(array):
-    import numpy as np
-    import torch
-
-    return torch.from_numpy(np.array(array))
 
 
 def _draw(path: Path, torch_params: dict, pairs, shardings: dict, mesh) -> None:
@@ -214,54 +152,60 @@ def _placements(param) -> str:
     return "(" + ", ".join(map(str, param.placements)) + ")"
 
 
-def _torch_forward(model, meshes, options, corpus):
-    """(first layer's input, every layer's output), this rank's [S, b, D] shards, for the unseen batch."""
+def _torch_logits(model, meshes, recipe_name: str, tokens):
+    """torch's logits [S, b, V] of this rank's data-parallel rows of `tokens` [B, S]."""
     from torch.distributed import group
 
     from torchside.autocast import fp8_autocast
     from torchside.recipe import recipe_from_name
 
-    tokens = corpus.batch(EVAL_STEP, options.batch_size, options.seq_len)[:, :-1]
-    tokens = tokens.chunk(meshes.data_parallel_size)[meshes.data_parallel_rank()].to(next(model.parameters()).device)
-    captured: dict[str, Any] = {"outputs": []}
-    hooks = [model.layers[0].register_forward_pre_hook(lambda module, args: captured.setdefault("input", args[0]))]
-    keep_output = lambda module, args, output: captured["outputs"].append(output)  # noqa: E731
-    hooks += [layer.register_forward_hook(keep_output) for layer in model.layers]
-    recipe = recipe_from_name(options.recipe)
-    try:
-        with fp8_autocast(enabled=recipe is not None, recipe=recipe, amax_reduction_group=group.WORLD):
-            model(tokens)
-    finally:
-        for hook in hooks:
-            hook.remove()
-    return captured["input"].contiguous(), captured["outputs"]
+    local = tokens.chunk(meshes.data_parallel_size)[meshes.data_parallel_rank()]
+    recipe = recipe_from_name(recipe_name)
+    with fp8_autocast(enabled=recipe is not None, recipe=recipe, amax_reduction_group=group.WORLD):
+        return model(local.to(next(model.parameters()).device))
 
 
-def _jax_forward(recipe_name: str, twin, x):
-    """Every layer's output of the twin, rotary angles from its own RotaryPositionEmbedding."""
-    return _jax_forward_program(recipe_name)(twin, x)
+def _compare_logits(recipe_name: str, twin, tokens, torch_logits, world, mesh) -> tuple[float, float, bool]:
+    """(relative error, max abs, NaN seen) of the twin's logits on the mesh against torch's, over every shard."""
+    import jax
+    import numpy as np
+    from torch.distributed.tensor import DTensor, Replicate, Shard
+
+    from bridge import transfer
+
+    data_parallel = [Shard(0), Shard(0), Replicate()]  # [B, S]: torch's ranks' rows, whole on every TP rank
+    ids = tokens.numpy().astype(np.int32)
+    sharding = transfer.equivalent_sharding(world, data_parallel, ids.shape, mesh)
+    jax_logits = _jax_logits(recipe_name, twin, jax.make_array_from_callback(ids.shape, sharding, lambda i: ids[i]))
+    # torch's [S, b, V]: the vocabulary split over TP (a DTensor), or whole on every TP rank (a padded one, sliced)
+    vocab = torch_logits.placements[0] if isinstance(torch_logits, DTensor) else Replicate()
+    local = torch_logits.to_local() if isinstance(torch_logits, DTensor) else torch_logits
+    sharding = transfer.equivalent_sharding(world, [Shard(1), Shard(1), vocab], tuple(jax_logits.shape), mesh)
+    ours = transfer.local_from_jax(jax.device_put(jax_logits, sharding))  # this process's shard, as torch's
+    replicas = world.size(2) if isinstance(vocab, Replicate) else 1
+    ((relative, max_abs, nan),) = reduce_stats(local_stats(ours, local, replicas)[None])
+    return relative, max_abs, nan
 
 
-@functools.cache
-def _jax_forward_program(recipe_name: str):
+def _jax_logits(recipe_name: str, twin, tokens):
+    """The twin's logits [S, B, V] of `tokens` [B, S], one program on the mesh the twin and the tokens are on."""
+    import jax
+    import torch.distributed as dist
     from flax import nnx
 
     import jaxside.modules as JM
     from jaxside.recipe import recipe_from_name
 
     recipe = recipe_from_name(recipe_name)
+    graphdef, state = nnx.split(twin)
 
-    @nnx.jit
-    def forward(twin, x):
-        freqs = twin.rotary(x.shape[0])
-        outputs = []
+    def forward(state, tokens):
         with JM.fp8_autocast(enabled=recipe is not None, recipe=recipe):
-            for layer in twin.layers:
-                x = layer(x, rotary_pos_emb=freqs)
-                outputs.append(x)
-        return outputs
+            return nnx.merge(graphdef, state)(tokens)
 
-    return forward
+    compiled = jax.jit(forward).lower(state, tokens).compile()
+    dist.barrier()  # XLA's gloo collectives give up on a peer still compiling (as bridge.crosscheck's step)
+    return compiled(state, tokens)
 
 
-__all__ = ["LAYOUT_PNG", "cross_check"]
+__all__ = ["LAYOUT_PNG", "cross_check", "jax_twin"]

@@ -17,8 +17,7 @@ EXPECTED_CHECKS = (
     "training current, FSDP2 2 x TP 2: loss falls",
     "layouts: torch DTensor = JAX NamedSharding",
     "shards moved into JAX: bitwise",
-    "forward JAX vs torch: layers.0",
-    "forward JAX vs torch: layers.1",
+    "forward JAX vs torch: logits",
     "DCP reload on FSDP2 2: bitwise",
     "DCP -> Orbax: CRC32 read back",
     "Orbax restore in JAX: bitwise",
@@ -43,6 +42,9 @@ def test_demo_end_to_end(tmp_path):
     failed = [check for check in report["checks"] if not check["passed"]]
     assert report["passed"] and not failed, failed
     assert len(report["losses"]) == 8
+    checks = {check["name"]: check for check in report["checks"]}
+    assert checks["layouts: torch DTensor = JAX NamedSharding"]["detail"] == "14 params, whole model"  # 12 + emb, norm
+    assert checks["forward JAX vs torch: logits"]["detail"].startswith("whole model, sharded;")
     for picture in ("layouts.png", "loss.png"):
         assert (out / picture).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert "every check passed" in done.stdout
@@ -95,6 +97,60 @@ def test_scaling_state_is_the_state_the_next_forward_quantizes_with(monkeypatch)
     assert snapshot.keys() == before.keys()
     for name, value in before.items():
         assert torch.equal(snapshot[name], value), name
+
+
+@pytest.fixture
+def one_rank_world():
+    """A one-rank gloo world's (dp_replicate, dp_shard, tp) torch mesh and the JAX mesh of this process's first device."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from jaxside.sharding import make_mesh
+    from torchside.parallel import MESH_AXES
+
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    world = init_device_mesh("cpu", (1, 1, 1), mesh_dim_names=MESH_AXES)
+    yield world, make_mesh()
+    dist.destroy_process_group()
+
+
+def test_logits_check_fails_when_one_embedding_weight_differs(one_rank_world, reference_kernels):
+    """The demo's numerics check covers the embedding and the tied head: one changed element fails it.
+
+    The reference is the torch Llama itself (FP8 off: agreement to fp32 order, 1e-5); the twin gets its weights
+    through bridge.params' pairing, as the demo's does.
+    """
+    import jax.numpy as jnp
+
+    import jaxside.modules as JM
+    from bridge import params
+    from bridge.numerics import tolerance
+    from torchside.models.llama import LLAMA_CONFIGS, Llama
+
+    world, mesh = one_rank_world
+    torch.manual_seed(0)
+    model = Llama(LLAMA_CONFIGS["tiny"])
+    tokens = torch.randint(0, model.config.vocab_size, (2, 32), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        torch_logits = model(tokens)
+    twin = demo_jax.jax_twin(model)
+    values = {}
+    for pair in params.pair_models(model, twin):
+        values[pair.jax_path] = jnp.asarray(pair.layout.to_jax(model.get_parameter(pair.torch_name).detach()).numpy())
+    limit = tolerance("off", "forward")
+
+    def check(jax_values) -> float:
+        params.load_into_jax(twin, jax_values)
+        JM.place(twin, mesh)
+        relative, _, nan = demo_jax._compare_logits("off", twin, tokens, torch_logits, world, mesh)
+        assert not nan
+        return relative
+
+    assert check(values) <= limit.relative
+    path = ("embedding", "kernel")
+    token = int(tokens[0, 0])
+    changed = {**values, path: values[path].at[0, token].add(0.02)}  # one weight of a token the batch holds
+    assert check(changed) > limit.relative
 
 
 @pytest.mark.parametrize(
