@@ -34,8 +34,8 @@ Tolerances, from the arithmetic (u: unit roundoff, 2^-24 fp32, 2^-4 E4M3, 2^-3 E
   both sides' GEMMs made exact fp32). There these recipes take the next item's bound, 2u.
   MXFP8 and NVFP4 GEMMs are emulated with bf16 dots (exact products, fp32 sums): u/2 everywhere.
 - Recipes whose scales differ (Float8CurrentScaling: torch scales each DP rank's activations and
-  gradients by that rank's amax; JAX does so on a data-parallel mesh, but a twin off the mesh (the
-  demo's one-device forward) casts the whole batch with one amax; NVFP4: torch's global amaxes are
+  gradients by that rank's amax; JAX does so on a data-parallel mesh, but a twin off the mesh casts
+  the whole batch with one amax; NVFP4: torch's global amaxes are
   of the shard each rank holds, TP's feature split included): every element of an operand may sit
   one quantization step apart, up to 2u relative: 2^-3 forward (E4M3), 2^-2 for gradients (E5M2);
   2^-1 for NVFP4's E2M1.

@@ -17,9 +17,6 @@ Sharding: the embedding and head kernels are column-parallel kernels of jaxside.
 `Shard(0)` embedding under FSDP2 is `(_StridedShard(0, sf=tp), Shard(0))`. Vp must divide by
 tp x dp_shard (JAX refuses uneven dims): `LlamaConfig.vocab_multiple`, which `load_hf` sets to it.
 The head's GEMM runs in fp32 HIGHEST precision, as torch's runs in high precision.
-
-To use it as a layer-only twin (bridge/demo_jax.py): `model.layers` are the TransformerLayers and
-`model.rotary(S)` their rotary angles, as the demo's private stack has them.
 """
 
 from __future__ import annotations

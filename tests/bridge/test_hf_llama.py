@@ -406,7 +406,7 @@ def test_fp8_with_head_dim_64_is_refused_not_requantized(tmp_path):
 
 
 def test_the_bridge_moves_a_torch_llama_into_the_twin_with_the_same_logits():
-    """How bridge/demo_jax.py can use the twin: pair the models, move the values by each pair's layout, run."""
+    """As the demo (bridge/demo/jax_side.py) uses the twin: pair the models, move the values by each pair's layout, run."""
     from bridge.params import load_into_jax, pair_models
 
     config = LlamaConfig(vocab_size=96, hidden_size=64, num_layers=1, num_heads=4, num_kv_heads=2, ffn_hidden_size=96,
