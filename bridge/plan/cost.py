@@ -47,6 +47,14 @@ if TYPE_CHECKING:
 
 KINDS = ("all_gather", "reduce_scatter", "all_reduce")
 MEMORY_KINDS = ("parameters", "gradients", "optimizer")
+# (TP mode, sequence parallel) -> the collectives around one TP GEMM (torchside.parallel.tp_comm): a column
+# GEMM's input [tokens, in] and a row GEMM's output [tokens, out] are what crosses the TP group.
+TP_GEMM_COLLECTIVES = {
+    ("column", True): (("all_gather", "forward", "input"), ("reduce_scatter", "backward", "input grad")),
+    ("column", False): (("all_reduce", "backward", "input grad"),),
+    ("row", True): (("reduce_scatter", "forward", "output"), ("all_gather", "backward", "output grad")),
+    ("row", False): (("all_reduce", "forward", "output"),),
+}
 
 
 @dataclass(frozen=True)
@@ -274,21 +282,9 @@ def _tp_collectives(built: BuiltModel, result: Communication) -> None:
             what = f"{module_name}.{name}"
             parallelism = module.linear_parallelism(name) if spec.role == "linear_weight" else None
             if parallelism is not None:
-                out_features, in_features = spec.shape[0], spec.shape[1]
-                if parallelism.mode == "column":
-                    size = tokens * in_features * itemsize
-                    if parallelism.sequence_parallel:
-                        add("all_gather", "forward", f"{what} input", size)
-                        add("reduce_scatter", "backward", f"{what} input grad", size)
-                    else:
-                        add("all_reduce", "backward", f"{what} input grad", size)
-                else:
-                    size = tokens * out_features * itemsize
-                    if parallelism.sequence_parallel:
-                        add("reduce_scatter", "forward", f"{what} output", size)
-                        add("all_gather", "backward", f"{what} output grad", size)
-                    else:
-                        add("all_reduce", "forward", f"{what} output", size)
+                features = spec.shape[1] if parallelism.mode == "column" else spec.shape[0]  # [out, in]
+                for kind, phase, tensor in TP_GEMM_COLLECTIVES[parallelism.mode, parallelism.sequence_parallel]:
+                    add(kind, phase, f"{what} {tensor}", tokens * features * itemsize)
             if grad_is_partial_over_tp(spec.role, spec.parallel_mode, module.sequence_parallel):
                 add("all_reduce", "backward", f"{what} grad", math.prod(_tp_shape(param)) * param.dtype.itemsize)
 
