@@ -11,8 +11,9 @@ are compared shard by shard (bridge.logits) against bridge.numerics' forward tol
 
 `check_input` runs before any process starts: the directory's config, index and headers
 (jaxside.models.hf_llama.Checkpoint), the torch model built on "meta" for the TP size (its
-modules refuse heads or ffn sizes TP does not divide), and the JAX twin's shardings on an abstract
-mesh (JAX refuses dims the mesh does not divide evenly).
+modules refuse heads or ffn sizes TP does not divide; each recipe's tiles against its GEMM
+weights' TP shards), and the JAX twin's shardings on an abstract mesh (JAX refuses dims the mesh
+does not divide evenly).
 """
 
 from __future__ import annotations
@@ -75,13 +76,14 @@ def check_input(case: HFCase) -> None:
     # Both loaders pad the vocabulary to a multiple of tp x dp_shard (torchside.models.llama_hf).
     config = dataclasses.replace(checkpoint.config, vocab_multiple=mesh.tp * mesh.dp_shard)
     try:
-        _build_torch_on_meta(config, mesh.tp, checkpoint.fp8)
+        model = _build_torch_on_meta(config, mesh.tp, checkpoint.fp8)
+        _check_recipes_fit(model, case.recipes, mesh.tp)
         _jax_shardings(config, AbstractMesh(mesh.sizes, MESH_AXES))
     except ValueError as error:
         raise ValueError(f"--hf {case.path} on --mesh {mesh}: {error}") from error
 
 
-def _build_torch_on_meta(config, tp: int, fp8: bool) -> None:
+def _build_torch_on_meta(config, tp: int, fp8: bool):
     """The torch Llama as torchside.models.llama_hf.load_hf builds it, on meta: its modules check the TP splits."""
     from torchside.autocast import quantized_model_init
     from torchside.models.llama import Llama
@@ -89,7 +91,21 @@ def _build_torch_on_meta(config, tp: int, fp8: bool) -> None:
     from torchside.recipe import Float8BlockScaling
 
     with quantized_model_init(enabled=fp8, recipe=Float8BlockScaling()):
-        Llama(config, device="meta", module_config=ModuleConfig(tp_size=tp))
+        return Llama(config, device="meta", module_config=ModuleConfig(tp_size=tp))
+
+
+def _check_recipes_fit(model, recipes, tp: int) -> None:
+    """Each recipe's tiles against every GEMM weight's TP shard (a module's parameters have their TP-local shapes),
+    as the first FP8 forward would check them inside the processes."""
+    from torchside.parallel.placements import check_recipe_fits_shard
+    from torchside.recipe import recipe_from_name
+
+    for recipe in filter(None, map(recipe_from_name, recipes)):
+        for module in model.modules():
+            if getattr(module, "num_gemms", 0):
+                for name, param in module.named_parameters(recurse=False):
+                    if param.dim() == 2:
+                        check_recipe_fits_shard(recipe, type(module).__name__, name, tuple(param.shape), tp)
 
 
 def _jax_shardings(config, mesh) -> None:

@@ -99,21 +99,6 @@ def test_scaling_state_is_the_state_the_next_forward_quantizes_with(monkeypatch)
         assert torch.equal(snapshot[name], value), name
 
 
-@pytest.fixture
-def one_rank_world():
-    """A one-rank gloo world's (dp_replicate, dp_shard, tp) torch mesh and the JAX mesh of this process's first device."""
-    import torch.distributed as dist
-    from torch.distributed.device_mesh import init_device_mesh
-
-    from jaxside.sharding import make_mesh
-    from torchside.parallel import MESH_AXES
-
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    world = init_device_mesh("cpu", (1, 1, 1), mesh_dim_names=MESH_AXES)
-    yield world, make_mesh()
-    dist.destroy_process_group()
-
-
 def test_logits_check_fails_when_one_embedding_weight_differs(one_rank_world, reference_kernels):
     """The demo's numerics check covers the embedding and the tied head: one changed element fails it.
 
