@@ -3,16 +3,17 @@
 Starts one process per device of the mesh under torchrun's launcher (bridge.runtime), builds the
 torchside model and its jaxside twin with the same weights, runs forward, backward and Adam for
 --steps steps under each recipe, and compares every block's output, the input gradient, every
-weight gradient, parameter and Adam moment shard by shard (tolerances: bridge.numerics). Exit
-codes: 0 all within tolerance, 1 a divergence (the first one is named), 2 bad input.
+weight gradient, parameter and Adam moment shard by shard (tolerances: bridge.numerics). With
+--model llama --hf HF_DIR both instead load a Hugging Face Llama checkpoint and their logits on
+seeded random tokens are compared (FP8 off by default). Exit codes: 0 all within tolerance, 1 a
+divergence (the first one is named), 2 bad input.
 
 --plan PLAN places both twins by a placement plan (a TOML file, jaxside.plan): its [mesh] is the
 default --mesh, and the plan is checked against the model before any process starts.
 
---model llama --hf HF_DIR loads a Hugging Face Llama checkpoint in both frameworks instead
-(torchside's and jaxside's load_hf, each process reading its own shards, fp32) and compares their
-logits on seeded random tokens (--batch-size x --seq-len) under --recipe (default off), against
-bridge.numerics' forward tolerance (bridge/hf_check.py, docs/hf.md).
+--model llama --hf HF_DIR: torchside's and jaxside's load_hf in each process (each reading its
+own shards, fp32), one forward of --batch-size x --seq-len random tokens under --recipe (default
+off), the logits against bridge.numerics' forward tolerance (bridge/hf_check.py, docs/hf.md).
 """
 
 from __future__ import annotations
