@@ -12,8 +12,8 @@ are compared shard by shard (bridge.logits) against bridge.numerics' forward tol
 `check_input` runs before any process starts: the directory's config, index and headers
 (jaxside.models.hf_llama.Checkpoint), the torch model built on "meta" for the TP size (its
 modules refuse heads or ffn sizes TP does not divide; each recipe's tiles against its GEMM
-weights' TP shards), and the JAX twin's shardings on an abstract mesh (JAX refuses dims the mesh
-does not divide evenly).
+weights' TP shards; an FP8 checkpoint's FSDP2 row shards against its 128-row blocks), and the
+JAX twin's shardings on an abstract mesh (JAX refuses dims the mesh does not divide evenly).
 """
 
 from __future__ import annotations
@@ -78,6 +78,7 @@ def check_input(case: HFCase) -> None:
     try:
         model = _build_torch_on_meta(config, mesh.tp, checkpoint.fp8)
         _check_recipes_fit(model, case.recipes, mesh.tp)
+        _check_fp8_rows_fit(model, mesh.dp_shard)
         _jax_shardings(config, AbstractMesh(mesh.sizes, MESH_AXES))
     except ValueError as error:
         raise ValueError(f"--hf {case.path} on --mesh {mesh}: {error}") from error
@@ -106,6 +107,24 @@ def _check_recipes_fit(model, recipes, tp: int) -> None:
                 for name, param in module.named_parameters(recurse=False):
                     if param.dim() == 2:
                         check_recipe_fits_shard(recipe, type(module).__name__, name, tuple(param.shape), tp)
+
+
+def _check_fp8_rows_fit(model, dp_shard: int) -> None:
+    """FSDP2 cuts each FP8 weight's TP shard into dp_shard row chunks (torch.chunk); a chunk must start on a
+    128-row scale block, or the load fails inside the processes (torchside.quantization.storage)."""
+    from jaxside.models.hf_llama import BLOCK
+
+    for owner, module in model.named_modules():
+        if getattr(module, "num_gemms", 0) and module.builds_fp8_weights:
+            for name, param in module.named_parameters(recurse=False):
+                rows = param.shape[0] if param.dim() == 2 else 0
+                chunk = -(-rows // dp_shard)
+                if chunk < rows and chunk % BLOCK:
+                    raise ValueError(
+                        f"{owner}.{name}: FSDP2 over dp_shard={dp_shard} cuts its {rows} FP8 rows (per TP rank) "
+                        f"into {chunk}-row shards, which split its {BLOCK}-row scale blocks; pick a dp size whose "
+                        f"shards hold whole blocks"
+                    )
 
 
 def _jax_shardings(config, mesh) -> None:

@@ -107,11 +107,12 @@ def run(args: argparse.Namespace, console: Console) -> int:
             render(console, report)
     failed = [report for report in reports if not report["passed"]]
     if failed:
-        first = failed[0]["first_divergence"]
+        report, first = failed[0], failed[0]["first_divergence"]
+        limit = first["tolerance"]
         raise CheckFailed(
-            f"torch and JAX diverge ({failed[0]['model']} on {failed[0]['mesh']}, recipe {failed[0]['recipe']}): "
+            f"torch and JAX diverge ({report['model']} on {report['mesh']}, recipe {report['recipe']}): "
             f"{first['name']} ({first['stage']}, step {first['step']}) relative {first['relative']:.3e} "
-            f"against {first['tolerance']['relative']}"
+            f"(limit {limit['relative']}), max-abs {first['max_abs']:.3e} (limit {limit['max_abs']})"
         )
     return 0
 
