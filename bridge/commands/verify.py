@@ -3,11 +3,17 @@
 Starts one process per device of the mesh under torchrun's launcher (bridge.runtime), builds the
 torchside model and its jaxside twin with the same weights, runs forward, backward and Adam for
 --steps steps under each recipe, and compares every block's output, the input gradient, every
-weight gradient, parameter and Adam moment shard by shard (tolerances: bridge.numerics). Exit
-codes: 0 all within tolerance, 1 a divergence (the first one is named), 2 bad input.
+weight gradient, parameter and Adam moment shard by shard (tolerances: bridge.numerics). With
+--model llama --hf HF_DIR both instead load a Hugging Face Llama checkpoint and their logits on
+seeded random tokens are compared (FP8 off by default). Exit codes: 0 all within tolerance, 1 a
+divergence (the first one is named), 2 bad input.
 
 --plan PLAN places both twins by a placement plan (a TOML file, jaxside.plan): its [mesh] is the
 default --mesh, and the plan is checked against the model before any process starts.
+
+--model llama --hf HF_DIR: torchside's and jaxside's load_hf in each process (each reading its
+own shards, fp32), one forward of --batch-size x --seq-len random tokens under --recipe (default
+off), the logits against bridge.numerics' forward tolerance (bridge/hf_check.py, docs/hf.md).
 """
 
 from __future__ import annotations
@@ -19,9 +25,12 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
+from bridge.errors import CheckFailed
 from bridge.numerics import RECIPES
 
 RECIPE_CHOICES = f"{', '.join(RECIPES)} (comma-separated) or all"
+STACK_DEFAULTS = {"layers": 2, "hidden": 256, "steps": 5}  # the built-in stacks' options (bridge/twins.py)
+HF_DEFAULTS = {"batch_size": 8, "seq_len": 32}  # --model llama --hf's options
 
 
 def register(verbs) -> None:
@@ -30,19 +39,33 @@ def register(verbs) -> None:
         help="run a model in torch and JAX on the same devices and name the first tensor that diverges",
         description=__doc__.split("\n\n")[1],
     )
-    parser.add_argument("--model", default="mlp", help="linear, mlp (default) or transformer (bridge/twins.py)")
-    parser.add_argument("--layers", type=int, default=2, help="blocks in the stack (default 2)")
     parser.add_argument(
-        "--hidden", type=int, default=256, help="hidden size (default 256; ffn = 4x; TP must divide the ffn and heads)"
+        "--model", default="mlp", help="linear, mlp (default) or transformer (bridge/twins.py), or llama with --hf"
     )
-    parser.add_argument("--recipe", default="current", help=RECIPE_CHOICES)
+    parser.add_argument(
+        "--hf",
+        metavar="HF_DIR",
+        help="a Hugging Face Llama directory (with --model llama): compare the two load_hf's logits",
+    )
+    parser.add_argument("--layers", type=int, help=f"blocks in the stack (default {STACK_DEFAULTS['layers']})")
+    parser.add_argument(
+        "--hidden", type=int,
+        help=f"hidden size (default {STACK_DEFAULTS['hidden']}; ffn = 4x; TP must divide the ffn and heads)",
+    )  # fmt: skip
+    parser.add_argument("--recipe", help=f"{RECIPE_CHOICES}; default current, off with --hf")
     parser.add_argument(
         "--mesh", action="append", help="mesh axes, e.g. dp=2,tp=2 (FSDP x TP) or rep=2,dp=2 (HSDP); repeatable"
     )
     parser.add_argument(
         "--plan", metavar="PLAN", help="a placement plan TOML file (examples/plans/); its [mesh] is the default --mesh"
     )
-    parser.add_argument("--steps", type=int, default=5, help="optimizer steps compared (default 5)")
+    parser.add_argument(
+        "--steps", type=int, help=f"optimizer steps compared (default {STACK_DEFAULTS['steps']}; not with --hf)"
+    )
+    parser.add_argument(
+        "--batch-size", type=int, help=f"--hf: sequences of random tokens (default {HF_DEFAULTS['batch_size']})"
+    )
+    parser.add_argument("--seq-len", type=int, help=f"--hf: tokens per sequence (default {HF_DEFAULTS['seq_len']})")
     parser.add_argument(
         "--device", choices=("cpu", "cuda"), help="default: cuda where torch sees a GPU per process, else the CPU"
     )
@@ -52,22 +75,28 @@ def register(verbs) -> None:
 
 
 def run(args: argparse.Namespace, console: Console) -> int:
-    cases = _cases(args)
+    from bridge import crosscheck, hf_check
+
+    if args.model == "llama" or args.hf is not None:
+        case = _hf_case(args)
+        work, processes, worker = case, case.mesh.size, hf_check.verify_hf
+    else:
+        cases = _cases(args)
+        work, processes, worker = cases, cases[0].mesh.size, crosscheck.verify
     if args.report:
         from bridge.cli import check_output_path
 
         check_output_path("--report", args.report)  # before the run, whose results would be lost
     import torch
 
-    from bridge import crosscheck, runtime
+    from bridge import runtime
 
-    processes = cases[0].mesh.size
     errors = Console(stderr=True, soft_wrap=True)
     device, fallback = runtime.choose_device_type(args.device, processes, torch.cuda.device_count())
     if fallback:
         errors.print(escape(fallback))
     with errors.status(f"verifying in {processes} co-located torch+JAX processes"):
-        reports = runtime.launch(crosscheck.verify, processes, cases, device_type=device)[0]
+        reports = runtime.launch(worker, processes, work, device_type=device)[0]
     if args.report:
         with open(args.report, "w") as file:
             json.dump(reports, file, indent=1)
@@ -76,14 +105,58 @@ def run(args: argparse.Namespace, console: Console) -> int:
     else:
         for report in reports:
             render(console, report)
-    return 0 if all(report["passed"] for report in reports) else 1
+    failed = [report for report in reports if not report["passed"]]
+    if failed:
+        report, first = failed[0], failed[0]["first_divergence"]
+        limit = first["tolerance"]
+        raise CheckFailed(
+            f"torch and JAX diverge ({report['model']} on {report['mesh']}, recipe {report['recipe']}): "
+            f"{first['name']} ({first['stage']}, step {first['step']}) relative {first['relative']:.3e} "
+            f"(limit {limit['relative']}), max-abs {first['max_abs']:.3e} (limit {limit['max_abs']})"
+        )
+    return 0
+
+
+def _recipes(text: str) -> tuple[str, ...]:
+    return RECIPES if text == "all" else tuple(r.strip() for r in text.split(",") if r.strip())
+
+
+def _hf_case(args: argparse.Namespace):
+    """--model llama --hf DIR's case, its checkpoint and mesh checked (bridge.hf_check.check_input)."""
+    from bridge.crosscheck import parse_mesh
+    from bridge.hf_check import HFCase, check_input
+
+    if args.model != "llama":
+        raise ValueError(f"--hf with --model {args.model}: an HF checkpoint is a Llama; pass --model llama")
+    if args.hf is None:
+        raise ValueError("--model llama needs --hf HF_DIR, a Hugging Face Llama directory")
+    stack_only = [f"--{name}" for name in (*STACK_DEFAULTS, "plan") if getattr(args, name) is not None]
+    if stack_only:
+        raise ValueError(
+            f"{', '.join(stack_only)}: options of the built-in stacks, not of --hf (its model is the checkpoint's)"
+        )
+    if args.mesh and len(args.mesh) > 1:
+        raise ValueError(f"--hf takes one --mesh, got {len(args.mesh)}: verify the meshes one by one")
+    options = {
+        name: default if getattr(args, name) is None else getattr(args, name) for name, default in HF_DEFAULTS.items()
+    }
+    mesh = parse_mesh(args.mesh[0] if args.mesh else "dp=2,tp=2")
+    case = HFCase(args.hf, mesh, _recipes(args.recipe or "off"), **options)
+    check_input(case)
+    return case
 
 
 def _cases(args: argparse.Namespace) -> list:
     from bridge.crosscheck import MeshShape, VerifyCase, parse_mesh
     from jaxside.plan import DEFAULT_PLAN, Plan
 
-    recipes = RECIPES if args.recipe == "all" else tuple(r.strip() for r in args.recipe.split(",") if r.strip())
+    hf_only = [f"--{name.replace('_', '-')}" for name in HF_DEFAULTS if getattr(args, name) is not None]
+    if hf_only:
+        raise ValueError(f"{', '.join(hf_only)}: options of --model llama --hf, not of the built-in stacks")
+    recipes = _recipes(args.recipe or "current")
+    layers, hidden, steps = (
+        STACK_DEFAULTS[n] if getattr(args, n) is None else getattr(args, n) for n in STACK_DEFAULTS
+    )
     plan = DEFAULT_PLAN if args.plan is None else Plan.from_toml(args.plan)
     if args.mesh:
         meshes = [parse_mesh(text) for text in args.mesh]
@@ -91,7 +164,7 @@ def _cases(args: argparse.Namespace) -> list:
         meshes = [parse_mesh("dp=2,tp=2") if plan.mesh is None else MeshShape(**plan.mesh)]
     if len({mesh.size for mesh in meshes}) > 1:
         raise ValueError(f"meshes {[str(m) for m in meshes]} need different process counts; verify them one by one")
-    cases = [VerifyCase(args.model, args.layers, args.hidden, mesh, recipes, args.steps, plan) for mesh in meshes]
+    cases = [VerifyCase(args.model, layers, hidden, mesh, recipes, steps, plan) for mesh in meshes]
     for case in cases:
         _check_tp_divides(case)
         _check_plan(case)
@@ -126,7 +199,8 @@ def _check_tp_divides(case) -> None:
 
 def render(console: Console, report: dict) -> None:
     """One table per (mesh, recipe): the worst check of each stage, and the first divergence."""
-    title = f"{report['model']} on {report['mesh']}, recipe {report['recipe']}, {report['steps']} steps"
+    steps = f", {report['steps']} steps" if report["steps"] else ""  # none: a forward only (--hf)
+    title = f"{report['model']} on {report['mesh']}, recipe {report['recipe']}{steps}"
     table = Table(title=escape(title))
     table.add_column("stage", style="bold")
     table.add_column("checks", justify="right")

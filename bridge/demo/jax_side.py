@@ -29,8 +29,8 @@ import math
 from pathlib import Path
 from typing import Any
 
-from bridge import layout, params
-from bridge.numerics import local_stats, reduce_stats, tolerance
+from bridge import layout, logits, params
+from bridge.numerics import tolerance
 
 EVAL_STEP = 1_000_000  # a corpus batch no training step used
 LAYOUT_PNG = "layouts.png"
@@ -49,7 +49,6 @@ def jax_twin(model):
 
 def cross_check(runtime, model, meshes, options, corpus, out: str, reference: dict) -> dict[str, Any]:
     """The layout, transfer and logits checks (module docstring); every rank calls it, all get the same result."""
-    import torch
     import torch.distributed as dist
     from flax import nnx
 
@@ -77,10 +76,8 @@ def cross_check(runtime, model, meshes, options, corpus, out: str, reference: di
     params.load_into_jax(twin, moved)
     _load_scaling_state(twin, scaling)
     tokens = corpus.batch(EVAL_STEP, options.batch_size, options.seq_len)[:, :-1]
-    with torch.no_grad():
-        torch_logits = _torch_logits(model, meshes, options.recipe, tokens)
     limit = tolerance(options.recipe, "forward", device_type=runtime.torch_device.type)
-    relative, max_abs, nan = _compare_logits(options.recipe, twin, tokens, torch_logits, meshes.world, mesh)
+    relative, max_abs, nan = logits.check_logits(model, twin, meshes, mesh, options.recipe, tokens)
     return {
         "layouts": {"parameters": len(pairs), "mismatched": mismatched},
         "transfer": {"parameters": len(pairs), "differ": moved_differ},
@@ -150,62 +147,6 @@ def _draw(path: Path, torch_params: dict, pairs, shardings: dict, mesh) -> None:
 
 def _placements(param) -> str:
     return "(" + ", ".join(map(str, param.placements)) + ")"
-
-
-def _torch_logits(model, meshes, recipe_name: str, tokens):
-    """torch's logits [S, b, V] of this rank's data-parallel rows of `tokens` [B, S]."""
-    from torch.distributed import group
-
-    from torchside.autocast import fp8_autocast
-    from torchside.recipe import recipe_from_name
-
-    local = tokens.chunk(meshes.data_parallel_size)[meshes.data_parallel_rank()]
-    recipe = recipe_from_name(recipe_name)
-    with fp8_autocast(enabled=recipe is not None, recipe=recipe, amax_reduction_group=group.WORLD):
-        return model(local.to(next(model.parameters()).device))
-
-
-def _compare_logits(recipe_name: str, twin, tokens, torch_logits, world, mesh) -> tuple[float, float, bool]:
-    """(relative error, max abs, NaN seen) of the twin's logits on the mesh against torch's, over every shard."""
-    import jax
-    import numpy as np
-    from torch.distributed.tensor import DTensor, Replicate, Shard
-
-    from bridge import transfer
-
-    data_parallel = [Shard(0), Shard(0), Replicate()]  # [B, S]: torch's ranks' rows, whole on every TP rank
-    ids = tokens.numpy().astype(np.int32)
-    sharding = transfer.equivalent_sharding(world, data_parallel, ids.shape, mesh)
-    jax_logits = _jax_logits(recipe_name, twin, jax.make_array_from_callback(ids.shape, sharding, lambda i: ids[i]))
-    # torch's [S, b, V]: the vocabulary split over TP (a DTensor), or whole on every TP rank (a padded one, sliced)
-    vocab = torch_logits.placements[0] if isinstance(torch_logits, DTensor) else Replicate()
-    local = torch_logits.to_local() if isinstance(torch_logits, DTensor) else torch_logits
-    sharding = transfer.equivalent_sharding(world, [Shard(1), Shard(1), vocab], tuple(jax_logits.shape), mesh)
-    ours = transfer.local_from_jax(jax.device_put(jax_logits, sharding))  # this process's shard, as torch's
-    replicas = world.size(2) if isinstance(vocab, Replicate) else 1
-    ((relative, max_abs, nan),) = reduce_stats(local_stats(ours, local, replicas)[None])
-    return relative, max_abs, nan
-
-
-def _jax_logits(recipe_name: str, twin, tokens):
-    """The twin's logits [S, B, V] of `tokens` [B, S], one program on the mesh the twin and the tokens are on."""
-    import jax
-    import torch.distributed as dist
-    from flax import nnx
-
-    import jaxside.modules as JM
-    from jaxside.recipe import recipe_from_name
-
-    recipe = recipe_from_name(recipe_name)
-    graphdef, state = nnx.split(twin)
-
-    def forward(state, tokens):
-        with JM.fp8_autocast(enabled=recipe is not None, recipe=recipe):
-            return nnx.merge(graphdef, state)(tokens)
-
-    compiled = jax.jit(forward).lower(state, tokens).compile()
-    dist.barrier()  # XLA's gloo collectives give up on a peer still compiling (as bridge.crosscheck's step)
-    return compiled(state, tokens)
 
 
 __all__ = ["LAYOUT_PNG", "cross_check", "jax_twin"]

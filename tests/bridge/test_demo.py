@@ -10,7 +10,7 @@ import sys
 import pytest
 import torch
 
-from bridge import cli
+from bridge import cli, logits
 from bridge.demo import jax_side as demo_jax
 
 EXPECTED_CHECKS = (
@@ -99,21 +99,6 @@ def test_scaling_state_is_the_state_the_next_forward_quantizes_with(monkeypatch)
         assert torch.equal(snapshot[name], value), name
 
 
-@pytest.fixture
-def one_rank_world():
-    """A one-rank gloo world's (dp_replicate, dp_shard, tp) torch mesh and the JAX mesh of this process's first device."""
-    import torch.distributed as dist
-    from torch.distributed.device_mesh import init_device_mesh
-
-    from jaxside.sharding import make_mesh
-    from torchside.parallel import MESH_AXES
-
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    world = init_device_mesh("cpu", (1, 1, 1), mesh_dim_names=MESH_AXES)
-    yield world, make_mesh()
-    dist.destroy_process_group()
-
-
 def test_logits_check_fails_when_one_embedding_weight_differs(one_rank_world, reference_kernels):
     """The demo's numerics check covers the embedding and the tied head: one changed element fails it.
 
@@ -142,7 +127,7 @@ def test_logits_check_fails_when_one_embedding_weight_differs(one_rank_world, re
     def check(jax_values) -> float:
         params.load_into_jax(twin, jax_values)
         JM.place(twin, mesh)
-        relative, _, nan = demo_jax._compare_logits("off", twin, tokens, torch_logits, world, mesh)
+        relative, _, nan = logits.compare_logits("off", twin, tokens, torch_logits, world, mesh)
         assert not nan
         return relative
 

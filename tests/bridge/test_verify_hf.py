@@ -1,0 +1,140 @@
+"""`shardbridge verify --model llama --hf HF_DIR`: torch's and JAX's load_hf of one checkpoint, logits compared.
+
+Fast: bad input exits 2 with one line before any process starts; the logits check on one process
+fails when the checkpoint's file changes between the torch and the JAX load; a failing report makes
+the CLI exit 1 naming the logits. Slow (CI): 2 co-located processes on TP 2 pass from the CLI.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from bridge.cli import main
+from bridge.numerics import TensorCheck, Tolerance, VerifyReport
+from jaxside.models import hf_llama
+from tests.bridge.hf_cases import TOLERANCE, fp8_hf_checkpoint, hf_model, save
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory) -> Path:
+    """transformers' tiny GQA Llama (4 heads, 2 KV heads, vocabulary 129, tied), one file."""
+    return save(hf_model("gqa_tied_odd_vocab"), tmp_path_factory.mktemp("hf"), sharded=False)
+
+
+def _no_launch(monkeypatch) -> None:
+    from bridge import runtime
+
+    monkeypatch.setattr(runtime, "launch", lambda *args, **kwargs: pytest.fail("processes started before the check"))
+
+
+@pytest.mark.parametrize(
+    "arguments, message",
+    [
+        (["--hf", "{hf}"], "--hf with --model mlp: an HF checkpoint is a Llama; pass --model llama"),
+        (["--model", "llama"], "--model llama needs --hf HF_DIR"),
+        (["--model", "llama", "--hf", "{hf}/config.json"], "config.json: not a directory"),
+        (["--model", "llama", "--hf", "{mistral}"], "architectures=['MistralForCausalLM'], not ['LlamaForCausalLM']"),
+        (["--model", "llama", "--hf", "{hf}", "--mesh", "tp=4"], "num_gqa_groups=2 (key/value heads) does not divide"),
+        # torch's FSDP2 would take dp=3; JAX shards only dims the mesh divides (hidden 64)
+        (["--model", "llama", "--hf", "{hf}", "--mesh", "dp=3", "--batch-size", "6"], "('embed') has size 64"),
+        (["--model", "llama", "--hf", "{hf}", "--mesh", "dp=2", "--batch-size", "3"], "--batch-size 3 must divide"),
+        (["--model", "llama", "--hf", "{hf}", "--steps", "2"], "--steps: options of the built-in stacks"),
+        (["--model", "llama", "--hf", "{fp8}", "--recipe", "current"], "FP8 block-scaled checkpoint: compare it with"),
+        # FSDP2's 64-row shards of a 256-row FP8 weight would split its 128-row scale blocks
+        (["--model", "llama", "--hf", "{fp8}", "--mesh", "dp=4"], "proj.weight: FSDP2 over dp_shard=4 cuts its 256"),
+        # ffn 96 over TP 2: fc2's 48-wide shards cut MXFP8's 32-element tiles (the processes' first FP8 forward)
+        (["--model", "llama", "--hf", "{hf}", "--mesh", "tp=2", "--recipe", "mxfp8"], "fc2_weight: MXFP8BlockScaling"),
+        (["--seq-len", "64"], "--seq-len: options of --model llama --hf"),
+    ],
+)
+def test_bad_input_is_one_line_and_exit_2_before_any_process_starts(
+    monkeypatch, capsys, tmp_path, checkpoint, arguments, message
+):
+    _no_launch(monkeypatch)
+    mistral = tmp_path / "mistral"
+    mistral.mkdir()
+    config = json.loads((checkpoint / hf_llama.CONFIG_FILE).read_text())
+    (mistral / hf_llama.CONFIG_FILE).write_text(json.dumps(config | {"architectures": ["MistralForCausalLM"]}))
+    fp8 = tmp_path / "fp8"
+    if "{fp8}" in arguments:
+        fp8_hf_checkpoint(fp8)
+        capsys.readouterr()  # transformers' progress bar
+    paths = {"hf": checkpoint, "mistral": mistral, "fp8": fp8}
+    arguments = [a.format(**paths) for a in arguments]
+    assert main(["verify", "--device", "cpu", *arguments]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("error: ") and message in err, err
+
+
+def test_logits_check_fails_when_the_file_changes_between_the_two_loads(
+    one_rank_world, reference_kernels, checkpoint, tmp_path
+):
+    """The check's reference is torch's load of the file; JAX loading an altered copy must fail it.
+
+    One weight of layer 1's down projection moves by 0.05 (its values are about 0.2): only the logits
+    can show it, and they must, beyond FP8 off's 1e-5. The same file passes (the comparison's baseline).
+    """
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    from bridge.hf_check import logits_report, random_tokens
+    from jaxside.models import llama as jax_llama
+    from torchside.models import llama as torch_llama
+    from torchside.models.llama_parallel import LlamaMeshes
+
+    world, mesh = one_rank_world
+    meshes = LlamaMeshes(world, None, None, None)
+    model = torch_llama.load_hf(checkpoint, dtype=torch.float32)
+    tokens = random_tokens(model.config.vocab_size, 2, 16)
+
+    def report(directory: Path) -> VerifyReport:
+        twin = jax_llama.load_hf(directory, mesh=mesh)
+        return logits_report(model, twin, meshes, mesh, "off", tokens, "cpu")
+
+    same = report(checkpoint)
+    assert same.passed and same.checks[0].relative <= TOLERANCE
+    altered = tmp_path / "altered"
+    shutil.copytree(checkpoint, altered)
+    file = altered / hf_llama.SINGLE_FILE
+    tensors = load_file(file)
+    tensors["model.layers.1.mlp.down_proj.weight"][0, 0] += 0.05
+    save_file(tensors, file, metadata={"format": "pt"})
+    differs = report(altered)
+    first = differs.first_divergence
+    assert not differs.passed and first.name == "logits" and first.stage == "forward"
+    assert first.relative > TOLERANCE
+
+
+def test_a_divergence_exits_1_naming_the_logits(monkeypatch, capsys, checkpoint):
+    """The CLI's verdict from the processes' reports: a failing check is exit 1 and one error line naming it."""
+    from bridge import runtime
+
+    report = VerifyReport(f"llama {checkpoint}", "tp=2", "off", 0)
+    report.checks.append(TensorCheck(0, "forward", "logits", 3e-4, 0.01, False, Tolerance(1e-5), False))
+    monkeypatch.setattr(runtime, "launch", lambda *args, **kwargs: [[report.to_json()]])
+    assert main(["verify", "--model", "llama", "--hf", str(checkpoint), "--mesh", "tp=2", "--device", "cpu"]) == 1
+    captured = capsys.readouterr()
+    assert "first divergence step 0, forward, layer logits, tensor logits: relative 3.000e-04" in captured.out
+    assert captured.err.count("\n") == 1
+    assert captured.err.startswith("error: torch and JAX diverge") and "logits (forward, step 0)" in captured.err
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+def test_two_processes_on_tp_2_agree_from_the_cli(tmp_path, monkeypatch, checkpoint):
+    """2 co-located gloo processes, TP 2 (KV heads split, vocabulary 129 padded to 130), FP8 off: the logits of
+    torch's and JAX's load_hf agree to 1e-5 (transformers' own logits: tests/bridge/test_hf_llama.py)."""
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    report_file = tmp_path / "report.json"
+    arguments = ["verify", "--model", "llama", "--hf", str(checkpoint), "--mesh", "tp=2", "--device", "cpu",
+                 "--batch-size", "2", "--seq-len", "16", "--report", str(report_file)]  # fmt: skip
+    assert main(arguments) == 0
+    (report,) = json.loads(report_file.read_text())
+    assert (report["mesh"], report["recipe"], report["passed"]) == ("tp=2", "off", True)
+    (check,) = report["checks"]
+    assert check["name"] == "logits" and check["relative"] <= TOLERANCE
