@@ -156,7 +156,11 @@ class Llama(nnx.Module):
 
 
 def _read(checkpoint: Checkpoint, name: str, shape: tuple[int, ...], index: tuple[slice, ...], *, dtype) -> np.ndarray:
-    """The values at `index` of the JAX parameter `name` (torch name) of global `shape`, read from the checkpoint."""
+    """The values at `index` of the JAX parameter `name` (torch name) of global `shape`, read from the checkpoint.
+
+    The file's bytes are copied once, into a box in torch's layout; a kernel is that box transposed (a view:
+    the transfer to the device transposes it).
+    """
     bounds = [s.indices(n)[:2] for s, n in zip(index, shape)]
     if len(shape) == 2:  # a kernel [in, out]: torch rows are its columns
         (c0, c1), (r0, r1) = bounds
@@ -168,9 +172,9 @@ def _read(checkpoint: Checkpoint, name: str, shape: tuple[int, ...], index: tupl
 
     def put(piece: Piece, values) -> None:
         if values is not None:
-            box[piece.dest : piece.dest + (piece.stop - piece.start) * piece.step : piece.step] = np.asarray(values)
+            box[piece.dest : piece.dest + (piece.stop - piece.start) * piece.step : piece.step] = values
 
-    checkpoint.read_box(name, (r0, r1), cols, "flax", put)
+    checkpoint.read_box(name, (r0, r1), cols, "numpy", put)
     return box.T if len(shape) == 2 else box
 
 
