@@ -159,22 +159,26 @@ def _read(checkpoint: Checkpoint, name: str, shape: tuple[int, ...], index: tupl
     """The values at `index` of the JAX parameter `name` (torch name) of global `shape`, read from the checkpoint.
 
     The file's bytes are copied once, into a box in torch's layout; a kernel is that box transposed (a view:
-    the transfer to the device transposes it).
+    the transfer to the device transposes it). A kernel that is one HF tensor's box in our dtype needs no
+    box: the transfer copies it from the file's mapping.
     """
     bounds = [s.indices(n)[:2] for s, n in zip(index, shape)]
     if len(shape) == 2:  # a kernel [in, out]: torch rows are its columns
         (c0, c1), (r0, r1) = bounds
-        box = np.zeros((r1 - r0, c1 - c0), dtype)
-        cols = (c0, c1)
+        box_shape, cols = (r1 - r0, c1 - c0), (c0, c1)
     else:
         ((r0, r1),) = bounds
-        box, cols = np.zeros((r1 - r0,), dtype), None
-
-    def put(piece: Piece, values) -> None:
+        box_shape, cols = (r1 - r0,), None
+    pieces: list[tuple[Piece, np.ndarray | None]] = []
+    checkpoint.read_box(name, (r0, r1), cols, "numpy", lambda piece, values: pieces.append((piece, values)))
+    if len(shape) == 2 and len(pieces) == 1:
+        values = pieces[0][1]
+        if values is not None and values.dtype == dtype and values.shape == box_shape:
+            return values.T
+    box = np.zeros(box_shape, dtype)
+    for piece, values in pieces:
         if values is not None:
             box[piece.dest : piece.dest + (piece.stop - piece.start) * piece.step : piece.step] = values
-
-    checkpoint.read_box(name, (r0, r1), cols, "numpy", put)
     return box.T if len(shape) == 2 else box
 
 
