@@ -201,12 +201,19 @@ def load_hf(path: str | Path, *, mesh: Mesh | None = None, dtype=None) -> Llama:
         dtype = DTYPES[checkpoint.dtype()]
     zeros = nnx.initializers.zeros
 
-    def build() -> Llama:
-        return Llama(config, params_dtype=dtype, kernel_init=zeros, rngs=nnx.Rngs(0))
+    traced = {}
 
-    abstract = nnx.eval_shape(build)
-    graphdef, params, rest = nnx.split(abstract, nnx.Param, ...)
-    placements = dict(nnx.to_flat_state(shardings(abstract, mesh)))
+    def fresh_model_state() -> nnx.State:
+        """A fresh model's FP8 state (scales, amax histories); its graph and parameter shapes go to `traced`."""
+        model = Llama(config, params_dtype=dtype, kernel_init=zeros, rngs=nnx.Rngs(0))
+        traced["graphdef"], traced["params"], rest = nnx.split(model, nnx.Param, ...)
+        return rest
+
+    # One trace of the model's construction gives both (tracing a 16-layer Llama takes about a second).
+    rest = jax.jit(fresh_model_state)()
+    graphdef = traced["graphdef"]
+    params = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), traced.pop("params"))  # (its tracers)
+    placements = dict(nnx.to_flat_state(shardings(nnx.merge(graphdef, params, rest), mesh)))
     flat_params = dict(nnx.to_flat_state(params))
     names = {path: torch_name(".".join(map(str, path)), v.get_value().ndim) for path, v in flat_params.items()}
     unmapped = sorted(set(names.values()) ^ set(checkpoint.sources))
@@ -215,10 +222,8 @@ def load_hf(path: str | Path, *, mesh: Mesh | None = None, dtype=None) -> Llama:
         shape = tuple(variable.get_value().shape)
         read = functools.partial(_read, checkpoint, names[path], shape, dtype=np.dtype(dtype))
         variable.set_value(jax.make_array_from_callback(shape, placements[path].get_value(), read))
-    # The FP8 state (scales, amax histories) as a fresh model has it, created in place on the mesh.
     rest_placement = nnx.from_flat_state({path: placements[path] for path, _ in nnx.to_flat_state(rest)})
-    rest_values = jax.jit(lambda: nnx.state(build(), nnx.Not(nnx.Param)), out_shardings=rest_placement)()
-    return nnx.merge(graphdef, nnx.from_flat_state(flat_params), rest_values)
+    return nnx.merge(graphdef, nnx.from_flat_state(flat_params), jax.device_put(rest, rest_placement))
 
 
 __all__ = [
