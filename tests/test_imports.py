@@ -29,7 +29,6 @@ SHARED = {"jaxside.models.llama_config", "jaxside.models.hf_llama", "jaxside.pla
 SHARED_MAY_IMPORT = {
     "__future__", "json", "math", "dataclasses", "pathlib", "typing", "numpy", "safetensors",
     "collections", "fnmatch", "re", "tomllib",
-    "mmap",  # hf_llama maps the safetensors files (the JAX loader copies from them)
     "ml_dtypes",  # numpy's FP8 dtypes (hf_llama decodes E4M3 bytes), no framework
 }  # fmt: skip
 

@@ -395,7 +395,7 @@ class Checkpoint:
         self._check()
         self.sources = sources(self.config)
         self.fp8_sources = fp8_sources(self.config) if self.fp8 else {}
-        self._mappings: dict[Path, object] = {}  # file -> its mmap (`_view`)
+        self._mappings: dict[Path, object] = {}  # file -> its numpy memmap (`_view`)
 
     def _files(self) -> dict[str, Path]:
         """{tensor name: file} from the index, or None when the model is one file."""
@@ -509,25 +509,14 @@ class Checkpoint:
             put(piece, values)
 
     def _view(self, info: TensorInfo, rows: tuple[int, int], cols: tuple[int, int] | None):
-        """Rows [rows) and columns [cols) of a tensor as numpy: a view of its file, mapped once, nothing read yet.
-
-        Whole rows are contiguous bytes: the kernel is asked to read them ahead (MADV_WILLNEED), as one
-        sequential read would, rather than page by page as they are copied.
-        """
-        import mmap
-
+        """Rows [rows) and columns [cols) of a tensor as numpy: a view of its file, mapped once, nothing read yet."""
         import numpy as np
 
         if info.file not in self._mappings:
-            with open(info.file, "rb") as file:
-                self._mappings[info.file] = mmap.mmap(file.fileno(), 0, access=mmap.ACCESS_READ)
-        mapping, dtype = self._mappings[info.file], _numpy_dtype(info.dtype)
-        row_bytes = math.prod(info.shape[1:]) * dtype.itemsize
-        begin, end = info.begin + rows[0] * row_bytes, info.begin + rows[1] * row_bytes
-        if (cols is None or cols == (0, info.shape[1])) and end > begin and hasattr(mmap, "MADV_WILLNEED"):
-            start = begin - begin % mmap.PAGESIZE
-            mapping.madvise(mmap.MADV_WILLNEED, start, end - start)
-        tensor = np.frombuffer(mapping, dtype, math.prod(info.shape), info.begin).reshape(info.shape)
+            self._mappings[info.file] = np.memmap(info.file, np.uint8, "r")
+        dtype = _numpy_dtype(info.dtype)
+        size = math.prod(info.shape) * dtype.itemsize
+        tensor = self._mappings[info.file][info.begin : info.begin + size].view(dtype).reshape(info.shape)
         return tensor[slice(*rows)] if cols is None else tensor[slice(*rows), slice(*cols)]
 
     def _dequantized(self, piece: Piece, cols: tuple[int, int], data):
