@@ -2,7 +2,8 @@
 
 Framework-free (Python, numpy and safetensors' header reader only), like `llama_config`: the torch
 loader (torchside.models.llama_hf) and the JAX one (jaxside.models.llama) read through it, so the
-table exists once. Each framework reads the bytes itself with `safe_open(...).get_slice`, box by box.
+table exists once. Each reads box by box: torch with `safe_open(...).get_slice`, JAX ("numpy") from
+views of the files' mappings, copied straight into its shards (`Checkpoint.read_box`).
 
 The table (our names are the torch model's; the JAX twin's follow bridge.params' rule: a 2-D
 `...weight` is the transposed `...kernel`, anything else keeps its name):
@@ -46,6 +47,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -366,6 +368,15 @@ class TensorInfo:
     file: Path
     shape: tuple[int, ...]
     dtype: str  # safetensors' name: "BF16", "F32", "F8_E4M3", ...
+    begin: int  # where its bytes start in the file
+
+
+def _data_begins(path: Path) -> dict[str, int]:
+    """{tensor name: where its bytes start in the file} from a safetensors header (its 8-byte size, then JSON)."""
+    with open(path, "rb") as file:
+        header_size = int.from_bytes(file.read(8), "little")
+        header = json.loads(file.read(header_size))
+    return {name: 8 + header_size + entry["data_offsets"][0] for name, entry in header.items() if name != "__metadata__"}
 
 
 class Checkpoint:
@@ -384,6 +395,7 @@ class Checkpoint:
         self._check()
         self.sources = sources(self.config)
         self.fp8_sources = fp8_sources(self.config) if self.fp8 else {}
+        self._mappings: dict[Path, object] = {}  # file -> its numpy memmap (`_view`)
 
     def _files(self) -> dict[str, Path]:
         """{tensor name: file} from the index, or None when the model is one file."""
@@ -413,9 +425,10 @@ class Checkpoint:
         for path in paths:
             try:
                 with safe_open(str(path), framework="numpy") as file:
+                    begins = _data_begins(path)  # (safe_open checked that each range has the tensor's bytes)
                     for name in file.keys():
                         piece = file.get_slice(name)
-                        tensors[name] = TensorInfo(path, tuple(piece.get_shape()), piece.get_dtype())
+                        tensors[name] = TensorInfo(path, tuple(piece.get_shape()), piece.get_dtype(), begins[name])
             except (SafetensorError, OSError) as error:
                 held = sorted(name for name, file in files.items() if file == path)
                 names = f" (it holds tensor(s) {', '.join(held[:3])}{' ...' if len(held) > 3 else ''})" if held else ""
@@ -458,13 +471,16 @@ class Checkpoint:
     def read_box(
         self, ours: str, rows: tuple[int, int], cols: tuple[int, int] | None, framework: str, put, buffer: str | None = None
     ) -> None:
-        """Read our rows [rows) (and columns [cols) of a 2-D tensor) of `ours` in `framework` ("pt", "flax").
+        """Read our rows [rows) (and columns [cols) of a 2-D tensor) of `ours` in `framework` ("pt", "numpy").
 
         put(piece, values) receives each piece's values (None for a zeros piece): the caller writes them.
+        "numpy" values are read-only views of the file's mapping (`_view`, bf16 as ml_dtypes.bfloat16):
+        the bytes are read as put copies them into its buffer, with no copy in between.
         An FP8 weight (`self.fp8_sources`): `buffer` "rowwise_data" gives its bytes (numpy uint8),
         "rowwise_scale_inv" its scales (numpy fp32; rows and cols then count 128-blocks), None its
         values dequantized exactly (numpy fp32: each E4M3 value times its block's scale, one rounding).
         """
+        import numpy as np
         from safetensors import SafetensorError, safe_open
 
         fp8 = ours in self.fp8_sources
@@ -476,46 +492,54 @@ class Checkpoint:
             if piece.hf_name is None:
                 put(piece, None)
                 continue
-            info = self.tensors[piece.hf_name]
+            info, rows_read = self.tensors[piece.hf_name], (piece.start, piece.stop)
             try:
-                if fp8 and not scales:
-                    data = _fp8_bytes(info, piece.hf_name, (piece.start, piece.stop), cols)
-                    put(piece, data if buffer else self._dequantized(piece, cols, data))
-                    continue
-                with safe_open(str(info.file), framework="numpy" if fp8 else framework) as file:
-                    view, rows_read = file.get_slice(piece.hf_name), slice(piece.start, piece.stop)
-                    values = view[rows_read] if cols is None else view[rows_read, slice(*cols)]
+                if fp8 and not scales and buffer is None:
+                    values = self._dequantized(piece, cols, self._view(info, rows_read, cols))
+                elif framework == "numpy":
+                    values = self._view(info, rows_read, cols)
+                elif fp8 and not scales:  # safetensors' readers have no FP8: a copy of the mapping's bytes
+                    values = np.array(self._view(info, rows_read, cols))
+                else:
+                    with safe_open(str(info.file), framework="numpy" if fp8 else framework) as file:
+                        view = file.get_slice(piece.hf_name)
+                        values = view[slice(*rows_read)] if cols is None else view[slice(*rows_read), slice(*cols)]
             except (SafetensorError, OSError) as error:
                 raise ValueError(f"{info.file}: reading tensor {piece.hf_name!r} failed ({error})") from error
             put(piece, values)
+
+    def _view(self, info: TensorInfo, rows: tuple[int, int], cols: tuple[int, int] | None):
+        """Rows [rows) and columns [cols) of a tensor as numpy: a view of its file, mapped once, nothing read yet."""
+        import numpy as np
+
+        if info.file not in self._mappings:
+            self._mappings[info.file] = np.memmap(info.file, np.uint8, "r")
+        dtype = _numpy_dtype(info.dtype)
+        size = math.prod(info.shape) * dtype.itemsize
+        tensor = self._mappings[info.file][info.begin : info.begin + size].view(dtype).reshape(info.shape)
+        return tensor[slice(*rows)] if cols is None else tensor[slice(*rows), slice(*cols)]
 
     def _dequantized(self, piece: Piece, cols: tuple[int, int], data):
         """Bytes `data` of HF rows [piece) and columns [cols) as fp32 values: E4M3 times the block's scale_inv."""
         import ml_dtypes
         import numpy as np
-        from safetensors import safe_open
 
-        scale_name = piece.hf_name + SCALE_SUFFIX
         first_row, first_col = piece.start // BLOCK, cols[0] // BLOCK
-        with safe_open(str(self.tensors[scale_name].file), framework="numpy") as file:
-            blocks = file.get_slice(scale_name)[first_row : -(-piece.stop // BLOCK), first_col : -(-cols[1] // BLOCK)]
+        block_rows, block_cols = (first_row, -(-piece.stop // BLOCK)), (first_col, -(-cols[1] // BLOCK))
+        blocks = self._view(self.tensors[piece.hf_name + SCALE_SUFFIX], block_rows, block_cols)
         scale = np.repeat(np.repeat(blocks, BLOCK, axis=0), BLOCK, axis=1)
         r0, c0 = piece.start - first_row * BLOCK, cols[0] - first_col * BLOCK
         scale = scale[r0 : r0 + data.shape[0], c0 : c0 + data.shape[1]]
         return data.view(ml_dtypes.float8_e4m3fn).astype(np.float32) * scale.astype(np.float32)
 
 
-def _fp8_bytes(info: TensorInfo, name: str, rows: tuple[int, int], cols: tuple[int, int] | None):
-    """Rows [rows) and columns [cols) of an F8_E4M3 tensor as numpy uint8 (safetensors' numpy reader has no FP8)."""
+def _numpy_dtype(safetensors_dtype: str):
+    """The numpy dtype of a safetensors dtype name that `Checkpoint._check` lets through (F8_E4M3: its bytes, uint8)."""
+    import ml_dtypes
     import numpy as np
 
-    with open(info.file, "rb") as file:
-        header_size = int.from_bytes(file.read(8), "little")
-        begin, end = json.loads(file.read(header_size))[name]["data_offsets"]
-    if end - begin != info.shape[0] * info.shape[1]:
-        raise OSError(f"the header gives {end - begin} bytes for a {list(info.shape)} {FP8_DTYPE} tensor")
-    matrix = np.memmap(info.file, np.uint8, "r", offset=8 + header_size + begin, shape=info.shape)
-    return np.array(matrix[slice(*rows), slice(*(cols or (0, info.shape[1])))])
+    dtypes = {"F32": "<f4", "F16": "<f2", "BF16": ml_dtypes.bfloat16, FP8_DTYPE: np.uint8}
+    return np.dtype(dtypes[safetensors_dtype])
 
 
 __all__ = [

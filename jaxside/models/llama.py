@@ -153,21 +153,29 @@ class Llama(nnx.Module):
 
 
 def _read(checkpoint: Checkpoint, name: str, shape: tuple[int, ...], index: tuple[slice, ...], *, dtype) -> np.ndarray:
-    """The values at `index` of the JAX parameter `name` (torch name) of global `shape`, read from the checkpoint."""
+    """The values at `index` of the JAX parameter `name` (torch name) of global `shape`, read from the checkpoint.
+
+    The file's bytes are copied once, into a box in torch's layout; a kernel is that box transposed (a view:
+    the transfer to the device transposes it). A kernel that is one HF tensor's box in our dtype needs no
+    box: the transfer copies it from the file's mapping.
+    """
     bounds = [s.indices(n)[:2] for s, n in zip(index, shape)]
     if len(shape) == 2:  # a kernel [in, out]: torch rows are its columns
         (c0, c1), (r0, r1) = bounds
-        box = np.zeros((r1 - r0, c1 - c0), dtype)
-        cols = (c0, c1)
+        box_shape, cols = (r1 - r0, c1 - c0), (c0, c1)
     else:
         ((r0, r1),) = bounds
-        box, cols = np.zeros((r1 - r0,), dtype), None
-
-    def put(piece: Piece, values) -> None:
+        box_shape, cols = (r1 - r0,), None
+    pieces: list[tuple[Piece, np.ndarray | None]] = []
+    checkpoint.read_box(name, (r0, r1), cols, "numpy", lambda piece, values: pieces.append((piece, values)))
+    if len(shape) == 2 and len(pieces) == 1:
+        values = pieces[0][1]
+        if values is not None and values.dtype == dtype and values.shape == box_shape:
+            return values.T
+    box = np.zeros(box_shape, dtype)
+    for piece, values in pieces:
         if values is not None:
-            box[piece.dest : piece.dest + (piece.stop - piece.start) * piece.step : piece.step] = np.asarray(values)
-
-    checkpoint.read_box(name, (r0, r1), cols, "flax", put)
+            box[piece.dest : piece.dest + (piece.stop - piece.start) * piece.step : piece.step] = values
     return box.T if len(shape) == 2 else box
 
 
@@ -190,12 +198,19 @@ def load_hf(path: str | Path, *, mesh: Mesh | None = None, dtype=None) -> Llama:
         dtype = DTYPES[checkpoint.dtype()]
     zeros = nnx.initializers.zeros
 
-    def build() -> Llama:
-        return Llama(config, params_dtype=dtype, kernel_init=zeros, rngs=nnx.Rngs(0))
+    traced = {}
 
-    abstract = nnx.eval_shape(build)
-    graphdef, params, rest = nnx.split(abstract, nnx.Param, ...)
-    placements = dict(nnx.to_flat_state(shardings(abstract, mesh)))
+    def fresh_model_state() -> nnx.State:
+        """A fresh model's FP8 state (scales, amax histories); its graph and parameter shapes go to `traced`."""
+        model = Llama(config, params_dtype=dtype, kernel_init=zeros, rngs=nnx.Rngs(0))
+        traced["graphdef"], traced["params"], rest = nnx.split(model, nnx.Param, ...)
+        return rest
+
+    # One trace of the model's construction gives both (tracing a 16-layer Llama takes about a second).
+    rest = jax.jit(fresh_model_state)()
+    graphdef = traced["graphdef"]
+    params = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), traced.pop("params"))  # (its tracers)
+    placements = dict(nnx.to_flat_state(shardings(nnx.merge(graphdef, params, rest), mesh)))
     flat_params = dict(nnx.to_flat_state(params))
     names = {path: torch_name(".".join(map(str, path)), v.get_value().ndim) for path, v in flat_params.items()}
     unmapped = sorted(set(names.values()) ^ set(checkpoint.sources))
@@ -204,10 +219,8 @@ def load_hf(path: str | Path, *, mesh: Mesh | None = None, dtype=None) -> Llama:
         shape = tuple(variable.get_value().shape)
         read = functools.partial(_read, checkpoint, names[path], shape, dtype=np.dtype(dtype))
         variable.set_value(jax.make_array_from_callback(shape, placements[path].get_value(), read))
-    # The FP8 state (scales, amax histories) as a fresh model has it, created in place on the mesh.
     rest_placement = nnx.from_flat_state({path: placements[path] for path, _ in nnx.to_flat_state(rest)})
-    rest_values = jax.jit(lambda: nnx.state(build(), nnx.Not(nnx.Param)), out_shardings=rest_placement)()
-    return nnx.merge(graphdef, nnx.from_flat_state(flat_params), rest_values)
+    return nnx.merge(graphdef, nnx.from_flat_state(flat_params), jax.device_put(rest, rest_placement))
 
 
 __all__ = [

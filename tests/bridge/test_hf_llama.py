@@ -118,6 +118,26 @@ def test_jax_twin_on_an_8_device_mesh_pads_the_vocab_and_shards_by_the_rules(che
     assert np.all(np.asarray(kernel)[:, 129:] == 0)
 
 
+def test_jax_load_reads_each_devices_shard_on_its_own(checkpoints, monkeypatch):
+    """dp_shard 4 x tp 2: the elements read are exactly the devices' shards (each replica read by its device)."""
+    directory, reference, tokens = checkpoints["mha_untied_bias"]
+    read = [0]  # elements handed out by read_box (zeros of the padding counted as read)
+    read_box = hf_llama.Checkpoint.read_box
+
+    def counting_read_box(self, ours, rows, cols, framework, put):
+        def counting_put(piece, values):
+            read[0] += (piece.stop - piece.start) * (1 if cols is None else cols[1] - cols[0])
+            put(piece, values)
+
+        read_box(self, ours, rows, cols, framework, counting_put)
+
+    monkeypatch.setattr(hf_llama.Checkpoint, "read_box", counting_read_box)
+    model = jax_llama.load_hf(directory, mesh=make_mesh(dp_shard=4, tp=2))
+    params = [v.get_value() for _, v in nnx.to_flat_state(nnx.state(model, nnx.Param))]
+    assert read[0] == sum(shard.data.size for p in params for shard in p.addressable_shards)
+    assert relative(jax_logits(model, tokens), reference) <= TOLERANCE
+
+
 @pytest.mark.grid
 @pytest.mark.parametrize("case", CASES)
 @pytest.mark.parametrize("axes", [(1, 8, 1), (2, 2, 2), (1, 2, 4), (8, 1, 1)])
