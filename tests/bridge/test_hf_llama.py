@@ -314,6 +314,57 @@ def test_bf16_checkpoints_load_bit_for_bit_in_both_frameworks(tmp_path):
                 assert torch.equal(tensor[rows].view(torch.int16), expected[hf_name].view(torch.int16)), hf_name
 
 
+def _load_under_current_scaling(rank: int, world_size: int, directory: Path) -> dict[str, torch.Tensor]:
+    """A bf16 checkpoint loaded under the caller's quantized_model_init: every FP8 weight's values, gathered."""
+    from torch.distributed.tensor import DTensor
+
+    from torchside.autocast import quantized_model_init
+    from torchside.models.llama_parallel import build_meshes
+    from torchside.quantization import QuantizedTensor
+    from torchside.recipe import Float8CurrentScaling
+
+    meshes = build_meshes("cpu", dp=2, tp=2) if world_size > 1 else None
+    with quantized_model_init(recipe=Float8CurrentScaling()):
+        meshes = {"mesh": meshes.data, "tp_mesh": meshes.tp, "weight_mesh": meshes.weight} if meshes else {}
+        model = torch_llama.load_hf(directory, **meshes)
+    values = {}
+    for name, param in model.named_parameters():
+        local = param.to_local() if isinstance(param, DTensor) else param
+        if not isinstance(local, QuantizedTensor):
+            continue
+        values[name] = local.dequantize(torch.float32)
+        if isinstance(param, DTensor):
+            layout = {"shape": param.shape, "stride": param.stride()}
+            values[name] = DTensor.from_local(values[name], param.device_mesh, param.placements, **layout).full_tensor()
+    return values
+
+
+def test_a_bf16_checkpoint_under_quantized_model_init_loads_as_fp8_weights_of_that_recipe(tmp_path):
+    """Each FP8 weight (one device, and FSDP2 x TP 2 x 2 threaded) is the reference current-scaling cast of the
+    whole HF weight fused by the table: one scale over all its shards."""
+    from kernels import reference
+
+    hf = hf_model("mha_untied_bias").to(torch.bfloat16)
+    directory = save(hf, tmp_path, sharded=False)
+    config = hf_llama.Checkpoint(directory).config
+    expected = {}
+    kv, h = config.num_kv_heads, config.head_dim
+    for ours, source in hf_llama.fp8_sources(config).items():
+        parts = [hf.state_dict()[name].float() for name in source.hf_names]
+        if len(parts) == 3:  # q, k, v -> rows grouped by kv head: its q heads, its k head, its v head
+            q, k, v = (t.reshape(kv, -1, t.shape[-1]) for t in parts)
+            fused = torch.cat([q, k, v], dim=1).flatten(0, 1)
+        elif len(parts) == 2:  # gate, up -> interleaved rows
+            fused = torch.stack(parts, dim=1).flatten(0, 1)
+        else:
+            (fused,) = parts
+        expected[ours] = reference.dequantize(reference.quantize_tensorwise(fused))
+    for values in (_load_under_current_scaling(0, 1, directory), *run_threads(_load_under_current_scaling, 4, directory)):
+        assert sorted(values) == sorted(expected)
+        for name, tensor in values.items():
+            assert torch.equal(tensor, expected[name]), name
+
+
 # ---- FP8 block-scaled checkpoints: bytes and scales kept (torch), dequantized exactly (JAX)
 
 

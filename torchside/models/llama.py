@@ -178,6 +178,7 @@ def load_hf(
     *,
     mesh=None,
     tp_mesh=None,
+    weight_mesh=None,
     device: torch.device | str = "cpu",
     dtype: torch.dtype | None = None,
 ) -> Llama:
@@ -187,7 +188,7 @@ def load_hf(
     """
     from torchside.models.llama_hf import load_hf as load
 
-    return load(path, mesh=mesh, tp_mesh=tp_mesh, device=device, dtype=dtype)
+    return load(path, mesh=mesh, tp_mesh=tp_mesh, weight_mesh=weight_mesh, device=device, dtype=dtype)
 
 
 __all__ = [

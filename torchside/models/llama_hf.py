@@ -14,7 +14,10 @@ An FP8 block-scaled checkpoint (jaxside.models.hf_llama's docstring) builds the 
 weight is a Float8BlockScaling parameter whose `rowwise_data` and `rowwise_scale_inv` receive the
 HF bytes and scales of its shard as they are (no dequantization, no requantization); its
 columnwise copy is their transpose, rebuilt as a checkpoint load rebuilds it. The embedding, an
-untied head and the norms stay high precision (`dtype`, default the embedding's).
+untied head and the norms stay high precision (`dtype`, default the embedding's). A bf16/fp32
+checkpoint loaded under the caller's `quantized_model_init(recipe=...)` gets FP8 projection weights
+of that recipe: each rank casts the high-precision values of its own shard as it reads them
+(`quantize_weight_`, the weight's scale over all its shards, as after an optimizer step).
 
 The materialization initializes the weights randomly before they are overwritten (time, not memory:
 each rank allocates only its shards). The vocabulary is padded to a multiple of the mesh's
@@ -24,6 +27,7 @@ the two models pair up in the bridge; the padding rows are zeros.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 from pathlib import Path
 
@@ -64,7 +68,7 @@ def _read_into(checkpoint: Checkpoint, name: str, local: Tensor, rows, cols, buf
 
 
 @torch.no_grad()
-def _fill(checkpoint: Checkpoint, name: str, param: Tensor) -> None:
+def _fill(checkpoint: Checkpoint, model: Llama, name: str, param: Tensor) -> None:
     local, offsets, sizes = _box(param)
     if local.numel() == 0:
         return
@@ -72,6 +76,12 @@ def _fill(checkpoint: Checkpoint, name: str, param: Tensor) -> None:
     cols = (offsets[1], offsets[1] + sizes[1]) if local.dim() == 2 else None
     if not quantized_params.is_quantized(param):
         _read_into(checkpoint, name, local, rows, cols)
+        return
+    if not checkpoint.fp8:  # an FP8 weight of the caller's recipe: cast this shard of the high-precision values
+        values = torch.empty(local.shape, dtype=local.dtype, device=local.device)
+        _read_into(checkpoint, name, values, rows, cols)
+        owner, _, attr = name.rpartition(".")
+        model.get_submodule(owner).quantize_weight_(attr, values)
         return
     # An FP8 weight: the HF bytes and scales as they are; the shard starts on a block (FSDP2 and TP check it).
     storage = quantized_params.local_of(param).quantized_storage
@@ -86,12 +96,15 @@ def load_hf(
     *,
     mesh: DeviceMesh | None = None,
     tp_mesh: DeviceMesh | None = None,
+    weight_mesh: DeviceMesh | None = None,
     device: torch.device | str = "cpu",
     dtype: torch.dtype | None = None,
 ) -> Llama:
     """Our Llama with an HF checkpoint's weights (module docstring); ValueError naming the file for bad input.
 
     mesh: the data-parallel mesh (1-D FSDP, 2-D HSDP) or None; tp_mesh: the 1-D TP mesh or None.
+    weight_mesh: every rank holding a piece of a weight (build_meshes' `weight`); needed when FP8 weights
+    of a per-tensor-scale recipe (quantized_model_init) are split over FSDP2 and TP: one scale for all shards.
     dtype: the parameters' dtype; None keeps the checkpoint's.
     """
     checkpoint = Checkpoint(path)
@@ -99,15 +112,17 @@ def load_hf(
     vocab_multiple = tp * _mesh_size(mesh)
     config = dataclasses.replace(checkpoint.config, vocab_multiple=vocab_multiple)
     dtype = DTYPES[checkpoint.dtype()] if dtype is None else dtype
-    # An FP8 checkpoint's projection weights become Float8BlockScaling parameters (128x128 E4M3 blocks).
-    with quantized_model_init(enabled=checkpoint.fp8, recipe=Float8BlockScaling()):
+    # An FP8 checkpoint's projection weights become Float8BlockScaling parameters (128x128 E4M3 blocks);
+    # a high-precision one's follow the caller's quantized_model_init, if any (cast as they are read).
+    fp8_init = quantized_model_init(recipe=Float8BlockScaling()) if checkpoint.fp8 else contextlib.nullcontext()
+    with fp8_init:
         model = Llama(config, params_dtype=dtype, device="meta", module_config=ModuleConfig(tp_size=tp))
-    parallelize_llama(model, LlamaMeshes(world=None, data=mesh, tp=tp_mesh, weight=None), device=device)
+    parallelize_llama(model, LlamaMeshes(world=None, data=mesh, tp=tp_mesh, weight=weight_mesh), device=device)
     params = dict(model.named_parameters())
     unmapped = sorted(set(params) ^ set(checkpoint.sources))
     assert not unmapped, f"the HF table and the model disagree on {unmapped}"
     for name, param in params.items():
-        _fill(checkpoint, name, param)
+        _fill(checkpoint, model, name, param)
     return model
 
 
