@@ -242,16 +242,6 @@ def our_shapes(config: LlamaConfig) -> dict[str, tuple[int, ...]]:
     return result
 
 
-def our_rows(source: Source, config: LlamaConfig, total_rows: int) -> dict[str, list[int]]:
-    """The writer's direction: for each HF tensor of `source`, the rows of our full tensor it is made of."""
-    rows: dict[str, list[int]] = {name: [] for name in source.hf_names}
-    for piece in row_pieces(source, config, 0, total_rows):
-        if piece.hf_name is not None:
-            count = piece.stop - piece.start
-            rows[piece.hf_name] += range(piece.dest, piece.dest + count * piece.step, piece.step)
-    return rows
-
-
 # ---- reading a checkpoint directory
 
 
@@ -557,7 +547,6 @@ __all__ = [
     "hf_order",
     "hf_shapes",
     "is_projection_weight",
-    "our_rows",
     "our_shapes",
     "ours_of",
     "parse_config",

@@ -188,3 +188,13 @@ def break_fp8(directory: Path, defect: str) -> tuple[str, ...]:
     config["quantization_config"] = config["quantization_config"] | edits[defect]
     config_path.write_text(json.dumps(config))
     return "config.json", "[1, 128]" if defect == "weight_block_size" else "e5m2"
+
+
+def our_rows(source: hf_llama.Source, config, total_rows: int) -> dict[str, list[int]]:
+    """For each HF tensor of `source`, the rows of our full tensor it is made of (row_pieces, read backwards)."""
+    rows: dict[str, list[int]] = {name: [] for name in source.hf_names}
+    for piece in hf_llama.row_pieces(source, config, 0, total_rows):
+        if piece.hf_name is not None:
+            count = piece.stop - piece.start
+            rows[piece.hf_name] += range(piece.dest, piece.dest + count * piece.step, piece.step)
+    return rows

@@ -39,6 +39,7 @@ from tests.bridge.hf_cases import (
     dequantize_blocks,
     fp8_hf_checkpoint,
     hf_model,
+    our_rows,
     random_tokens,
     reference_logits,
     relative,
@@ -260,7 +261,7 @@ def test_row_pieces_of_any_row_range_rebuild_the_fused_rows():
         for start in range(len(full)):
             for stop in range(start + 1, len(full) + 1):
                 assert torch.equal(_assemble(table[name], start, stop, hf), full[start:stop]), (name, start, stop)
-        rows = hf_llama.our_rows(table[name], SMALL, len(full))
+        rows = our_rows(table[name], SMALL, len(full))
         for hf_name, ours in rows.items():
             assert torch.equal(full[ours], hf[hf_name])  # the writer's direction
 
@@ -279,7 +280,7 @@ def test_row_pieces_of_runs_of_w_rebuild_fc1():
                 values = hf[piece.hf_name][piece.start : piece.stop]
                 out[piece.dest : piece.dest + (piece.stop - piece.start) * piece.step : piece.step] = values
             assert torch.equal(out, full[start:stop]), (start, stop)
-    rows = hf_llama.our_rows(source, config, len(full))
+    rows = our_rows(source, config, len(full))
     assert torch.equal(full[rows[source.hf_names[0]]], gate) and torch.equal(full[rows[source.hf_names[1]]], up)
 
 
@@ -313,7 +314,7 @@ def test_bf16_checkpoints_load_bit_for_bit_in_both_frameworks(tmp_path):
         from_jax = from_jax.T if from_jax.dim() == 2 else from_jax
         for tensor in (ours_torch[ours].detach(), from_jax):
             assert tensor.dtype == torch.bfloat16
-            for hf_name, rows in hf_llama.our_rows(source, config, tensor.shape[0]).items():
+            for hf_name, rows in our_rows(source, config, tensor.shape[0]).items():
                 assert torch.equal(tensor[rows].view(torch.int16), expected[hf_name].view(torch.int16)), hf_name
 
 
@@ -380,7 +381,7 @@ def fp8_checkpoint(tmp_path_factory):
 
 def _hf_rows_of(tensor: torch.Tensor, source, config) -> dict[str, torch.Tensor]:
     """Each HF tensor's rows of our full `tensor` (the table's writer direction)."""
-    return {name: tensor[rows] for name, rows in hf_llama.our_rows(source, config, tensor.shape[0]).items()}
+    return {name: tensor[rows] for name, rows in our_rows(source, config, tensor.shape[0]).items()}
 
 
 def test_fp8_checkpoint_loads_as_float8_block_scaling_parameters_with_the_files_bytes(fp8_checkpoint):
