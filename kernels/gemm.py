@@ -21,8 +21,12 @@ in fp32: the interpreter's bf16 dot is wrong and its fp8 upcast turns NaN/inf co
 numbers (../shared/notes/cpu-feasibility.md). bf16 outputs are rounded to nearest even with bit
 operations (the interpreter's `.to(tl.bfloat16)` truncates).
 
-Per-tensor e4m3/e5m2 and 1x128 x 128x128 blocks go to `torch._scaled_mm` (cuBLASLt) on CUDA when it
-takes the case, a measured choice: see `TENSORWISE_USES_TORCH_SCALED_MM`, `BLOCKWISE_USES_TORCH_SCALED_MM`.
+On CUDA, `CUDA_PATHS` (a measured table) sends each family where it runs fastest: per-tensor and
+128-block GEMMs to cuBLASLt (`torch._scaled_mm`, or `torch.nn.functional.scaled_mm` for the 1x128 x 1x128
+wgrad pair) where it takes the case; MXFP8 and NVFP4 to `_scaled_mm_dequantized`: one launch writes each
+operand dequantized to bf16 (the same exact values as this kernel's prologue), cuBLAS multiplies them on
+the bf16 tensor cores with fp32 output, and one launch applies NVFP4's global scales, the bias and the
+output rounding (`_finish_kernel`, this kernel's epilogue). Everything else runs this kernel.
 """
 
 from __future__ import annotations
@@ -41,20 +45,20 @@ from kernels.formats import FORMATS, NVFP4_GLOBAL_MAX, SCHEME_BLOCKS
 from kernels.gemm_reference import GemmOperand, check_gemm, gemm_operand
 from kernels.reference import Quantized
 
-# Measured choices (benchmarks/bench/bench_gemm.py, 8192^3 e4m3, bf16 out, one H200, 2026-11-30):
-# tensorwise: torch._scaled_mm 1273 TFLOP/s, this kernel 934 -> cuBLASLt.
-# 1x128 x 128x128 blocks: torch._scaled_mm (torch 2.11 blockwise) 1103 TFLOP/s, this kernel 535 -> cuBLASLt
-# where the torch build runs it (older builds raise: then this kernel, remembered per process).
-# 1x128 x 1x128 (wgrad): torch 2.11's _scaled_mm refused the pair on the H200 (bench_gemm, 2026-11-30),
-# so it stays on this kernel (332 TFLOP/s at 8192^3): the reason Float8BlockScaling trails bf16.
-TENSORWISE_USES_TORCH_SCALED_MM = True
-BLOCKWISE_USES_TORCH_SCALED_MM = True
-# cuBLASLt reads the 128x128 scales [K/128, N/128] with a leading dim of K/128 floats that must be
-# 16-byte aligned: torch 2.11 does not check it, and with K/128 = 6 or 10 (K = 768, 1280) it returned
-# wrong products (relative error 0.4 to 5e7 on the H200, found by benchmarks/diagnose/check_step_gemms.py when the
-# 125M Llama trained NaN from step 0 under Float8BlockScaling). So K/128 must be a multiple of 4.
+# How scaled_mm runs each scaling family on CUDA, measured by benchmarks/bench/bench_gemm.py (8192^3, bf16 out,
+# one H200). "cublaslt" where _torch_scaled_mm_takes the case (else this Triton kernel); "dequantize":
+# _scaled_mm_dequantized; "triton": this kernel.
+# - tensorwise: torch._scaled_mm 1273 TFLOP/s, this kernel 934 (2026-11-30).
+# - block 1x128 x 128x128 (fprop, dgrad): torch._scaled_mm 1103, this kernel 535 (2026-11-30).
+# - block 1x128 x 1x128 (wgrad): F.scaled_mm 1056 (torch 2.11; its _scaled_mm refuses the pair), this kernel 338
+#   (2026-12-02).
+# - mxfp8, nvfp4 (emulated): dequantize + cuBLAS bf16 ... / ..., this kernel 245 / 160 (2026-12-02).
+CUDA_PATHS = {"tensorwise": "cublaslt", "block": "cublaslt", "mxfp8": "dequantize", "nvfp4": "dequantize"}
+# 128-block pairs (A, B rows per scale) cuBLASLt runs, and through which torch entry point: _scaled_mm infers
+# 1x128 x 128x128 from the scales' shapes; only F.scaled_mm (torch >= 2.10) names 1x128 x 1x128.
+_CUBLAS_BLOCK_PAIRS = {(1, 128): "_scaled_mm", (1, 1): "F.scaled_mm"}
 _BLOCKWISE_K_MULTIPLE = 4 * 128
-_blockwise_cublas_failed = False
+_cublas_refused: set[tuple[int, int]] = set()  # block pairs this torch build refused: this kernel from then on
 
 _NVFP4_GLOBAL_MAX = tl.constexpr(NVFP4_GLOBAL_MAX)
 _GROUP_M = 8  # tiles of A rows swept together, so their B tiles stay in L2
@@ -186,6 +190,24 @@ def _scaled_dot(
 
 
 @triton.jit
+def _epilogue(
+    acc, rows, cols, M, N, a_amax_ptr, b_amax_ptr, bias_ptr, out_ptr,
+    GLOBAL_SCALES: tl.constexpr, HAS_BIAS: tl.constexpr, OUT_BF16: tl.constexpr,
+):  # fmt: skip
+    """out[rows, cols] (contiguous [M, N]) = acc times NVFP4's global scales, plus the bias, rounded once."""
+    if GLOBAL_SCALES:
+        acc = acc * _nvfp4_decode_factor(a_amax_ptr) * _nvfp4_decode_factor(b_amax_ptr)
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + cols, mask=cols < N, other=0.0).to(tl.float32)[None, :]
+    inside = (rows[:, None] < M) & (cols[None, :] < N)
+    out_ptrs = out_ptr + rows[:, None] * N + cols[None, :]
+    if OUT_BF16:
+        tl.store(out_ptrs, f32_to_bf16_bits(acc).to(tl.int16, bitcast=True), mask=inside)
+    else:
+        tl.store(out_ptrs, acc, mask=inside)
+
+
+@triton.jit
 def _scaled_mm_kernel(
     a_ptr, b_ptr,  # A [M, K], B [N, K], K contiguous: fp8, or uint8 codes (decoded here; nvfp4 two per byte)
     a_scale_ptr, b_scale_ptr,  # each copy's scale_inv, laid out as docs/quantization.md says
@@ -215,16 +237,42 @@ def _scaled_mm_kernel(
         SCALING, SCALE_K, A_SCALE_ROWS, A_EXPONENT_BITS, A_MANTISSA_BITS, A_NAN_CODE,
         B_SCALE_ROWS, B_EXPONENT_BITS, B_MANTISSA_BITS, B_NAN_CODE, DOT_IN_FP32, BLOCK_M, BLOCK_N, BLOCK_K,
     )  # fmt: skip
-    if SCALING == "nvfp4":
-        acc = acc * _nvfp4_decode_factor(a_amax_ptr) * _nvfp4_decode_factor(b_amax_ptr)
-    if HAS_BIAS:
-        acc += tl.load(bias_ptr + cols, mask=cols < N, other=0.0).to(tl.float32)[None, :]
-    inside = (rows[:, None] < M) & (cols[None, :] < N)
-    out_ptrs = out_ptr + rows[:, None] * N + cols[None, :]
-    if OUT_BF16:
-        tl.store(out_ptrs, f32_to_bf16_bits(acc).to(tl.int16, bitcast=True), mask=inside)
-    else:
-        tl.store(out_ptrs, acc, mask=inside)
+    _epilogue(acc, rows, cols, M, N, a_amax_ptr, b_amax_ptr, bias_ptr, out_ptr, SCALING == "nvfp4", HAS_BIAS, OUT_BF16)
+
+
+@triton.jit
+def _dequantize_kernel(
+    data_ptr, scale_ptr, out_ptr,  # codes [rows, K] (nvfp4: two per byte); their block scales; out bf16 bits [rows, K]
+    ROWS, K, row_stride, scale_row_stride,
+    SCALING: tl.constexpr, SCALE_K: tl.constexpr, SCALE_ROWS: tl.constexpr,
+    EXPONENT_BITS: tl.constexpr, MANTISSA_BITS: tl.constexpr, NAN_CODE: tl.constexpr, DOT_IN_FP32: tl.constexpr,
+    BLOCK_ROWS: tl.constexpr, BLOCK_K: tl.constexpr,
+):  # fmt: skip
+    """One [BLOCK_ROWS, BLOCK_K] tile of an MXFP8/NVFP4 operand times its block scales, as bf16: the GEMM
+    kernel's prologue (`_operand_tile`) stored instead of multiplied."""
+    rows = tl.program_id(0).to(tl.int64) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
+    k0 = tl.program_id(1) * BLOCK_K
+    values = _operand_tile(
+        data_ptr, scale_ptr, rows % ROWS, row_stride, scale_row_stride, k0, K, SCALING, SCALE_K, SCALE_ROWS,
+        EXPONENT_BITS, MANTISSA_BITS, NAN_CODE, DOT_IN_FP32, BLOCK_ROWS, BLOCK_K,
+    )  # fmt: skip
+    cols = k0 + tl.arange(0, BLOCK_K)
+    inside = (rows[:, None] < ROWS) & (cols[None, :] < K)
+    bits = f32_to_bf16_bits(values.to(tl.float32)).to(tl.int16, bitcast=True)  # exact: the values fit bf16
+    tl.store(out_ptr + rows[:, None] * K + cols[None, :], bits, mask=inside)
+
+
+@triton.jit
+def _finish_kernel(
+    acc_ptr, a_amax_ptr, b_amax_ptr, bias_ptr, out_ptr, M, N,
+    GLOBAL_SCALES: tl.constexpr, HAS_BIAS: tl.constexpr, OUT_BF16: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+):  # fmt: skip
+    """The GEMM kernel's epilogue on an fp32 product [M, N] that cuBLAS wrote."""
+    rows = tl.program_id(0).to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = tl.program_id(1).to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
+    acc = tl.load(acc_ptr + rows[:, None] * N + cols[None, :], mask=(rows[:, None] < M) & (cols[None, :] < N))
+    _epilogue(acc, rows, cols, M, N, a_amax_ptr, b_amax_ptr, bias_ptr, out_ptr, GLOBAL_SCALES, HAS_BIAS, OUT_BF16)
 
 
 def _tune_big_problems_only(configs, named_args, **kwargs):
@@ -288,28 +336,29 @@ def _k_contiguous(data: Tensor) -> bool:
     return data.stride(-1) == 1 and data.stride(0) == data.shape[-1] and data.data_ptr() % 16 == 0
 
 
+def _block_pair_takes(a: GemmOperand, b: GemmOperand) -> bool:
+    """cuBLASLt's 128-block modes (_CUBLAS_BLOCK_PAIRS): e4m3 only (torch refuses e5m2 there), whole K blocks,
+    scale leading dims 16-byte aligned."""
+    pair = (a.scale_rows, b.scale_rows)
+    if pair not in _CUBLAS_BLOCK_PAIRS or pair in _cublas_refused or (a.fmt, b.fmt) != ("e4m3", "e4m3"):
+        return False
+    if pair == (1, 1):  # both 1x128 scales are read M- (N-) major: leading dims M and N
+        return a.k % 128 == 0 and a.rows % 4 == 0 and b.rows % 4 == 0
+    return a.k % _BLOCKWISE_K_MULTIPLE == 0 and b.rows % 128 == 0 and a.rows % 4 == 0
+
+
 def _torch_scaled_mm_takes(a: GemmOperand, b: GemmOperand, out_dtype: torch.dtype, bias: Tensor | None) -> bool:
-    """Whether CUDA's torch._scaled_mm runs this case (CPU's accepts more: these are CUDA's rules)."""
+    """Whether CUDA's cuBLASLt runs this case, per CUDA_PATHS (CPU's _scaled_mm accepts more: these are CUDA's rules)."""
+    if CUDA_PATHS[a.family] != "cublaslt":
+        return False
     bias_ok = bias is None or (out_dtype == torch.bfloat16 and bias.dtype == torch.bfloat16)  # no bias with fp32 out
-    if a.family == "tensorwise":
-        family_ok = TENSORWISE_USES_TORCH_SCALED_MM
-    else:  # cuBLASLt's blockwise mode: 1x128 activations by 128x128 weights, whole blocks only
-        family_ok = (
-            a.family == "block"
-            and BLOCKWISE_USES_TORCH_SCALED_MM
-            and not _blockwise_cublas_failed
-            and (a.scale_rows, b.scale_rows) == (1, 128)
-            and a.k % _BLOCKWISE_K_MULTIPLE == 0
-            and b.rows % 128 == 0
-            and a.rows % 4 == 0  # the 1x128 scales' leading dim, 16-byte aligned like the 128x128 ones'
-            and bias is None
-        )
+    if a.family == "block":
+        bias_ok = bias is None and _block_pair_takes(a, b)
     return (
-        family_ok
+        bias_ok
         and not (a.fmt == "e5m2" and b.fmt == "e5m2")  # cuBLASLt has no e5m2 x e5m2
         and a.k % 16 == 0  # K and N multiples of 16
         and b.rows % 16 == 0
-        and bias_ok
         and _k_contiguous(a.data)  # A row-major and B^T column-major: sm90's only fp8 layout
         and _k_contiguous(b.data)
     )
@@ -323,10 +372,77 @@ def _torch_scaled_mm(
     b_fp8_t = b.data.view(FORMATS[b.fmt].torch_dtype).t()  # [K, N] column-major
     assert b_fp8_t.stride(0) == 1 and a.k % 16 == 0 and b.rows % 16 == 0, "checked by _torch_scaled_mm_takes"
     scale_a, scale_b = a.scale_inv, b.scale_inv
-    if a.family == "block":  # cuBLASLt reads 1x128 scales M-major and 128x128 ones as [K/128, N/128]
-        scale_a, scale_b = a.scale_inv.t().contiguous().t(), b.scale_inv.t()
+    if a.family == "block":  # cuBLASLt reads 1x128 scales M-major (N-major) and 128x128 ones as [K/128, N/128]
+        scale_a = a.scale_inv.t().contiguous().t()
+        scale_b = b.scale_inv.t().contiguous().t() if b.scale_rows == 1 else b.scale_inv.t()
+        if _CUBLAS_BLOCK_PAIRS[(a.scale_rows, b.scale_rows)] == "F.scaled_mm":
+            product = _block_1x128_pair(a_fp8, b_fp8_t, scale_a, scale_b, out_dtype)
+            return product if out is None else out.copy_(product)
     kwargs = {} if out is None else {"out": out}
     return torch._scaled_mm(a_fp8, b_fp8_t, scale_a=scale_a, scale_b=scale_b, bias=bias, out_dtype=out_dtype, **kwargs)
+
+
+def _block_1x128_pair(a_fp8: Tensor, b_fp8_t: Tensor, scale_a: Tensor, scale_b: Tensor, out_dtype: torch.dtype):
+    """1x128 x 1x128 through torch.nn.functional.scaled_mm (a RuntimeError where this torch has none)."""
+    functional = torch.nn.functional
+    if not hasattr(functional, "scaled_mm"):
+        raise RuntimeError(f"torch {torch.__version__} has no torch.nn.functional.scaled_mm")
+    block = functional.ScalingType.BlockWise1x128
+    return functional.scaled_mm(a_fp8, b_fp8_t, scale_a, block, scale_b, block, output_dtype=out_dtype)
+
+
+def _dequantized_bf16(operand: GemmOperand) -> Tensor:
+    """An MXFP8/NVFP4 operand [rows, K] times its block scales, in bf16 (exact); NVFP4's global scale not applied."""
+    out = torch.empty(operand.rows, operand.k, dtype=torch.bfloat16, device=operand.data.device)
+    dot_in_fp32 = interpreting()
+    block_rows, block_k = (64, 128) if not dot_in_fp32 else (128, 256)  # the interpreter pays per program
+    grid = (triton.cdiv(operand.rows, block_rows), triton.cdiv(operand.k, block_k))
+    _dequantize_kernel[grid](
+        _kernel_codes(operand, dot_in_fp32), operand.scale_inv, out.view(torch.int16),
+        operand.rows, operand.k, operand.data.stride(0), _scale_row_stride(operand.scale_inv),
+        SCALING=operand.family, SCALE_K=SCHEME_BLOCKS[operand.scheme][1], SCALE_ROWS=max(operand.scale_rows, 1),
+        **{name: value for name, value in format_constants(operand.fmt, "").items() if name != "MAX_BITS"},
+        DOT_IN_FP32=dot_in_fp32, BLOCK_ROWS=block_rows, BLOCK_K=block_k,
+    )  # fmt: skip
+    return out
+
+
+def _scaled_mm_dequantized(a: GemmOperand, b: GemmOperand, out_dtype: torch.dtype, bias: Tensor | None) -> Tensor:
+    """MXFP8/NVFP4 on bf16 tensor cores: both operands dequantized to bf16, multiplied by cuBLAS into fp32,
+    then this kernel's epilogue. The products of bf16 values are exact in fp32, so the result differs from
+    the spec only in the order of the fp32 sums."""
+    a16, b16 = _dequantized_bf16(a), _dequantized_bf16(b)
+    if a16.is_cuda:
+        product = torch.mm(a16, b16.t(), out_dtype=torch.float32)
+    else:  # the interpreter's tests: the same exact products, summed in fp32
+        product = a16.float() @ b16.float().t()
+    global_scales = a.family == "nvfp4"
+    if out_dtype == torch.float32 and not global_scales and bias is None:
+        return product
+    M, N = product.shape
+    out = torch.empty(M, N, dtype=out_dtype, device=product.device)
+    block_m, block_n = 64, 128
+
+    def grid(meta):
+        return triton.cdiv(M, block_m), triton.cdiv(N, block_n)
+
+    _finish_kernel[grid](
+        product, a.global_amax if global_scales else product, b.global_amax if global_scales else product,
+        bias.contiguous() if bias is not None else product,
+        out.view(torch.int16) if out_dtype == torch.bfloat16 else out, M, N,
+        GLOBAL_SCALES=global_scales, HAS_BIAS=bias is not None, OUT_BF16=out_dtype == torch.bfloat16,
+        BLOCK_M=block_m, BLOCK_N=block_n,
+    )  # fmt: skip
+    return out
+
+
+def cuda_path(a: GemmOperand, b: GemmOperand, out_dtype: torch.dtype, bias: Tensor | None) -> str:
+    """Where scaled_mm runs these checked operands on CUDA: "cublaslt", "dequantize" or "triton" (CUDA_PATHS,
+    then the case's shape: cuBLASLt only where it takes it)."""
+    path = CUDA_PATHS[a.family]
+    if path == "cublaslt":
+        return "cublaslt" if _torch_scaled_mm_takes(a, b, out_dtype, bias) else "triton"
+    return path
 
 
 def scaled_mm(
@@ -346,15 +462,19 @@ def scaled_mm(
         return gemm_reference.scaled_mm(
             a, b, a_columnwise=a_columnwise, b_columnwise=b_columnwise, out_dtype=out_dtype, bias=bias
         )
-    if backend is Backend.TRITON and _torch_scaled_mm_takes(a_operand, b_operand, out_dtype, bias):
+    path = cuda_path(a_operand, b_operand, out_dtype, bias)
+    if backend is Backend.INTERPRETER and path == "cublaslt":
+        path = "triton"  # cuBLASLt is CUDA's alone; the interpreter (CPU tests) runs the other paths as CUDA does
+    if path == "dequantize":
+        return _scaled_mm_dequantized(a_operand, b_operand, out_dtype, bias)
+    if path == "cublaslt":
         try:
             return _torch_scaled_mm(a_operand, b_operand, out_dtype, bias)
         except (RuntimeError, ValueError):
             if a_operand.family != "block":
                 raise
-            global _blockwise_cublas_failed  # this torch build has no blockwise _scaled_mm: use ours from now on
-            _blockwise_cublas_failed = True
+            _cublas_refused.add((a_operand.scale_rows, b_operand.scale_rows))  # this torch build: ours from now on
     return _scaled_mm_triton(a_operand, b_operand, out_dtype, bias)
 
 
-__all__ = ["BLOCKWISE_USES_TORCH_SCALED_MM", "TENSORWISE_USES_TORCH_SCALED_MM", "scaled_mm"]
+__all__ = ["CUDA_PATHS", "cuda_path", "scaled_mm"]

@@ -6,11 +6,12 @@ Throughput = 2*M*N*K / time. Floors are DESIGN.md's H200 peaks: bf16 788 TFLOP/s
 (torch._scaled_mm tensorwise). Rows:
 
 - tensorwise e4m3: kernels.gemm's Triton kernel, torch._scaled_mm (cuBLASLt), and `scaled_mm`
-  (whichever TENSORWISE_USES_TORCH_SCALED_MM picks); the faster of the first two decides that constant.
-- block-scaled 1x128 x 128x128 and 1x128 x 1x128 (wgrad): ours (target >= 1.3x bf16's 788), torch._scaled_mm rowwise (the
-  nearest cuBLAS FP8 peer), and torch._scaled_mm blockwise where this torch build runs it.
-- MXFP8 and NVFP4: EMULATED (Hopper has no MXFP8/NVFP4 tensor cores; dequantize in the prologue,
-  bf16 dots), so their floor is the bf16 peak; peer: dequantize + bf16 torch.matmul, eager.
+  (the path gemm.CUDA_PATHS picks); the faster of the first two decides that table's entry.
+- block-scaled 1x128 x 128x128 and 1x128 x 1x128 (wgrad): our Triton kernel, `scaled_mm` (cuBLASLt
+  through torch where it takes the pair), torch._scaled_mm rowwise (the nearest cuBLAS FP8 peer).
+- MXFP8 and NVFP4: EMULATED (Hopper has no MXFP8/NVFP4 tensor cores), so their floor is the bf16
+  peak: our fused Triton kernel (dequantize in the prologue, bf16 dots), the dequantize path
+  (bf16 copies, cuBLAS, one epilogue launch), `scaled_mm`; peer: dequantize + bf16 torch.matmul, eager.
 
 Every row also reports its relative error against kernels.gemm_reference (fp32 matmul of the
 dequantized operands), so a fast wrong kernel cannot pass unnoticed. Times: benchmarks.harness.device_ms
@@ -59,8 +60,7 @@ def main() -> None:
     want = gemm_reference.scaled_mm(qx, qw)
     ours = measure(case, "ours (Triton)", lambda: gemm._scaled_mm_triton(a, b, bf16_out, None), fp8_peak, want)
     cublas = measure(case, "torch._scaled_mm", lambda: gemm._torch_scaled_mm(a, b, bf16_out, None), fp8_peak, want)
-    picked = "torch._scaled_mm" if gemm.TENSORWISE_USES_TORCH_SCALED_MM else "Triton"
-    measure(case, "gemm.scaled_mm", lambda: gemm.scaled_mm(qx, qw), fp8_peak, want, f"dispatches to {picked}")
+    measure(case, "gemm.scaled_mm", lambda: gemm.scaled_mm(qx, qw), fp8_peak, want, _path(qx, qw))
 
     # block-scaled: ours; cuBLAS rowwise (the nearest finer-than-tensor peer) and, where wired up, blockwise
     case = "block 1x128 x 128x128"
@@ -68,8 +68,7 @@ def main() -> None:
     want = gemm_reference.scaled_mm(qx, qw)
     block_a, block_b = gemm_reference.gemm_operand(qx, False, "a"), gemm_reference.gemm_operand(qw, False, "b")
     block = measure(case, "ours (Triton)", lambda: gemm._scaled_mm_triton(block_a, block_b, bf16_out, None), fp8_peak, want)
-    picked = "torch._scaled_mm" if gemm._torch_scaled_mm_takes(block_a, block_b, bf16_out, None) else "Triton"
-    measure(case, "gemm.scaled_mm", lambda: gemm.scaled_mm(qx, qw), fp8_peak, want, f"dispatches to {picked}")
+    measure(case, "gemm.scaled_mm", lambda: gemm.scaled_mm(qx, qw), fp8_peak, want, _path(qx, qw))
     x_rows = x.float().abs().amax(dim=1, keepdim=True) / 448.0
     w_rows = w.float().abs().amax(dim=1, keepdim=True).t().contiguous() / 448.0
     x_fp8, w_fp8 = (x / x_rows).to(torch.float8_e4m3fn), (w / w_rows.t()).to(torch.float8_e4m3fn)
@@ -91,14 +90,9 @@ def main() -> None:
     qw = reference.quantize_blockwise(w, "e4m3", (1, 128))
     want = gemm_reference.scaled_mm(qx, qw)
     block_b = gemm_reference.gemm_operand(qw, False, "b")
-    measure(case, "ours (Triton)", lambda: gemm._scaled_mm_triton(block_a, block_b, bf16_out, None), fp8_peak, want)
-    w_scale = qw.scale_inv.t().contiguous().t()
-
-    def blockwise_1x128():
-        return torch._scaled_mm(x_codes, qw.data.view(torch.float8_e4m3fn).t(), scale_a=x_scale, scale_b=w_scale,
-                                out_dtype=bf16_out)  # fmt: skip
-
-    measure(case, "torch._scaled_mm blockwise (peer)", blockwise_1x128, fp8_peak, want)
+    wgrad = measure(case, "ours (Triton)", lambda: gemm._scaled_mm_triton(block_a, block_b, bf16_out, None), fp8_peak,
+                    want)  # fmt: skip
+    wgrad_picked = measure(case, "gemm.scaled_mm", lambda: gemm.scaled_mm(qx, qw), fp8_peak, want, _path(qx, qw))
 
     # emulated: the floor is the bf16 peak; the peer dequantizes, then multiplies in bf16
     emulated = {}
@@ -106,7 +100,13 @@ def main() -> None:
     for case, quantizer in (("mxfp8 e4m3", reference.quantize_mxfp8), ("nvfp4 1x16", reference.quantize_nvfp4)):
         qx, qw = quantizer(x), quantizer(w)
         want = gemm_reference.scaled_mm(qx, qw)
-        emulated[case] = measure(case, "ours (Triton, emulated)", lambda: gemm.scaled_mm(qx, qw), bf16_peak, want, note)
+        a, b = gemm_reference.gemm_operand(qx, False, "a"), gemm_reference.gemm_operand(qw, False, "b")
+        fused = measure(case, "ours (Triton, fused)", lambda: gemm._scaled_mm_triton(a, b, bf16_out, None), bf16_peak,
+                        want, note)  # fmt: skip
+        split = measure(case, "ours (dequantize + cuBLAS bf16)", lambda: gemm._scaled_mm_dequantized(a, b, bf16_out, None),
+                        bf16_peak, want, note)  # fmt: skip
+        emulated[case] = (fused, split)
+        measure(case, "gemm.scaled_mm", lambda: gemm.scaled_mm(qx, qw), bf16_peak, want, _path(qx, qw))
 
         def unfused():
             return reference.dequantize(qx, bf16_out) @ reference.dequantize(qw, bf16_out).T
@@ -116,17 +116,26 @@ def main() -> None:
 
     notes = []
     if ours and cublas:
-        faster = "torch._scaled_mm" if cublas >= ours else "Triton"
+        faster = "cublaslt" if cublas >= ours else "triton"
         notes.append(f"- tensorwise: Triton {ours:.0f} vs torch._scaled_mm {cublas:.0f} TFLOP/s ({ours / cublas:.1%}); "
-                     f"faster: {faster}. Record both numbers at gemm.TENSORWISE_USES_TORCH_SCALED_MM "
-                     f"(now {gemm.TENSORWISE_USES_TORCH_SCALED_MM}; should be {faster == 'torch._scaled_mm'}).")  # fmt: skip
+                     f"faster: {faster}; gemm.CUDA_PATHS says {gemm.CUDA_PATHS['tensorwise']}.")  # fmt: skip
     if block and bf16:
-        notes.append(f"- block-scaled: {block:.0f} TFLOP/s = {block / PEAK_TFLOPS['bf16']:.2f}x the bf16 peak 788 "
-                     f"(target >= 1.3x), {block / bf16:.2f}x this run's bf16 matmul.")  # fmt: skip
-    for name, tflops in emulated.items():
-        if tflops:
-            notes.append(f"- {name} (emulated): {tflops:.0f} TFLOP/s, {tflops / PEAK_TFLOPS['bf16']:.0%} of the bf16 peak.")
+        notes.append(f"- block 1x128 x 128x128, our Triton kernel: {block:.0f} TFLOP/s = {block / bf16:.2f}x this run's "
+                     f"bf16 matmul.")  # fmt: skip
+    if wgrad and wgrad_picked:
+        notes.append(f"- block 1x128 x 1x128 (wgrad): scaled_mm {wgrad_picked:.0f} TFLOP/s (target >= 1000), "
+                     f"our Triton kernel {wgrad:.0f}.")  # fmt: skip
+    for name, (fused, split) in emulated.items():
+        if fused and split:
+            faster = "dequantize" if split >= fused else "triton"
+            notes.append(f"- {name} (emulated): dequantize + cuBLAS {split:.0f} TFLOP/s, fused Triton {fused:.0f}; "
+                         f"faster: {faster}; gemm.CUDA_PATHS says {gemm.CUDA_PATHS[name.split()[0]]}.")  # fmt: skip
     report(f"bench_gemm, {size}^3, bf16 out", rows, args.json, notes)
+
+
+def _path(qa, qb) -> str:
+    a, b = gemm_reference.gemm_operand(qa, False, "a"), gemm_reference.gemm_operand(qb, False, "b")
+    return f"runs {gemm.cuda_path(a, b, torch.bfloat16, None)}"
 
 
 if __name__ == "__main__":

@@ -43,12 +43,13 @@ from torchside.modules.rotary import RotaryPositionEmbedding, apply_rotary_pos_e
 from torchside.modules.transformer_config import TransformerConfig
 from torchside.modules.transformer_layer import TransformerLayer
 from torchside.quantization import FALLBACK_CALLS, Quantizer
-from torchside.recipe import DelayedScaling, Float8CurrentScaling
+from torchside.recipe import DelayedScaling, Float8BlockScaling, Float8CurrentScaling
 
 LAYER_CASES = {
     "bf16 (FP8 off)": None,
     "Float8CurrentScaling": Float8CurrentScaling(),
     "DelayedScaling": DelayedScaling(),
+    "Float8BlockScaling": Float8BlockScaling(),
 }
 SPLITS = [2861, 1024, 3517, 611, 2290, 1999, 3077, 1005]  # 16384 tokens over 8 experts, uneven on purpose
 GROUPED_IN, GROUPED_OUT = 4096, 14336
@@ -160,12 +161,12 @@ def _bench_layer_peers(args, x, dy, freqs, baseline_ms: float, floors: dict, add
 def _triton_tensorwise_gemm():
     """kernels.gemm's Triton kernel for tensorwise GEMMs instead of cuBLASLt (a measured switch in kernels.gemm;
     grouped_scaled_mm follows it: one grouped Triton launch instead of cuBLASLt per group)."""
-    saved = gemm.TENSORWISE_USES_TORCH_SCALED_MM
-    gemm.TENSORWISE_USES_TORCH_SCALED_MM = False
+    saved = gemm.CUDA_PATHS["tensorwise"]
+    gemm.CUDA_PATHS["tensorwise"] = "triton"
     try:
         yield
     finally:
-        gemm.TENSORWISE_USES_TORCH_SCALED_MM = saved
+        gemm.CUDA_PATHS["tensorwise"] = saved
 
 
 def bench_grouped(args, rows: list[Result]) -> list[str]:

@@ -49,9 +49,9 @@ def main() -> None:
             a, b, a_columnwise=a_columnwise, b_columnwise=b_columnwise, out_dtype=torch.float32, bias=bias
         )
         a_op, b_op = gemm_reference.gemm_operand(a, a_columnwise, "a"), gemm_reference.gemm_operand(b, b_columnwise, "b")
-        cublas = out.is_cuda and gemm._torch_scaled_mm_takes(a_op, b_op, out_dtype, bias)
+        path = gemm.cuda_path(a_op, b_op, out_dtype, bias) if out.is_cuda else "interpreter"
         key = (a_op.scheme, a_columnwise, b_columnwise, a_op.rows, b_op.rows, a_op.k,
-               "torch._scaled_mm" if cublas else "triton")  # fmt: skip
+               path)  # fmt: skip
         if key not in rows:
             order.append(key)
         error = ((out.float() - spec).norm() / spec.norm().clamp_min(1e-30)).item()

@@ -63,11 +63,11 @@ def _e4m3_codes(x: torch.Tensor) -> torch.Tensor:
 
 def _torch_provider(tensorwise_cublas: bool):
     def run(a, b, a_j, b_j):
-        kernels.gemm.TENSORWISE_USES_TORCH_SCALED_MM = tensorwise_cublas
+        kernels.gemm.CUDA_PATHS["tensorwise"] = "cublaslt" if tensorwise_cublas else "triton"
         try:
             return kernels.gemm.scaled_mm(a, b, out_dtype=torch.float32).cpu().double()
         finally:
-            kernels.gemm.TENSORWISE_USES_TORCH_SCALED_MM = True
+            kernels.gemm.CUDA_PATHS["tensorwise"] = "cublaslt"
 
     return run
 

@@ -9,6 +9,8 @@ the tile, M = 1, N prime, partial scale blocks.
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -17,7 +19,7 @@ from kernels import reference as R
 from tests.kernels.devices import DEVICES
 from tests.kernels.gemm_operands import LAYOUTS, assert_matches_float64, dequantized_operand, quantize, seeded_tensors
 
-IMPLEMENTATIONS = {"triton": gemm.scaled_mm, "reference": gemm_reference.scaled_mm}
+IMPLEMENTATIONS = {"scaled_mm": gemm.scaled_mm, "reference": gemm_reference.scaled_mm}
 
 # id: (layout, (A scheme, A format), (B scheme, B format), (T, I, O), hadamard)
 CASES = {
@@ -94,7 +96,7 @@ def test_dispatch_to_torch_scaled_mm_follows_cudas_rules():
     assert not takes(*_gemm_operands("e5m2", "e5m2"), torch.bfloat16, None)
     assert not takes(*_gemm_operands(), torch.float32, torch.zeros(32))  # no bias with an fp32 output
     assert not takes(*_gemm_operands(), torch.bfloat16, torch.zeros(32))  # an fp32 bias with a bf16 output
-    assert not takes(*_gemm_operands(scheme="block1x128"), torch.bfloat16, None)  # 1x128 x 1x128: not cuBLASLt's
+    assert not takes(*_gemm_operands(scheme="block1x128"), torch.bfloat16, None)  # 1x128 x 1x128, K = 48: partial block
 
 
 def test_blockwise_dispatch_takes_whole_1x128_by_128x128_blocks_only():
@@ -105,11 +107,39 @@ def test_blockwise_dispatch_takes_whole_1x128_by_128x128_blocks_only():
         return a, b
 
     takes = gemm._torch_scaled_mm_takes
-    assert takes(*operands(512, 128), torch.bfloat16, None) == gemm.BLOCKWISE_USES_TORCH_SCALED_MM
+    assert takes(*operands(512, 128), torch.bfloat16, None) == (gemm.CUDA_PATHS["block"] == "cublaslt")
     assert not takes(*operands(192, 128), torch.bfloat16, None)  # K = 192: a partial K block
     assert not takes(*operands(768, 128), torch.bfloat16, None)  # K/128 = 6: cuBLASLt misreads the scales
     assert not takes(*operands(256, 96), torch.bfloat16, None)  # N = 96: a partial weight block
     assert not takes(*operands(256, 128), torch.bfloat16, torch.zeros(128, dtype=torch.bfloat16))  # no bias there
+
+
+def test_wgrad_dispatch_takes_whole_1x128_by_1x128_blocks_with_aligned_scales():
+    """wgrad's pair (both 1x128 along K = tokens): cuBLASLt reads each operand's scales M- (N-) major."""
+
+    def operands(tokens, d_in, d_out):
+        tensors = seeded_tensors(tokens, d_in, d_out, "cpu")
+        a = gemm_reference.gemm_operand(quantize(tensors["dy"], "block1x128", "e4m3", True), True, "a")
+        b = gemm_reference.gemm_operand(quantize(tensors["x"], "block1x128", "e4m3", True), True, "b")
+        return a, b
+
+    takes = gemm._torch_scaled_mm_takes
+    assert takes(*operands(768, 64, 128), torch.bfloat16, None) == (gemm.CUDA_PATHS["block"] == "cublaslt")
+    assert not takes(*operands(200, 64, 128), torch.bfloat16, None)  # K = 200 tokens: a partial K block
+    assert not takes(*operands(256, 64, 130), torch.bfloat16, None)  # M = 130: scale leading dim not 16-byte aligned
+    assert not takes(*operands(256, 40, 128), torch.bfloat16, None)  # N = 40: not a multiple of 16
+    a, b = operands(768, 64, 128)
+    e5m2_dy = dataclasses.replace(a, fmt="e5m2")
+    assert not takes(e5m2_dy, b, torch.bfloat16, None)  # torch's block modes take e4m3 x e4m3 only
+
+
+def test_emulated_families_take_the_dequantize_path():
+    """MXFP8 and NVFP4 go where CUDA_PATHS says, whatever the shape (the path has no shape rule)."""
+    for scheme, fmt in (("mxfp8", "e4m3"), ("nvfp4_1x16", "e2m1")):
+        tensors = seeded_tensors(32, 64, 37, "cpu")
+        a = gemm_reference.gemm_operand(quantize(tensors["x"], scheme, fmt, False), False, "a")
+        b = gemm_reference.gemm_operand(quantize(tensors["w"], scheme, fmt, False), False, "b")
+        assert gemm.cuda_path(a, b, torch.bfloat16, None) == gemm.CUDA_PATHS[a.family]
 
 
 @pytest.mark.gpu
@@ -120,6 +150,13 @@ def test_cuda_blockwise_dispatch_matches_float64(tokens, d_in, d_out):
     qx, qw = quantize(tensors["x"], "block1x128", "e4m3", False), quantize(tensors["w"], "block128x128", "e4m3", False)
     got = gemm.scaled_mm(qx, qw, out_dtype=torch.bfloat16)
     assert_matches_float64(got, qx, False, qw, False, None, torch.bfloat16)
+    # wgrad's 1x128 x 1x128 pair, K = tokens (768 and 1280 tokens: the K/128 that broke the 128x128 scales)
+    tensors = seeded_tensors(d_in, tokens, d_out, "cuda")
+    qdy, qx = (quantize(tensors[name], "block1x128", "e4m3", True) for name in ("dy", "x"))
+    a, b = gemm_reference.gemm_operand(qdy, True, "a"), gemm_reference.gemm_operand(qx, True, "b")
+    assert gemm.cuda_path(a, b, torch.bfloat16, None) == gemm.CUDA_PATHS["block"]
+    got = gemm.scaled_mm(qdy, qx, a_columnwise=True, b_columnwise=True, out_dtype=torch.bfloat16)
+    assert_matches_float64(got, qdy, True, qx, True, None, torch.bfloat16)
 
 
 @pytest.mark.gpu
@@ -131,7 +168,7 @@ def test_cuda_tensorwise_uses_torch_scaled_mm_only_where_it_can(monkeypatch, d_i
     tensors = seeded_tensors(48, d_in, 32, "cuda")
     qx, qw = quantize(tensors["x"], "tensorwise", "e4m3", False), quantize(tensors["w"], "tensorwise", "e4m3", False)
     got = gemm.scaled_mm(qx, qw, out_dtype=torch.bfloat16)
-    assert len(calls) == (1 if expect_cublas and gemm.TENSORWISE_USES_TORCH_SCALED_MM else 0)
+    assert len(calls) == (1 if expect_cublas and gemm.CUDA_PATHS["tensorwise"] == "cublaslt" else 0)
     assert_matches_float64(got, qx, False, qw, False, None, torch.bfloat16)
 
 
@@ -149,15 +186,20 @@ def test_every_autotune_candidate_computes_the_same_product(device, case):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("entry", ["triton-kernel", "scaled_mm"])
 @pytest.mark.parametrize("case", [case for case, (layout, *_) in CASES.items() if layout == "fprop"])
-def test_cuda_triton_kernel_on_many_tiles(case):
-    """A shape of several tiles each way through the compiled kernel itself (tensorwise bypasses cuBLAS here)."""
+def test_cuda_gemm_on_many_tiles(case, entry):
+    """A shape of several tiles each way, through the compiled kernel itself and through the path scaled_mm picks."""
     _, (a_scheme, a_fmt), (b_scheme, b_fmt), _, _ = CASES[case]
     tensors = seeded_tensors(520, 384, 650, "cuda")
     qa, qb = quantize(tensors["x"], a_scheme, a_fmt, False), quantize(tensors["w"], b_scheme, b_fmt, False)
     a, b = gemm_reference.gemm_operand(qa, False, "a"), gemm_reference.gemm_operand(qb, False, "b")
-    got = gemm._scaled_mm_triton(a, b, torch.bfloat16, None)
-    assert_matches_float64(got, qa, False, qb, False, None, torch.bfloat16)
+    bias = torch.randn(650, device="cuda").to(torch.bfloat16)
+    if entry == "triton-kernel":
+        got = gemm._scaled_mm_triton(a, b, torch.bfloat16, bias)
+    else:
+        got = gemm.scaled_mm(qa, qb, out_dtype=torch.bfloat16, bias=bias)
+    assert_matches_float64(got, qa, False, qb, False, bias, torch.bfloat16)
 
 
 def test_autotune_pruning_reads_arguments_the_kernel_has():

@@ -53,7 +53,7 @@ class Cast:
 class Gemm:
     key: CastKey  # the cast of its A operand: (submodule, "input" for fprop else "grad", slot)
     role: str  # "fprop" | "dgrad" | "wgrad"
-    provider: str  # "cublaslt" | "triton" | "interpreter" | "reference"
+    provider: str  # "cublaslt" | "dequantize" | "triton" (kernels.gemm.cuda_path) | "interpreter" | "reference"
     a: Quantized
     b: Quantized
     a_columnwise: bool
@@ -98,7 +98,7 @@ def _provider(a: Quantized, b: Quantized, a_columnwise: bool, b_columnwise: bool
     backend = backend_for(a_op.data.device)
     if backend is not Backend.TRITON:
         return backend.name.lower()
-    return "cublaslt" if kernels.gemm._torch_scaled_mm_takes(a_op, b_op, out_dtype, bias) else "triton"
+    return kernels.gemm.cuda_path(a_op, b_op, out_dtype, bias)
 
 
 def _cloned(kwargs: dict) -> dict:
