@@ -13,11 +13,10 @@ hidden columns) runs here, on the whole model. In each co-located process (bridg
 Checked under each recipe (fresh models: fresh FP8 scaling state), on --batch-size x --seq-len seeded
 random tokens: per parameter, that JAX keeps on each device what torch keeps there ("layout", no
 tolerance); the twin's logits against torch's ("forward", bridge.logits); torch's sharded logits against
-the unsharded model's of the whole batch ("unsharded"), both against bridge.numerics' forward tolerance.
-Under an FP8 recipe the sharded model scales each weight's TP shard by that shard's own amax, the
-unsharded one each whole weight by its: their logits differ by FP8 rounding (CPU, tiny Llama, current
-scaling: about 1e-2 relative, against the recipe's 0.125), while torch and the twin, whose shards
-scale alike, agree closer (about 1e-3).
+the unsharded model's of the same rows ("unsharded"), both against bridge.numerics' forward tolerance.
+The unsharded model runs each data-parallel rank's rows apart because that is what a rank's FP8 casts
+see: an activation's amax is its rank's tokens' (as in the twin, jaxside.modules.tokens), a weight's is
+the whole weight's (reduced over its shards).
 
 `check_input` runs before any process starts: the plan against the torch model on "meta" (rules that
 match nothing, mesh sizes other than the plan's [mesh], modes a module lacks: ValueError naming the
@@ -155,7 +154,7 @@ def _twin(model, plan: Plan, mesh, recipe: str):
 
 
 def _unsharded_check(model, unsharded, meshes, recipe: str, tokens, device_type: str) -> TensorCheck:
-    """torch's sharded logits of this rank's rows against the unsharded model's of the whole batch, there."""
+    """torch's sharded logits of this rank's rows against the unsharded model's of the same rows (module docstring)."""
     import torch
     from torch.distributed.tensor import DTensor
 
@@ -165,13 +164,13 @@ def _unsharded_check(model, unsharded, meshes, recipe: str, tokens, device_type:
     from torchside.recipe import recipe_from_name
 
     fp8 = recipe_from_name(recipe)
+    rows = tokens.chunk(meshes.data_parallel_size)[meshes.data_parallel_rank()]
     with torch.no_grad():
         ours = torch_logits(model, meshes, recipe, tokens)
         with fp8_autocast(enabled=fp8 is not None, recipe=fp8):
-            reference = unsharded(tokens.to(next(unsharded.parameters()).device))
+            reference = unsharded(rows.to(next(unsharded.parameters()).device))
     ours = ours.full_tensor() if isinstance(ours, DTensor) else ours  # whole on every TP rank
-    rows = reference.chunk(meshes.data_parallel_size, dim=1)[meshes.data_parallel_rank()]
-    ((relative, max_abs, nan),) = reduce_stats(local_stats(ours, rows, meshes.world.size(2))[None])
+    ((relative, max_abs, nan),) = reduce_stats(local_stats(ours, reference, meshes.world.size(2))[None])
     limit = tolerance(recipe, "forward", device_type=device_type)
     return TensorCheck(0, "unsharded", "logits", relative, max_abs, nan, limit, limit.passes(relative, max_abs, nan))
 

@@ -63,7 +63,9 @@ def register(verbs) -> None:
         "--plan", metavar="PLAN", help="a placement plan TOML file (examples/plans/); its [mesh] is the default --mesh"
     )
     parser.add_argument(
-        "--steps", type=int, help=f"optimizer steps compared (default {STACK_DEFAULTS['steps']}; not with --hf)"
+        "--steps",
+        type=int,
+        help=f"optimizer steps compared (default {STACK_DEFAULTS['steps']}; not with --model llama)",
     )
     parser.add_argument(
         "--batch-size", type=int,
@@ -193,7 +195,7 @@ def _cases(args: argparse.Namespace) -> list:
 
     hf_only = [f"--{name.replace('_', '-')}" for name in HF_DEFAULTS if getattr(args, name) is not None]
     if hf_only:
-        raise ValueError(f"{', '.join(hf_only)}: options of --model llama --hf, not of the built-in stacks")
+        raise ValueError(f"{', '.join(hf_only)}: options of --model llama --hf or --plan, not of the built-in stacks")
     recipes = _recipes(args.recipe or "current")
     layers, hidden, steps = (
         STACK_DEFAULTS[n] if getattr(args, n) is None else getattr(args, n) for n in STACK_DEFAULTS
