@@ -5,8 +5,9 @@ torchside model and its jaxside twin with the same weights, runs forward, backwa
 --steps steps under each recipe, and compares every block's output, the input gradient, every
 weight gradient, parameter and Adam moment shard by shard (tolerances: bridge.numerics). With
 --model llama --hf HF_DIR both instead load a Hugging Face Llama checkpoint and their logits on
-seeded random tokens are compared (FP8 off by default). Exit codes: 0 all within tolerance, 1 a
-divergence (the first one is named), 2 bad input.
+seeded random tokens are compared (FP8 off by default); with --model llama --plan PLAN the seeded
+tiny Llama under the plan is compared with its JAX twin and with the unsharded model. Exit codes: 0
+all within tolerance, 1 a divergence (the first one is named), 2 bad input.
 
 --plan PLAN places both twins by a placement plan (a TOML file, jaxside.plan): its [mesh] is the
 default --mesh, and the plan is checked against the model before any process starts. With --model
@@ -60,8 +61,10 @@ def register(verbs) -> None:
         "--mesh", action="append", help="mesh axes, e.g. dp=2,tp=2 (FSDP x TP) or rep=2,dp=2 (HSDP); repeatable"
     )
     parser.add_argument(
-        "--plan", metavar="PLAN", help="a placement plan TOML file (examples/plans/); its [mesh] is the default --mesh"
-    )
+        "--plan", metavar="PLAN",
+        help="a placement plan TOML file (examples/plans/); its [mesh] is the default --mesh; with --model llama: "
+        "the tiny Llama under it",
+    )  # fmt: skip
     parser.add_argument(
         "--steps",
         type=int,

@@ -176,7 +176,7 @@ def test_an_example_plan_passes_without_fp8_under_current_scaling_and_mxfp8(tmp_
     assert limits == {(0, "forward"): 2.0**-5, (1, "forward"): 2.0**-5}  # u_E4M3 / 2 at every step
 
 
-# 2-4 min a plan on 2 cores (4 or 8 processes, each compiling the whole Llama twin per recipe): the grid.
+# 1-2.5 min a plan on 2 cores (4 or 8 processes, each compiling the whole Llama twin per recipe): the grid.
 @pytest.mark.slow
 @pytest.mark.grid
 @pytest.mark.multiprocess
