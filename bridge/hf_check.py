@@ -41,17 +41,21 @@ class HFCase:
     seq_len: int = 32
 
     def __post_init__(self) -> None:
-        unknown = [r for r in self.recipes if r not in RECIPES]
-        if unknown or not self.recipes:
-            raise ValueError(f"recipes {list(self.recipes)}: use some of {', '.join(RECIPES)}")
-        for name in ("batch_size", "seq_len"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"--{name.replace('_', '-')} {value!r}: pass an integer >= 1")
-        if self.batch_size % self.mesh.dp:
-            raise ValueError(f"--batch-size {self.batch_size} must divide over the {self.mesh.dp} data-parallel ranks")
-        if set(self.recipes) - {"off"} and self.seq_len % 32:
-            raise ValueError(f"--seq-len {self.seq_len}: pass a multiple of 32 (MXFP8's and 1x128 blocks' tiles)")
+        check_forward_options(self.recipes, self.mesh, self.batch_size, self.seq_len)
+
+
+def check_forward_options(recipes: tuple[str, ...], mesh: MeshShape, batch_size: int, seq_len: int) -> None:
+    """The recipes and the token batch of a logits check on `mesh` (also bridge.plan_check's); ValueError with the fix."""
+    unknown = [r for r in recipes if r not in RECIPES]
+    if unknown or not recipes:
+        raise ValueError(f"recipes {list(recipes)}: use some of {', '.join(RECIPES)}")
+    for name, value in (("batch-size", batch_size), ("seq-len", seq_len)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"--{name} {value!r}: pass an integer >= 1")
+    if batch_size % mesh.dp:
+        raise ValueError(f"--batch-size {batch_size} must divide over the {mesh.dp} data-parallel ranks")
+    if set(recipes) - {"off"} and seq_len % 32:
+        raise ValueError(f"--seq-len {seq_len}: pass a multiple of 32 (MXFP8's and 1x128 blocks' tiles)")
 
 
 def check_input(case: HFCase) -> None:
@@ -194,4 +198,4 @@ def logits_report(
     return report
 
 
-__all__ = ["HFCase", "check_input", "logits_report", "random_tokens", "verify_hf"]
+__all__ = ["HFCase", "check_forward_options", "check_input", "logits_report", "random_tokens", "verify_hf"]

@@ -48,7 +48,10 @@ def compare_logits(recipe_name: str, twin, tokens, torch_logits, world, mesh) ->
     ids = tokens.numpy().astype(np.int32)
     sharding = transfer.equivalent_sharding(world, data_parallel, ids.shape, mesh)
     jax_logits = _jax_logits(recipe_name, twin, jax.make_array_from_callback(ids.shape, sharding, lambda i: ids[i]))
-    # torch's [S, b, V]: the vocabulary split over TP (a DTensor), or whole on every TP rank (a padded one, sliced)
+    # torch's [S, b, V]: the vocabulary split over TP (a DTensor), or whole on every TP rank (a padded one, sliced),
+    # or partial sums over TP (a head by hidden columns: a placement plan's embedding mode "hidden"), summed here
+    if isinstance(torch_logits, DTensor) and torch_logits.placements[0].is_partial():
+        torch_logits = torch_logits.redistribute(placements=[Replicate()])
     vocab = torch_logits.placements[0] if isinstance(torch_logits, DTensor) else Replicate()
     local = torch_logits.to_local() if isinstance(torch_logits, DTensor) else torch_logits
     sharding = transfer.equivalent_sharding(world, [Shard(1), Shard(1), vocab], tuple(jax_logits.shape), mesh)

@@ -5,11 +5,14 @@ torchside model and its jaxside twin with the same weights, runs forward, backwa
 --steps steps under each recipe, and compares every block's output, the input gradient, every
 weight gradient, parameter and Adam moment shard by shard (tolerances: bridge.numerics). With
 --model llama --hf HF_DIR both instead load a Hugging Face Llama checkpoint and their logits on
-seeded random tokens are compared (FP8 off by default). Exit codes: 0 all within tolerance, 1 a
-divergence (the first one is named), 2 bad input.
+seeded random tokens are compared (FP8 off by default); with --model llama --plan PLAN the seeded
+tiny Llama under the plan is compared with its JAX twin and with the unsharded model. Exit codes: 0
+all within tolerance, 1 a divergence (the first one is named), 2 bad input.
 
 --plan PLAN places both twins by a placement plan (a TOML file, jaxside.plan): its [mesh] is the
-default --mesh, and the plan is checked against the model before any process starts.
+default --mesh, and the plan is checked against the model before any process starts. With --model
+llama (no --hf) the model is the seeded tiny Llama, embedding and head included: its logits in torch
+under the plan, in the JAX twin and in the unsharded model are compared (bridge/plan_check.py).
 
 --model llama --hf HF_DIR: torchside's and jaxside's load_hf in each process (each reading its
 own shards, fp32), one forward of --batch-size x --seq-len random tokens under --recipe (default
@@ -40,8 +43,9 @@ def register(verbs) -> None:
         description=__doc__.split("\n\n")[1],
     )
     parser.add_argument(
-        "--model", default="mlp", help="linear, mlp (default) or transformer (bridge/twins.py), or llama with --hf"
-    )
+        "--model", default="mlp",
+        help="linear, mlp (default) or transformer (bridge/twins.py), or llama with --hf or --plan",
+    )  # fmt: skip
     parser.add_argument(
         "--hf",
         metavar="HF_DIR",
@@ -57,15 +61,22 @@ def register(verbs) -> None:
         "--mesh", action="append", help="mesh axes, e.g. dp=2,tp=2 (FSDP x TP) or rep=2,dp=2 (HSDP); repeatable"
     )
     parser.add_argument(
-        "--plan", metavar="PLAN", help="a placement plan TOML file (examples/plans/); its [mesh] is the default --mesh"
+        "--plan", metavar="PLAN",
+        help="a placement plan TOML file (examples/plans/); its [mesh] is the default --mesh; with --model llama: "
+        "the tiny Llama under it",
+    )  # fmt: skip
+    parser.add_argument(
+        "--steps",
+        type=int,
+        help=f"optimizer steps compared (default {STACK_DEFAULTS['steps']}; not with --model llama)",
     )
     parser.add_argument(
-        "--steps", type=int, help=f"optimizer steps compared (default {STACK_DEFAULTS['steps']}; not with --hf)"
-    )
+        "--batch-size", type=int,
+        help=f"--model llama: sequences of random tokens (default {HF_DEFAULTS['batch_size']})",
+    )  # fmt: skip
     parser.add_argument(
-        "--batch-size", type=int, help=f"--hf: sequences of random tokens (default {HF_DEFAULTS['batch_size']})"
+        "--seq-len", type=int, help=f"--model llama: tokens per sequence (default {HF_DEFAULTS['seq_len']})"
     )
-    parser.add_argument("--seq-len", type=int, help=f"--hf: tokens per sequence (default {HF_DEFAULTS['seq_len']})")
     parser.add_argument(
         "--device", choices=("cpu", "cuda"), help="default: cuda where torch sees a GPU per process, else the CPU"
     )
@@ -75,9 +86,12 @@ def register(verbs) -> None:
 
 
 def run(args: argparse.Namespace, console: Console) -> int:
-    from bridge import crosscheck, hf_check
+    from bridge import crosscheck, hf_check, plan_check
 
-    if args.model == "llama" or args.hf is not None:
+    if args.model == "llama" and args.hf is None and args.plan is not None:
+        case = _plan_case(args)
+        work, processes, worker = case, case.mesh.size, plan_check.verify_plan
+    elif args.model == "llama" or args.hf is not None:
         case = _hf_case(args)
         work, processes, worker = case, case.mesh.size, hf_check.verify_hf
     else:
@@ -123,27 +137,59 @@ def _recipes(text: str) -> tuple[str, ...]:
 
 def _hf_case(args: argparse.Namespace):
     """--model llama --hf DIR's case, its checkpoint and mesh checked (bridge.hf_check.check_input)."""
-    from bridge.crosscheck import parse_mesh
     from bridge.hf_check import HFCase, check_input
 
     if args.model != "llama":
         raise ValueError(f"--hf with --model {args.model}: an HF checkpoint is a Llama; pass --model llama")
     if args.hf is None:
-        raise ValueError("--model llama needs --hf HF_DIR, a Hugging Face Llama directory")
-    stack_only = [f"--{name}" for name in (*STACK_DEFAULTS, "plan") if getattr(args, name) is not None]
-    if stack_only:
         raise ValueError(
-            f"{', '.join(stack_only)}: options of the built-in stacks, not of --hf (its model is the checkpoint's)"
+            "--model llama needs --hf HF_DIR (a Hugging Face Llama directory) or --plan PLAN (the seeded tiny Llama)"
         )
-    if args.mesh and len(args.mesh) > 1:
-        raise ValueError(f"--hf takes one --mesh, got {len(args.mesh)}: verify the meshes one by one")
-    options = {
-        name: default if getattr(args, name) is None else getattr(args, name) for name, default in HF_DEFAULTS.items()
-    }
-    mesh = parse_mesh(args.mesh[0] if args.mesh else "dp=2,tp=2")
-    case = HFCase(args.hf, mesh, _recipes(args.recipe or "off"), **options)
+    if args.plan is not None:
+        raise ValueError(
+            "--plan with --hf: a checkpoint loads by the built-in placement; verify a plan on the seeded tiny Llama "
+            "(--model llama --plan PLAN, without --hf)"
+        )
+    mesh = _llama_mesh(args, "--hf", None)
+    case = HFCase(args.hf, mesh, _recipes(args.recipe or "off"), **_llama_options(args, "--hf"))
     check_input(case)
     return case
+
+
+def _plan_case(args: argparse.Namespace):
+    """--model llama --plan PLAN's case, the plan checked against the tiny Llama (bridge.plan_check.check_input)."""
+    from pathlib import Path
+
+    from bridge.plan_check import PlanCase, check_input
+    from jaxside.plan import Plan
+
+    plan = Plan.from_toml(args.plan)
+    mesh = _llama_mesh(args, "--model llama --plan", plan.mesh)
+    options = _llama_options(args, "--model llama --plan")
+    case = PlanCase(plan, mesh, _recipes(args.recipe or "current"), name=Path(args.plan).stem, **options)
+    check_input(case)
+    return case
+
+
+def _llama_options(args: argparse.Namespace, what: str) -> dict:
+    """--batch-size and --seq-len with their defaults; ValueError for the stacks' own options."""
+    stack_only = [f"--{name}" for name in STACK_DEFAULTS if getattr(args, name) is not None]
+    if stack_only:
+        raise ValueError(f"{', '.join(stack_only)}: options of the built-in stacks, not of {what} (a Llama)")
+    return {
+        name: default if getattr(args, name) is None else getattr(args, name) for name, default in HF_DEFAULTS.items()
+    }
+
+
+def _llama_mesh(args: argparse.Namespace, what: str, plan_mesh: dict | None):
+    """The one --mesh of a Llama check; without one, the plan's [mesh] or dp=2,tp=2."""
+    from bridge.crosscheck import MeshShape, parse_mesh
+
+    if args.mesh and len(args.mesh) > 1:
+        raise ValueError(f"{what} takes one --mesh, got {len(args.mesh)}: verify the meshes one by one")
+    if args.mesh:
+        return parse_mesh(args.mesh[0])
+    return parse_mesh("dp=2,tp=2") if plan_mesh is None else MeshShape(**plan_mesh)
 
 
 def _cases(args: argparse.Namespace) -> list:
@@ -152,7 +198,7 @@ def _cases(args: argparse.Namespace) -> list:
 
     hf_only = [f"--{name.replace('_', '-')}" for name in HF_DEFAULTS if getattr(args, name) is not None]
     if hf_only:
-        raise ValueError(f"{', '.join(hf_only)}: options of --model llama --hf, not of the built-in stacks")
+        raise ValueError(f"{', '.join(hf_only)}: options of --model llama --hf or --plan, not of the built-in stacks")
     recipes = _recipes(args.recipe or "current")
     layers, hidden, steps = (
         STACK_DEFAULTS[n] if getattr(args, n) is None else getattr(args, n) for n in STACK_DEFAULTS

@@ -36,15 +36,19 @@ EVAL_STEP = 1_000_000  # a corpus batch no training step used
 LAYOUT_PNG = "layouts.png"
 
 
-def jax_twin(model):
-    """The jaxside Llama of this torch Llama's config, holding as many vocabulary rows (kernels start as zeros)."""
+def jax_twin(model, plan=None):
+    """The jaxside Llama of this torch Llama's config, holding as many vocabulary rows (kernels start as zeros).
+
+    plan: the placement plan the torch model was built under (None: the default plan)."""
     from flax import nnx
 
     from jaxside.models.llama import Llama
+    from jaxside.plan import DEFAULT_PLAN
 
     # torch pads the vocabulary for its TP size; the twin pads to the same rows, so the two pair up.
     config = dataclasses.replace(model.config, vocab_multiple=model.padded_vocab_size)
-    return Llama(config, kernel_init=nnx.initializers.zeros, rngs=nnx.Rngs(0))
+    plan = DEFAULT_PLAN if plan is None else plan
+    return Llama(config, kernel_init=nnx.initializers.zeros, plan=plan, rngs=nnx.Rngs(0))
 
 
 def cross_check(runtime, model, meshes, options, corpus, out: str, reference: dict) -> dict[str, Any]:

@@ -1,8 +1,8 @@
 """Placement plans build the same layouts in both frameworks: the example plans and the default one.
 
 For each plan, the torch Llama is built and parallelized under it on torch's threaded process group
-(FSDP2 x TP 2 x 2, or HSDP x TP 2 x 2 x 2), its JAX twin's shardings come from the same plan on 8
-host devices, and for every parameter:
+and on gloo processes (FSDP2 x TP 2 x 2, or HSDP x TP 2 x 2 x 2), its JAX twin's shardings come from
+the same plan on 8 host devices, and for every parameter:
 
 - the live DTensor holds on each rank what JAX's `devices_indices_map` puts on that device (the
   bridge's shard-map comparison, `bridge.params.same_layout`);
@@ -25,7 +25,7 @@ from torch.distributed.tensor import Replicate, Shard
 
 from bridge import layout, params
 from jaxside.plan import DEFAULT_PLAN, DP_REPLICATE, DP_SHARD, MESH_AXES, TP, Plan
-from tests.distributed import run_threads
+from tests.distributed import run_processes, run_threads
 from torchside.parallel._torch_compat import make_strided_shard
 
 pytestmark = pytest.mark.usefixtures("reference_kernels")  # tests/conftest.py: what threaded ranks run
@@ -74,7 +74,7 @@ def _sizes(plan: Plan) -> dict[str, int]:
 
 
 def _jax_side(plan: Plan, sizes: dict[str, int]):
-    """The JAX twin's parameter shardings under `plan`, and its parameters paired with torch's names."""
+    """The JAX twin's parameter shardings under `plan` (on 8 host devices) and its parameters' shapes, by path."""
     from flax import nnx
 
     from jaxside.models.llama import LLAMA_CONFIGS, Llama
@@ -85,7 +85,7 @@ def _jax_side(plan: Plan, sizes: dict[str, int]):
     model = nnx.eval_shape(lambda: Llama(LLAMA_CONFIGS["tiny"], plan=plan, rngs=nnx.Rngs(0)))
     placed = dict(nnx.to_flat_state(shardings(model, mesh, plan)))
     jax_shapes = {path: tuple(value.shape) for path, value in params.jax_parameters(model).items()}
-    return mesh, {path: placed[path].get_value() for path in jax_shapes}, jax_shapes
+    return {path: placed[path].get_value() for path in jax_shapes}, jax_shapes
 
 
 TOKENS = np.random.default_rng(0).integers(0, 256, size=(2, 8))
@@ -112,10 +112,15 @@ def _logits_and_grads(model, full_tensor):
     return logits.detach().numpy(), grads, resharded
 
 
-def _torch_side(rank, world_size, plan: Plan, sizes: dict[str, int], full, jax_mesh, jax_shardings, jax_shapes):
-    """On each rank: per parameter (name, placements, local values, same layout as JAX?), logits and gradients."""
+def _torch_side(rank, world_size, plan: Plan, sizes: dict[str, int], full, jax_specs, jax_shapes):
+    """On each rank: per parameter (name, placements, local values, same layout as JAX?), logits and gradients.
+
+    JAX's shardings arrive as PartitionSpecs (picklable, for gloo processes) and are set on this rank's own
+    JAX mesh of the same sizes."""
+    from jax.sharding import NamedSharding
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 
+    from jaxside.sharding import make_mesh
     from torchside.models.llama import LLAMA_CONFIGS, Llama
     from torchside.models.llama_parallel import build_meshes, parallelize_llama
     from torchside.modules import ModuleConfig
@@ -127,12 +132,13 @@ def _torch_side(rank, world_size, plan: Plan, sizes: dict[str, int], full, jax_m
     set_model_state_dict(model, dict(full), options=StateDictOptions(full_state_dict=True, strict=False))
     torch_shapes = {name: tuple(p.shape) for name, p in model.named_parameters()}
     pairs = {pair.torch_name: pair for pair in params.pair_parameters(torch_shapes, jax_shapes)}
+    jax_mesh = make_mesh(*(sizes[axis] for axis in MESH_AXES))
     layouts = [
         (
             name,
             tuple(p.placements),
             p.to_local().detach().numpy(),
-            params.same_layout(p, pairs[name], jax_shardings[pairs[name].jax_path], jax_mesh),
+            params.same_layout(p, pairs[name], NamedSharding(jax_mesh, jax_specs[pairs[name].jax_path]), jax_mesh),
         )
         for name, p in model.named_parameters()
     ]
@@ -149,12 +155,29 @@ def _one_process(full):
 
 @pytest.mark.parametrize("plan_name", ["default", *EXAMPLES])
 def test_a_plan_builds_the_same_shards_in_torch_and_jax(plan_name):
+    _check_plan_builds(plan_name, run_threads)
+
+
+# Real processes: each rank its own address space and gloo's collectives, so a shard reaches a rank only
+# through FSDP2's and DTensor's communication (threads share one heap). Grid only: 25-45 s a plan on the
+# shared 2-core machine (4 or 8 processes importing torch and JAX), over CI's budget; the threaded test
+# above runs every plan in CI.
+@pytest.mark.grid
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("plan_name", EXAMPLES)
+def test_a_plan_builds_the_same_shards_on_gloo_processes(plan_name):
+    _check_plan_builds(plan_name, run_processes)
+
+
+def _check_plan_builds(plan_name: str, run) -> None:
+    """Build under the plan on `run`'s ranks (threads or gloo processes); check every rank's parameters and outputs."""
     plan = _plan(plan_name)
     sizes = _sizes(plan)
-    jax_mesh, jax_shardings, jax_shapes = _jax_side(plan, sizes)
+    jax_shardings, jax_shapes = _jax_side(plan, sizes)
     world = math.prod(sizes.values())
     full = _full_state(_global_shapes(jax_shapes))
-    outcomes = run_threads(_torch_side, world, plan, sizes, full, jax_mesh, jax_shardings, jax_shapes)
+    jax_specs = {path: sharding.spec for path, sharding in jax_shardings.items()}
+    outcomes = run(_torch_side, world, plan, sizes, full, jax_specs, jax_shapes)
     per_rank = [layouts for layouts, _ in outcomes]
 
     pairs = params.pair_parameters(_global_shapes(jax_shapes), jax_shapes)

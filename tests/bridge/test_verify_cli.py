@@ -3,7 +3,8 @@
 The fast tests need no processes. The slow ones start the co-located runtime from the CLI: a
 TransformerLayer under MXFP8 on FSDP x TP for 2 steps (in CI; one layer of hidden 128), the issue's
 model (2 layers, hidden 256) over the whole recipe grid on FSDP x TP and HSDP for 5 steps (`-m grid`),
-and `run` starting a script that brings up torch and JAX.
+`run` starting a script that brings up torch and JAX, and each example plan on the stacks and on the
+tiny Llama (`--model llama --plan`).
 """
 
 from __future__ import annotations
@@ -57,8 +58,16 @@ def _no_launch(monkeypatch) -> None:
         (["--plan", f"{PLANS}/embedding_hidden_split.toml"], "rule 0 (match 'embedding') matches no parameter"),
         (["--plan", f"{PLANS}/fsdp_dim1_down_proj.toml", "--mesh", "dp=4"], "the plan's [mesh] is"),
         (["--plan", "/nonexistent/plan.toml"], "/nonexistent/plan.toml"),
+        (["--model", "llama", "--plan", f"{PLANS}/embedding_hidden_split.toml", "--mesh", "dp=2,tp=2"],
+         "the plan's [mesh] is"),
+        (["--model", "llama", "--plan", f"{PLANS}/fsdp_dim1_down_proj.toml", "--steps", "2"],
+         "--steps: options of the built-in stacks, not of --model llama --plan"),
+        (["--model", "llama", "--plan", f"{PLANS}/fsdp_dim1_down_proj.toml", "--seq-len", "20"],
+         "--seq-len 20: pass a multiple of 32"),
+        (["--model", "llama", "--plan", f"{PLANS}/fsdp_dim1_down_proj.toml", "--mesh", "dp=2", "--mesh", "tp=2"],
+         "takes one --mesh"),
     ],
-)
+)  # fmt: skip
 def test_bad_mesh_or_report_path_is_one_line_before_any_process_starts(monkeypatch, capsys, arguments, message):
     _no_launch(monkeypatch)
     if "--hidden" in arguments:
@@ -66,6 +75,16 @@ def test_bad_mesh_or_report_path_is_one_line_before_any_process_starts(monkeypat
     assert main(["verify", "--device", "cpu", *arguments]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and err.startswith("error: ") and message in err
+
+
+def test_a_plan_that_matches_nothing_in_the_llama_is_one_line_before_any_process_starts(monkeypatch, capsys, tmp_path):
+    """The stacks' MLP unit is `layers.N.mlp`; the Llama's is `layers.N.layernorm_mlp`: the rule names the mistake."""
+    _no_launch(monkeypatch)
+    plan = tmp_path / "stack_names.toml"
+    plan.write_text('[[rule]]\nmatch = "layers.*.mlp"\ntp = "replicate"\n')
+    assert main(["verify", "--device", "cpu", "--model", "llama", "--plan", str(plan)]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "rule 0 (match 'layers.*.mlp') matches no parameter" in err, err
 
 
 def _report() -> dict:
@@ -136,7 +155,7 @@ def test_run_starts_a_co_located_script(tmp_path):
 @pytest.mark.multiprocess
 # CI runs the plan with new module code (replicated attention), and MXFP8 with it (one launch: CI time); the
 # other plan is in the grid (a few minutes each on 2 cores). The embedding plan has no embedding in these
-# stacks: tests/bridge/test_placement_plans.py.
+# stacks: it runs on the Llama (`--model llama --plan`, the last test).
 @pytest.mark.parametrize("plan", [pytest.param("fsdp_dim1_down_proj", marks=pytest.mark.grid), "attention_replicated_mlp_tp"])
 def test_an_example_plan_passes_without_fp8_under_current_scaling_and_mxfp8(tmp_path, monkeypatch, plan):
     """`verify --plan`: both twins placed by an example plan (on its 2 x 2 mesh), 2 steps, FP8 off, current
@@ -155,3 +174,25 @@ def test_an_example_plan_passes_without_fp8_under_current_scaling_and_mxfp8(tmp_
     ]
     limits = {(c["step"], c["stage"]): c["tolerance"]["relative"] for c in reports[2]["checks"] if c["stage"] == "forward"}
     assert limits == {(0, "forward"): 2.0**-5, (1, "forward"): 2.0**-5}  # u_E4M3 / 2 at every step
+
+
+# 1-2.5 min a plan on 2 cores (4 or 8 processes, each compiling the whole Llama twin per recipe): the grid.
+@pytest.mark.slow
+@pytest.mark.grid
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("plan", sorted(path.stem for path in PLANS.glob("*.toml")))
+def test_an_example_plan_passes_on_the_llama_without_fp8_and_under_current_scaling(tmp_path, monkeypatch, plan):
+    """`verify --model llama --plan`: the tiny Llama under the plan on its mesh (HSDP x TP 2 x 2 x 2 for the
+    embedding split by hidden columns, which the stacks above lack), every parameter's layout, torch's
+    logits against the JAX twin's and against the unsharded model's, FP8 off and current scaling."""
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    report_file = tmp_path / "report.json"
+    arguments = ["verify", "--model", "llama", "--plan", str(PLANS / f"{plan}.toml"), "--recipe", "off,current",
+                 "--device", "cpu", "--report", str(report_file)]  # fmt: skip
+    assert main(arguments) == 0
+    reports = json.loads(report_file.read_text())
+    assert [(r["recipe"], r["passed"]) for r in reports] == [("off", True), ("current", True)]
+    for report in reports:
+        stages = [c["stage"] for c in report["checks"]]
+        assert stages == ["layout"] * (len(stages) - 2) + ["forward", "unsharded"]
+        assert len(stages) - 2 == 14  # every parameter of the tiny tied Llama: embedding, 2 x 6 in layers, norm

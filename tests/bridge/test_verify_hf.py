@@ -35,7 +35,8 @@ def _no_launch(monkeypatch) -> None:
     "arguments, message",
     [
         (["--hf", "{hf}"], "--hf with --model mlp: an HF checkpoint is a Llama; pass --model llama"),
-        (["--model", "llama"], "--model llama needs --hf HF_DIR"),
+        (["--model", "llama"], "--model llama needs --hf HF_DIR (a Hugging Face Llama directory) or --plan PLAN"),
+        (["--model", "llama", "--hf", "{hf}", "--plan", "plan.toml"], "--plan with --hf: a checkpoint loads by"),
         (["--model", "llama", "--hf", "{hf}/config.json"], "config.json: not a directory"),
         (["--model", "llama", "--hf", "{mistral}"], "architectures=['MistralForCausalLM'], not ['LlamaForCausalLM']"),
         (["--model", "llama", "--hf", "{hf}", "--mesh", "tp=4"], "num_gqa_groups=2 (key/value heads) does not divide"),
