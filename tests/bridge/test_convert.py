@@ -20,7 +20,7 @@ from safetensors.torch import load_file, save_file
 from bridge import cli
 from bridge.convert import plan as convert_plan
 from bridge.convert import convert
-from tests.distributed import run_processes
+from tests.distributed import run_threads
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -174,7 +174,8 @@ def test_converted_twins_forward_matches_torch(tmp_path):
     assert relative <= tolerance("off", "forward").relative
 
 
-# ---- cross topology: saved by 4 processes (FSDP x TP), converted on 8 JAX devices and on 2 processes
+# ---- cross topology: saved by 4 ranks (FSDP x TP), converted on 8 JAX devices and on 2 ranks (threads:
+# torch's threaded process group runs DTensor, FSDP2 and DCP's collectives without starting processes)
 
 
 def _reference_model():
@@ -182,14 +183,17 @@ def _reference_model():
     return torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 16))
 
 
-def _save_fsdp_tp(rank, world, directory):
+def _save_fsdp_tp(rank, world, directory, reference):
+    import copy
+
     from torch.distributed.checkpoint.state_dict import get_model_state_dict
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
-    model = parallelize_module(_reference_model(), mesh["tp"], {"0": ColwiseParallel(), "2": RowwiseParallel()})
+    # A copy of one model built before the threads start: they share the global RNG.
+    model = parallelize_module(copy.deepcopy(reference), mesh["tp"], {"0": ColwiseParallel(), "2": RowwiseParallel()})
     fully_shard(model, mesh=mesh["dp"])
     state = get_model_state_dict(model)
     dcp.save({"model": state}, checkpoint_id=directory)
@@ -202,10 +206,8 @@ def _convert_on_ranks(rank, world, directory):
     return result.ok
 
 
-@pytest.mark.multiprocess
-@pytest.mark.slow
 def test_cross_topology_exact(tmp_path):
-    placements = run_processes(_save_fsdp_tp, 4, tmp_path / "dcp4")
+    placements = run_threads(_save_fsdp_tp, 4, tmp_path / "dcp4", _reference_model())
     assert "_StridedShard" in placements[0]["0.weight"]  # the FSDP x TP layout, not a plain row split
     reference = {f"model.{k}": v.detach() for k, v in _reference_model().state_dict().items()}
 
@@ -216,7 +218,7 @@ def test_cross_topology_exact(tmp_path):
         expected = value.numpy().T if value.dim() == 2 else value.numpy()
         assert np.array_equal(saved[jax_key], expected), key
 
-    assert run_processes(_convert_on_ranks, 2, tmp_path) == [True, True]
+    assert run_threads(_convert_on_ranks, 2, tmp_path) == [True, True]
     assert_bitwise(load_file(tmp_path / "out.safetensors"), reference)
     assert_bitwise(dcp_load(tmp_path / "dcp2", reference), reference)
     from torch.distributed.checkpoint import FileSystemReader

@@ -46,7 +46,7 @@ from tests.bridge.hf_cases import (
     save,
     torch_logits,
 )
-from tests.bridge.hf_reads import load_on_fsdp_tp_rank
+from tests.bridge.hf_reads import counting, load_on_fsdp_tp_rank
 from tests.distributed import run_processes, run_threads
 from torchside.models import llama as torch_llama
 from torchside.models.llama_hf import DTYPES
@@ -149,22 +149,38 @@ def test_jax_twin_on_every_mesh(checkpoints, case, axes):
 
 
 def _load_on_fsdp_tp(rank: int, world_size: int, directory: Path, tokens: torch.Tensor, read: dict):
-    from torch.distributed.tensor import DTensor
+    """hf_reads' rank on a thread, and the elements its read_box calls put (counted by thread name)."""
+    return (*load_on_fsdp_tp_rank(rank, world_size, str(directory), tokens), read[f"rank{rank}"])
 
-    from torchside.models.llama_parallel import build_meshes
 
-    meshes = build_meshes("cpu", dp=2, tp=2)
-    model = torch_llama.load_hf(directory, mesh=meshes.data, tp_mesh=meshes.tp)
-    local = sum((p.to_local() if isinstance(p, DTensor) else p).numel() for p in model.parameters())
-    embedding = model.embedding.weight
-    placements = tuple(type(p).__name__ for p in embedding.placements)
-    return torch_logits(model, tokens), tuple(embedding.shape), placements, local, read[f"rank{rank}"]
+def _checkpoint_bytes(directory: Path) -> int:
+    return sum(
+        math.prod(info.shape) * torch.finfo(DTYPES[info.dtype]).bits // 8
+        for info in hf_llama.Checkpoint(directory).tensors.values()
+    )
+
+
+# Exact: safetensors hands out exactly the requested rows and columns, so a rank's tensor bytes are at
+# most its local shards' bytes (the vocabulary padding's zero rows are not read). What is not counted:
+# the headers, which every rank parses (the index check) and which are a few KiB per file.
+READ_SLACK_BYTES = 0
+
+
+def _assert_reads_its_own_bytes(read_bytes: int, local_bytes: int, checkpoint_bytes: int) -> None:
+    """Bytes read are what safetensors hands the rank (tests/bridge/hf_reads.py): bounded by the rank's local
+    parameter bytes (its FSDP x TP shards, plus its copies of the TP-replicated norms) plus READ_SLACK_BYTES,
+    and far below the checkpoint's, which a rank reading whole tensors would reach."""
+    assert 0 < read_bytes <= local_bytes + READ_SLACK_BYTES
+    assert read_bytes < 0.3 * checkpoint_bytes  # a quarter each, plus the replicated norms
 
 
 # (llama3_rope_head_dim is MQA: one key/value head, which TP 2 cannot split: DotProductAttention refuses it)
 @pytest.mark.parametrize("case", [case for case in CASES if CASES[case]["num_key_value_heads"] % 2 == 0])
 def test_torch_fsdp2_x_tp_load_gives_transformers_logits(checkpoints, monkeypatch, case):
-    """FSDP2 x TP (2 x 2, threaded process group): each rank reads exactly the elements of its own shards."""
+    """FSDP2 x TP (2 x 2, threaded process group): each rank reads exactly the elements of its own shards, and
+    safetensors hands it no more bytes than those (the gloo-process run of the same: the grid test below)."""
+    import safetensors
+
     directory, reference, tokens = checkpoints[case]
     config = hf_llama.Checkpoint(directory).config
     read: dict[str, int] = {}  # by thread name: elements read (zeros of the padding counted as read)
@@ -180,40 +196,27 @@ def test_torch_fsdp2_x_tp_load_gives_transformers_logits(checkpoints, monkeypatc
         read_box(self, ours, rows, cols, framework, counting_put)
 
     monkeypatch.setattr(hf_llama.Checkpoint, "read_box", counting_read_box)
+    monkeypatch.setattr(safetensors, "safe_open", counting(safetensors.safe_open))  # undone after the test
     results = run_threads(_load_on_fsdp_tp, 4, directory, tokens, read, timeout=120)
-    for logits, shape, placements, local_elements, read_elements in results:
+    for logits, shape, placements, local_elements, local_bytes, read_bytes, read_elements in results:
         assert relative(logits, reference) <= TOLERANCE
         assert shape == (-(-config.vocab_size // 4) * 4, config.hidden_size)  # a multiple of dp x tp = 4
         assert placements == ("_StridedShard", "Shard")
         assert read_elements == local_elements
-
-
-# Exact: safetensors hands out exactly the requested rows and columns, so a rank's tensor bytes are at
-# most its local shards' bytes (the vocabulary padding's zero rows are not read). What is not counted:
-# the headers, which every rank parses (the index check) and which are a few KiB per file.
-READ_SLACK_BYTES = 0
+        _assert_reads_its_own_bytes(read_bytes, local_bytes, _checkpoint_bytes(directory))
 
 
 @pytest.mark.multiprocess
 @pytest.mark.slow  # ~13 s of CPU over the 4 ranks, most of it importing torch
+@pytest.mark.grid  # CI time (20-37 s): the threaded test above makes the same checks on the same loader
 def test_fsdp2_x_tp_ranks_on_gloo_processes_read_only_their_own_bytes(checkpoints):
-    """4 gloo processes (2 x 2): transformers' logits, and each rank reads about a quarter of the checkpoint.
-
-    Bytes read are what safetensors hands the process (tests/bridge/hf_reads.py): bounded by the rank's
-    local parameter bytes (its FSDP x TP shards, plus its copies of the TP-replicated norms) plus
-    READ_SLACK_BYTES, and far below the checkpoint's, which a rank reading whole tensors would reach.
-    """
+    """4 gloo processes (2 x 2): transformers' logits, and each rank reads about a quarter of the checkpoint."""
     directory, reference, tokens = checkpoints["gqa_tied_odd_vocab"]  # sharded over a dozen files, vocab padded
-    checkpoint_bytes = sum(
-        math.prod(info.shape) * torch.finfo(DTYPES[info.dtype]).bits // 8
-        for info in hf_llama.Checkpoint(directory).tensors.values()
-    )
     results = run_processes(load_on_fsdp_tp_rank, 4, str(directory), tokens, timeout=120)
-    for logits, shape, placements, local_bytes, read_bytes in results:
+    for logits, shape, placements, _, local_bytes, read_bytes in results:
         assert relative(logits, reference) <= TOLERANCE
         assert shape == (132, 64) and placements == ("_StridedShard", "Shard")
-        assert 0 < read_bytes <= local_bytes + READ_SLACK_BYTES
-        assert read_bytes < 0.3 * checkpoint_bytes  # a quarter each, plus the replicated norms
+        _assert_reads_its_own_bytes(read_bytes, local_bytes, _checkpoint_bytes(directory))
 
 
 @pytest.mark.grid
