@@ -50,13 +50,17 @@ from kernels.reference import Quantized
 # _scaled_mm_dequantized; "triton": this kernel.
 # - tensorwise: torch._scaled_mm 1273 TFLOP/s, this kernel 934 (2026-11-30).
 # - block 1x128 x 128x128 (fprop, dgrad): torch._scaled_mm 1103, this kernel 535 (2026-11-30).
-# - block 1x128 x 1x128 (wgrad): F.scaled_mm 1056 (torch 2.11; its _scaled_mm refuses the pair), this kernel 338
-#   (2026-12-02).
-# - mxfp8, nvfp4 (emulated): dequantize + cuBLAS bf16 ... / ..., this kernel 245 / 160 (2026-12-02).
+# - block 1x128 x 1x128 (wgrad): F.scaled_mm 963 with the scale relayouts (1056 the bare call; torch 2.11's
+#   _scaled_mm refuses the pair), this kernel 333 (2026-12-02).
+# - mxfp8, nvfp4 (emulated): dequantize + cuBLAS bf16 697 / 629, this kernel 242 / 160 (2026-12-02).
 CUDA_PATHS = {"tensorwise": "cublaslt", "block": "cublaslt", "mxfp8": "dequantize", "nvfp4": "dequantize"}
 # 128-block pairs (A, B rows per scale) cuBLASLt runs, and through which torch entry point: _scaled_mm infers
 # 1x128 x 128x128 from the scales' shapes; only F.scaled_mm (torch >= 2.10) names 1x128 x 1x128.
 _CUBLAS_BLOCK_PAIRS = {(1, 128): "_scaled_mm", (1, 1): "F.scaled_mm"}
+# cuBLASLt reads the 128x128 scales [K/128, N/128] with a leading dim of K/128 floats that must be
+# 16-byte aligned: torch 2.11 does not check it, and with K/128 = 6 or 10 (K = 768, 1280) it returned
+# wrong products (relative error 0.4 to 5e7 on the H200, found by benchmarks/diagnose/check_step_gemms.py when the
+# 125M Llama trained NaN from step 0 under Float8BlockScaling). So K/128 must be a multiple of 4.
 _BLOCKWISE_K_MULTIPLE = 4 * 128
 _cublas_refused: set[tuple[int, int]] = set()  # block pairs this torch build refused: this kernel from then on
 
@@ -351,11 +355,12 @@ def _torch_scaled_mm_takes(a: GemmOperand, b: GemmOperand, out_dtype: torch.dtyp
     """Whether CUDA's cuBLASLt runs this case, per CUDA_PATHS (CPU's _scaled_mm accepts more: these are CUDA's rules)."""
     if CUDA_PATHS[a.family] != "cublaslt":
         return False
-    bias_ok = bias is None or (out_dtype == torch.bfloat16 and bias.dtype == torch.bfloat16)  # no bias with fp32 out
-    if a.family == "block":
-        bias_ok = bias is None and _block_pair_takes(a, b)
+    if a.family == "block":  # no bias in the block modes
+        case_ok = bias is None and _block_pair_takes(a, b)
+    else:  # no bias with fp32 out
+        case_ok = bias is None or (out_dtype == torch.bfloat16 and bias.dtype == torch.bfloat16)
     return (
-        bias_ok
+        case_ok
         and not (a.fmt == "e5m2" and b.fmt == "e5m2")  # cuBLASLt has no e5m2 x e5m2
         and a.k % 16 == 0  # K and N multiples of 16
         and b.rows % 16 == 0
