@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import cProfile
+import functools
 import io
 import pstats
 import time
@@ -31,6 +32,7 @@ def main() -> None:
     parser.add_argument("--recipes", default="off,delayed,current,block")
     parser.add_argument("--config", default="125m")
     parser.add_argument("--top", type=int, default=22)
+    parser.add_argument("--sort", default="tottime", help="pstats orders, comma-separated (e.g. tottime,cumulative)")
     args = parser.parse_args()
     print(f"# profile_step, {environment_line()}")
     for name in args.recipes.split(","):
@@ -40,8 +42,7 @@ def main() -> None:
         corpus = SyntheticCorpus(LLAMA_CONFIGS[options.config].vocab_size, seed=0)
         recipe = recipe_from_name(name)
 
-        def step(i: int) -> None:  # the training loop's own step (torchside.train)
-            train_step(model, optimizer, corpus, options, None, recipe, i)
+        step = functools.partial(train_step, model, optimizer, corpus, options, None, recipe)  # the loop's own step
 
         for i in range(8):  # compile and autotune
             step(i)
@@ -66,12 +67,14 @@ def main() -> None:
             step(i)
         torch.cuda.synchronize()
         profiler.disable()
-        text = io.StringIO()
-        pstats.Stats(profiler, stream=text).sort_stats("tottime").print_stats(args.top)
         print(f"\n=== {name}: wall {wall_ms:.1f} ms/step, host {host_ms:.1f} ms/step issuing it; "
               f"{len(caught)} host-device syncs in one step {syncs}")
-        print("\n".join(line for line in text.getvalue().splitlines() if line.strip())[-4000:])
-        del model, optimizer
+        for order in args.sort.split(","):
+            text = io.StringIO()
+            pstats.Stats(profiler, stream=text).sort_stats(order).print_stats(args.top)
+            print(f"--- by {order}")
+            print("\n".join(line for line in text.getvalue().splitlines() if line.strip())[-6000:])
+        del model, optimizer, step
         torch.cuda.empty_cache()
 
 
