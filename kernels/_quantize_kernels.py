@@ -358,8 +358,8 @@ def _blockwise_kernel(
                 runs, tl.broadcast_to(scale[:, None], partial.shape), in_range, columnwise_ptr, cols,
                 tl.program_id(0) * BLOCK, K, M, EXPONENT_BITS, MANTISSA_BITS, MAX_BITS, NAN_CODE, PACK4, HARDWARE_CAST,
             )
-            scale_inv_ptrs = columnwise_scale_inv_ptr + cols * row_blocks + tl.program_id(0)
-            tl.store(scale_inv_ptrs, _reciprocal_rn(scale), mask=cols < K)
+            # scale_inv [K, row_blocks] stored K-contiguous (kernels.formats.row_block_scales)
+            tl.store(columnwise_scale_inv_ptr + tl.program_id(0) * K + cols, _reciprocal_rn(scale), mask=cols < K)
         if ROWWISE:  # a 1x128 block per row of the tile
             values = to_f32(x)
             amax_bits = row_amax_bits(values, HARDWARE_CAST)
@@ -369,7 +369,8 @@ def _blockwise_kernel(
                 values * scale[:, None], in_range, EXPONENT_BITS, MANTISSA_BITS, MAX_BITS, NAN_CODE, HARDWARE_CAST,
             )
             _store_tile(data_ptr, codes, rows, cols, M, K)
-            tl.store(scale_inv_ptr + rows * col_blocks + tl.program_id(1), _reciprocal_rn(scale), mask=rows < M)
+            # scale_inv [M, col_blocks] stored M-contiguous (kernels.formats.row_block_scales)
+            tl.store(scale_inv_ptr + tl.program_id(1) * M + rows, _reciprocal_rn(scale), mask=rows < M)
 
 
 @triton.jit

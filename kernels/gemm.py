@@ -313,7 +313,9 @@ def _scaled_mm_triton(
     out = torch.empty(M, N, dtype=out_dtype, device=a.data.device)
     dot_in_fp32 = interpreting()
     block = SCHEME_BLOCKS[a.scheme]
-    a_scale, b_scale = a.scale_inv, b.scale_inv
+    # The kernel reads a scale row's blocks adjacent: 1x128 scales arrive rows-contiguous (for cuBLASLt,
+    # kernels.formats.row_block_scales) and are copied here, on the path of the cases cuBLASLt does not take.
+    a_scale, b_scale = a.scale_inv.contiguous(), b.scale_inv.contiguous()
 
     def grid(meta):
         return (triton.cdiv(M, meta["BLOCK_M"]) * triton.cdiv(N, meta["BLOCK_N"]),)
@@ -377,7 +379,8 @@ def _torch_scaled_mm(
     b_fp8_t = b.data.view(FORMATS[b.fmt].torch_dtype).t()  # [K, N] column-major
     assert b_fp8_t.stride(0) == 1 and a.k % 16 == 0 and b.rows % 16 == 0, "checked by _torch_scaled_mm_takes"
     scale_a, scale_b = a.scale_inv, b.scale_inv
-    if a.family == "block":  # cuBLASLt reads 1x128 scales M-major (N-major) and 128x128 ones as [K/128, N/128]
+    if a.family == "block":  # cuBLASLt reads 1x128 scales M-major (N-major; our quantizers write them so, the
+        # relayout copies only others') and 128x128 ones as [K/128, N/128]
         scale_a = a.scale_inv.t().contiguous().t()
         scale_b = b.scale_inv.t().contiguous().t() if b.scale_rows == 1 else b.scale_inv.t()
         if _CUBLAS_BLOCK_PAIRS[(a.scale_rows, b.scale_rows)] == "F.scaled_mm":

@@ -319,8 +319,10 @@ def _grouped_triton(
     device = first_a.data.device
     a_base, a_offsets = _based([_kernel_codes(op, dot_in_fp32) for op in a_ops])
     b_base, b_offsets = _based([_kernel_codes(op, dot_in_fp32) for op in b_ops])
-    a_scale_base, a_scale_offsets = _based([op.scale_inv for op in a_ops])
-    b_scale_base, b_scale_offsets = _based([op.scale_inv for op in b_ops])
+    # row-major scales, as kernels.gemm's Triton path reads them (1x128 ones arrive rows-contiguous)
+    a_scales, b_scales = [op.scale_inv.contiguous() for op in a_ops], [op.scale_inv.contiguous() for op in b_ops]
+    a_scale_base, a_scale_offsets = _based(a_scales)
+    b_scale_base, b_scale_offsets = _based(b_scales)
     a_amax_base, a_amax_offsets = _based([op.scale_inv if op.global_amax is None else op.global_amax for op in a_ops])
     b_amax_base, b_amax_offsets = _based([op.scale_inv if op.global_amax is None else op.global_amax for op in b_ops])
     out_base, out_offsets = _based([o.view(torch.int16) if out_dtype == torch.bfloat16 else o for o in out])
@@ -335,7 +337,7 @@ def _grouped_triton(
         [a_offsets[g] // a_unit, b_offsets[g] // b_unit, a_scale_offsets[g], b_scale_offsets[g], a_amax_offsets[g],
          b_amax_offsets[g], bias_offsets[g], out_offsets[g] // out_unit,
          a_op.rows, b_op.rows, a_op.k // _K_MULTIPLE.value, a_strides[g] // a_unit, b_strides[g] // b_unit,
-         n_sizes[g] // out_unit, _scale_row_stride(a_op.scale_inv), _scale_row_stride(b_op.scale_inv)]
+         n_sizes[g] // out_unit, _scale_row_stride(a_scales[g]), _scale_row_stride(b_scales[g])]
         for g, (a_op, b_op) in enumerate(zip(a_ops, b_ops, strict=True))
     ]  # fmt: skip
     # Pinned and non-blocking on CUDA: a pageable copy would make the host wait for the GPU on every launch.

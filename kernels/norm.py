@@ -26,7 +26,7 @@ from torch import Tensor
 from kernels import norm_reference
 from kernels._backend import Backend, autotune_configs, backend_for, interpreting, multiprocessor_count
 from kernels._casts import abs_bits, f32_to_bf16_bits, f32_to_code, format_constants, scale_from_amax
-from kernels.formats import FORMATS
+from kernels.formats import FORMATS, row_block_scales
 from kernels.norm_reference import FusedCast, NormBackward, NormForward, check_backward_inputs, check_norm_inputs
 from kernels.reference import Quantized
 
@@ -71,7 +71,7 @@ def _gamma(weight_ptr, cols, H, ZERO_CENTERED: tl.constexpr):
 def _norm_forward_kernel(
     x_ptr, weight_ptr, bias_ptr,  # x [R, H] (rows x_row_stride apart); weight, bias [H]
     out_ptr, mean_ptr, rstd_ptr,  # out [R, H] contiguous (bf16 as int16 bits); mean, rstd fp32 [R]
-    codes_ptr, cast_scale_ptr, cast_scale_inv_ptr,  # fused cast: uint8 [R, H]; fp32 (1,); (1,) or [R, ceil(H/128)]
+    codes_ptr, cast_scale_ptr, cast_scale_inv_ptr,  # fused cast: uint8 [R, H]; fp32 (1,); (1,) or [R, ceil(H/128)] R-contiguous
     amax_bits_ptr,  # int32 (1,): atomic max of |values| bits
     R, H, x_row_stride, eps,
     RMS: tl.constexpr, ZERO_CENTERED: tl.constexpr, HAS_BIAS: tl.constexpr,
@@ -122,7 +122,7 @@ def _norm_forward_kernel(
         col_blocks = tl.cdiv(H, 128)
         scale_inv = tl.math.div_rn(tl.full(scale.shape, 1.0, tl.float32), scale)
         scale_mask = row_inside[:, None] & (block_cols[None, :] < col_blocks)
-        tl.store(cast_scale_inv_ptr + rows[:, None] * col_blocks + block_cols[None, :], scale_inv, mask=scale_mask)
+        tl.store(cast_scale_inv_ptr + block_cols[None, :] * R + rows[:, None], scale_inv, mask=scale_mask)
 
 
 @triton.jit
@@ -214,8 +214,10 @@ def _norm_forward(
     rstd = torch.empty(R, dtype=torch.float32, device=device)
     amax_bits = (torch.zeros if measure_amax else torch.empty)(1, dtype=torch.int32, device=device)
     codes = torch.empty((R, H) if cast is not None else (1,), dtype=torch.uint8, device=device)
-    block_scale_shape = (R, triton.cdiv(H, _CAST_BLOCK)) if cast_scheme == "block1x128" else (1,)
-    scale_inv = torch.empty(block_scale_shape, dtype=torch.float32, device=device)
+    if cast_scheme == "block1x128":  # stored R-contiguous, as cuBLASLt reads 1x128 scales
+        scale_inv = row_block_scales(R, triton.cdiv(H, _CAST_BLOCK), device)
+    else:
+        scale_inv = torch.empty(1, dtype=torch.float32, device=device)
     fmt = "e4m3" if cast is None else cast.fmt
     _tuned("forward")[(triton.cdiv(R, block_rows),)](
         x2d, weight, bias if bias is not None else weight,

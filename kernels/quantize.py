@@ -35,7 +35,7 @@ from kernels._checks import (
     matrix_view,
 )
 from kernels._quantize_kernels import _amax_kernel, _blockwise_kernel, _mxfp8_kernel, _nvfp4_kernel, _tensorwise_kernel
-from kernels.formats import FP8_FORMATS, stochastic_key
+from kernels.formats import FP8_FORMATS, row_block_scales, stochastic_key
 from kernels.reference import Quantized
 
 
@@ -146,6 +146,14 @@ def _launch(name: str, x2d: Tensor, *buffers: Tensor, splits: list[int] | None =
 def _bytes(shape: tuple[int, ...], wanted: bool, device: torch.device, dtype: torch.dtype = torch.uint8) -> Tensor:
     """An output buffer, or a one-element placeholder for a copy nobody asked for."""
     return torch.empty(shape if wanted else (1,), dtype=dtype, device=device)
+
+
+def _block_scales(rows: int, blocks: int, wanted: bool, square: bool, device: torch.device) -> Tensor:
+    """A blockwise scale_inv [rows, blocks]: row-major for 128x128 blocks, rows-contiguous for 1x128 (what
+    cuBLASLt reads, formats.row_block_scales); a one-element placeholder when that copy is not wanted."""
+    if not wanted or square:
+        return _bytes((rows, blocks) if wanted else (1,), wanted, device, torch.float32)
+    return row_block_scales(rows, blocks, device)
 
 
 def _pack4(columnwise: bool, *row_counts: int) -> bool:
@@ -311,9 +319,9 @@ def quantize_blockwise(
     row_blocks, col_blocks = triton.cdiv(M, 128), triton.cdiv(K, 128)
     square = block == (128, 128)
     data = _bytes((M, K), rowwise, x.device)
-    scale_inv = _bytes((row_blocks if square else M, col_blocks), rowwise, x.device, torch.float32)
+    scale_inv = _block_scales(row_blocks if square else M, col_blocks, rowwise, square, x.device)
     columnwise_data = _bytes((K, M), columnwise, x.device)
-    columnwise_scale_inv = _bytes((col_blocks if square else K, row_blocks), columnwise, x.device, torch.float32)
+    columnwise_scale_inv = _block_scales(col_blocks if square else K, row_blocks, columnwise, square, x.device)
     _launch(
         "blockwise", x2d, data, scale_inv, columnwise_data, columnwise_scale_inv,
         **format_constants(fmt), FMAX=reference.FORMATS[fmt].max, POWER_2=power_2_scale, SQUARE=square,

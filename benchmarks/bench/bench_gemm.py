@@ -23,8 +23,7 @@ from __future__ import annotations
 import torch
 
 from benchmarks.harness import PEAK_TFLOPS, Result, argument_parser, device_ms, relative_error, report
-from kernels import gemm, gemm_reference
-from kernels import reference  # its quantizers give the Triton ones' bytes, in plain torch
+from kernels import gemm, gemm_reference, quantize, reference  # reference: the Triton quantizers' bytes, in plain torch
 
 
 def main() -> None:
@@ -64,7 +63,8 @@ def main() -> None:
 
     # block-scaled: ours; cuBLAS rowwise (the nearest finer-than-tensor peer) and, where wired up, blockwise
     case = "block 1x128 x 128x128"
-    qx, qw = reference.quantize_blockwise(x, "e4m3", (1, 128)), reference.quantize_blockwise(w, "e4m3", (128, 128))
+    # the Triton quantizers, as the modules call them: their 1x128 scales come rows-contiguous, as cuBLASLt reads them
+    qx, qw = quantize.quantize_blockwise(x, "e4m3", (1, 128)), quantize.quantize_blockwise(w, "e4m3", (128, 128))
     want = gemm_reference.scaled_mm(qx, qw)
     block_a, block_b = gemm_reference.gemm_operand(qx, False, "a"), gemm_reference.gemm_operand(qw, False, "b")
     block = measure(case, "ours (Triton)", lambda: gemm._scaled_mm_triton(block_a, block_b, bf16_out, None), fp8_peak, want)
@@ -78,7 +78,7 @@ def main() -> None:
 
     measure(case, "torch._scaled_mm rowwise (peer)", rowwise, fp8_peak, note="rowwise scales, not 1x128")
     x_codes, w_codes = qx.data.view(torch.float8_e4m3fn), qw.data.view(torch.float8_e4m3fn)
-    x_scale = qx.scale_inv.t().contiguous().t()  # cuBLAS reads the 1x128 scales M-major
+    x_scale = qx.scale_inv  # M-major, as cuBLAS reads 1x128 scales
 
     def blockwise():
         return torch._scaled_mm(x_codes, w_codes.t(), scale_a=x_scale, scale_b=qw.scale_inv.t(), out_dtype=bf16_out)
@@ -87,12 +87,15 @@ def main() -> None:
 
     # wgrad's pair: 1x128 by 1x128 (both operands scaled along K): ours, and cuBLASLt where torch takes it
     case = "block 1x128 x 1x128"
-    qw = reference.quantize_blockwise(w, "e4m3", (1, 128))
+    qw = quantize.quantize_blockwise(w, "e4m3", (1, 128))
     want = gemm_reference.scaled_mm(qx, qw)
     block_b = gemm_reference.gemm_operand(qw, False, "b")
     wgrad = measure(case, "ours (Triton)", lambda: gemm._scaled_mm_triton(block_a, block_b, bf16_out, None), fp8_peak,
                     want)  # fmt: skip
     wgrad_picked = measure(case, "gemm.scaled_mm", lambda: gemm.scaled_mm(qx, qw), fp8_peak, want, _path(qx, qw))
+    rx, rw = reference.quantize_blockwise(x, "e4m3", (1, 128)), reference.quantize_blockwise(w, "e4m3", (1, 128))
+    measure(case, "gemm.scaled_mm, row-major scales", lambda: gemm.scaled_mm(rx, rw), fp8_peak, want,
+            "the reference's layout: two scale relayouts a call")  # fmt: skip
 
     # emulated: the floor is the bf16 peak; the peer dequantizes, then multiplies in bf16
     emulated = {}

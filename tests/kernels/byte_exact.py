@@ -10,9 +10,14 @@ from kernels import reference
 FIELDS = ("data", "scale_inv", "columnwise_data", "columnwise_scale_inv")
 
 
+def _bytes(t: torch.Tensor) -> torch.Tensor:
+    """The bytes of t's values in row-major order (1x128 scales are stored rows-contiguous by the Triton quantizers)."""
+    return t.contiguous().view(torch.uint8)
+
+
 def _describe_difference(field: str, got: torch.Tensor, expected: torch.Tensor, x: torch.Tensor) -> str:
     """The first differing positions with both bytes and, for data, the input element(s) they encode."""
-    got_bytes, expected_bytes = got.view(torch.uint8).cpu(), expected.view(torch.uint8).cpu()
+    got_bytes, expected_bytes = _bytes(got).cpu(), _bytes(expected).cpu()
     if got_bytes.shape != expected_bytes.shape:
         return f"{field}: shape {tuple(got_bytes.shape)} != reference {tuple(expected_bytes.shape)}"
     differing = (got_bytes != expected_bytes).nonzero()[:5].tolist()
@@ -37,7 +42,7 @@ def assert_same_bytes(got: reference.Quantized, expected: reference.Quantized, x
         a, b = getattr(got, field), getattr(expected, field)
         assert (a is None) == (b is None), f"{field}: triton has it: {a is not None}, the reference: {b is not None}"
         if a is not None:
-            assert torch.equal(a.view(torch.uint8), b.view(torch.uint8)), _describe_difference(field, a, b, x)
+            assert torch.equal(_bytes(a), _bytes(b)), _describe_difference(field, a, b, x)
     for field in ("amax", "columnwise_amax"):
         a, b = getattr(got, field), getattr(expected, field)
         assert (a is None) == (b is None), field

@@ -162,6 +162,8 @@ def test_fused_cast_bytes_equal_reference_quantize_of_the_kernels_output_exact(d
     assert fused.quantized.scheme == scheme and fused.quantized.shape == expected.shape
     assert torch.equal(fused.quantized.data, expected.data), (fused.quantized.data != expected.data).nonzero()[:5]
     assert torch.equal(fused.quantized.scale_inv, expected.scale_inv)
+    if scheme == "block1x128":  # stored rows-contiguous, as cuBLASLt reads 1x128 scales
+        assert fused.quantized.scale_inv.stride() == (1, x.shape[0])
     # without keep_output, or with a bf16 output, the pass writes the same bytes (cast from fp32 y)
     bytes_only = _forward(norm, kind, x, weight, bias, zero_centered_gamma=True, cast=FusedCast(fmt, scheme, scale))
     assert bytes_only.out is None and torch.equal(bytes_only.quantized.data, expected.data)

@@ -90,6 +90,16 @@ def test_each_role_alone_gives_identical_bytes(device, name):
     assert_same_bytes(got, expected, columnwise_input)
 
 
+@pytest.mark.parametrize("device", DEVICES)
+def test_1x128_scales_are_stored_rows_contiguous_as_cublaslt_reads_them(device):
+    x = random_input((260, 300), torch.bfloat16, device, seed=5)
+    got = triton_quantize.quantize_blockwise(x, block=(1, 128), rowwise=True, columnwise=True)
+    assert got.scale_inv.shape == (260, 3) and got.scale_inv.stride() == (1, 260)
+    assert got.columnwise_scale_inv.shape == (300, 3) and got.columnwise_scale_inv.stride() == (1, 300)
+    square = triton_quantize.quantize_blockwise(x, block=(128, 128), rowwise=True, columnwise=True)
+    assert square.scale_inv.is_contiguous() and square.columnwise_scale_inv.is_contiguous()
+
+
 def edge_matrix(fmt: str, cols: int, rows_multiple: int) -> torch.Tensor:
     """An fp32 [R, cols] input from the format's edge set: every value, the ties between them,
     subnormals, +-max and beyond, +-inf, NaN, zeros; plus an all-zero row, rows with one huge
