@@ -23,10 +23,11 @@ operations (the interpreter's `.to(tl.bfloat16)` truncates).
 
 On CUDA, `CUDA_PATHS` (a measured table) sends each family where it runs fastest: per-tensor and
 128-block GEMMs to cuBLASLt (`torch._scaled_mm`, or `torch.nn.functional.scaled_mm` for the 1x128 x 1x128
-wgrad pair) where it takes the case; MXFP8 and NVFP4 to `_scaled_mm_dequantized`: one launch writes each
-operand dequantized to bf16 (the same exact values as this kernel's prologue), cuBLAS multiplies them on
-the bf16 tensor cores with fp32 output, and one launch applies NVFP4's global scales, the bias and the
-output rounding (`_finish_kernel`, this kernel's epilogue). Everything else runs this kernel.
+wgrad pair) where it takes the case (a block GEMM's bias added by `_finish` after an fp32 product); MXFP8
+and NVFP4 to `_scaled_mm_dequantized`: one launch writes each operand dequantized to bf16 (the same exact
+values as this kernel's prologue), cuBLAS multiplies them on the bf16 tensor cores with fp32 output, and
+one launch applies NVFP4's global scales, the bias and the output rounding (`_finish_kernel`, this
+kernel's epilogue). Everything else runs this kernel.
 """
 
 from __future__ import annotations
@@ -49,9 +50,11 @@ from kernels.reference import Quantized
 # one H200). "cublaslt" where _torch_scaled_mm_takes the case (else this Triton kernel); "dequantize":
 # _scaled_mm_dequantized; "triton": this kernel.
 # - tensorwise: torch._scaled_mm 1273 TFLOP/s, this kernel 934 (2026-11-30).
-# - block 1x128 x 128x128 (fprop, dgrad): torch._scaled_mm 1103, this kernel 535 (2026-11-30).
-# - block 1x128 x 1x128 (wgrad): F.scaled_mm 963 with the scale relayouts (1056 the bare call; torch 2.11's
-#   _scaled_mm refuses the pair), this kernel 333 (2026-12-02).
+# - block 1x128 x 128x128 (fprop, dgrad): torch._scaled_mm 1103, this kernel 535 (2026-11-30). The block modes
+#   take no bias: with one, cuBLASLt writes fp32 and _finish adds it (LayerNormMLP's biased fprops had fallen to
+#   this kernel: 16.9 ms of its 65.9 ms step each, benchmarks/profile/profile_mlp.py, 2026-12-03).
+# - block 1x128 x 1x128 (wgrad): F.scaled_mm 958 with our rows-contiguous scales, 949 with row-major ones (two
+#   relayout launches; torch 2.11's _scaled_mm refuses the pair), this kernel 338 (2026-12-03).
 # - mxfp8, nvfp4 (emulated): dequantize + cuBLAS bf16 697 / 629, this kernel 242 / 160 (2026-12-02).
 CUDA_PATHS = {"tensorwise": "cublaslt", "block": "cublaslt", "mxfp8": "dequantize", "nvfp4": "dequantize"}
 # 128-block pairs (A, B rows per scale) cuBLASLt runs, and through which torch entry point: _scaled_mm infers
@@ -354,11 +357,11 @@ def _block_pair_takes(a: GemmOperand, b: GemmOperand) -> bool:
 
 
 def _torch_scaled_mm_takes(a: GemmOperand, b: GemmOperand, out_dtype: torch.dtype, bias: Tensor | None) -> bool:
-    """Whether CUDA's cuBLASLt runs this case, per CUDA_PATHS (CPU's _scaled_mm accepts more: these are CUDA's rules)."""
+    """Whether CUDA's cuBLASLt runs this case, per CUDA_PATHS (CPU's _scaled_mm accepts more: CUDA's rules here)."""
     if CUDA_PATHS[a.family] != "cublaslt":
         return False
-    if a.family == "block":  # no bias in the block modes
-        case_ok = bias is None and _block_pair_takes(a, b)
+    if a.family == "block":  # the block modes take no bias: _torch_scaled_mm adds it in our epilogue
+        case_ok = _block_pair_takes(a, b)
     else:  # no bias with fp32 out
         case_ok = bias is None or (out_dtype == torch.bfloat16 and bias.dtype == torch.bfloat16)
     return (
@@ -383,6 +386,9 @@ def _torch_scaled_mm(
         # relayout copies only others') and 128x128 ones as [K/128, N/128]
         scale_a = a.scale_inv.t().contiguous().t()
         scale_b = b.scale_inv.t().contiguous().t() if b.scale_rows == 1 else b.scale_inv.t()
+        if bias is not None:  # the block modes take no bias: an fp32 product, then our epilogue adds it (one rounding)
+            product = _torch_scaled_mm(a, b, torch.float32, None)
+            return _finish(product, out_dtype, bias, out=out)
         if _CUBLAS_BLOCK_PAIRS[(a.scale_rows, b.scale_rows)] == "F.scaled_mm":
             product = _block_1x128_pair(a_fp8, b_fp8_t, scale_a, scale_b, out_dtype)
             return product if out is None else out.copy_(product)
@@ -424,21 +430,30 @@ def _scaled_mm_dequantized(a: GemmOperand, b: GemmOperand, out_dtype: torch.dtyp
         product = torch.mm(a16, b16.t(), out_dtype=torch.float32)
     else:  # the interpreter's tests: the same exact products, summed in fp32
         product = a16.float() @ b16.float().t()
-    global_scales = a.family == "nvfp4"
-    if out_dtype == torch.float32 and not global_scales and bias is None:
-        return product
+    global_amaxes = (a.global_amax, b.global_amax) if a.family == "nvfp4" else None
+    return _finish(product, out_dtype, bias, global_amaxes)
+
+
+def _finish(
+    product: Tensor, out_dtype: torch.dtype, bias: Tensor | None,
+    global_amaxes: tuple[Tensor, Tensor] | None = None, out: Tensor | None = None,
+) -> Tensor:  # fmt: skip
+    """An fp32 product [M, N] times NVFP4's global scales, plus the bias, rounded once to out_dtype (into
+    `out` if given): this kernel's epilogue, in one launch after a cuBLAS product."""
+    if out_dtype == torch.float32 and global_amaxes is None and bias is None:
+        return product if out is None else out.copy_(product)
     M, N = product.shape
-    out = torch.empty(M, N, dtype=out_dtype, device=product.device)
+    out = torch.empty(M, N, dtype=out_dtype, device=product.device) if out is None else out
     block_m, block_n = 64, 128
 
     def grid(meta):
         return triton.cdiv(M, block_m), triton.cdiv(N, block_n)
 
+    a_amax, b_amax = global_amaxes or (product, product)
     _finish_kernel[grid](
-        product, a.global_amax if global_scales else product, b.global_amax if global_scales else product,
-        bias.contiguous() if bias is not None else product,
+        product, a_amax, b_amax, bias.contiguous() if bias is not None else product,
         out.view(torch.int16) if out_dtype == torch.bfloat16 else out, M, N,
-        GLOBAL_SCALES=global_scales, HAS_BIAS=bias is not None, OUT_BF16=out_dtype == torch.bfloat16,
+        GLOBAL_SCALES=global_amaxes is not None, HAS_BIAS=bias is not None, OUT_BF16=out_dtype == torch.bfloat16,
         BLOCK_M=block_m, BLOCK_N=block_n,
     )  # fmt: skip
     return out

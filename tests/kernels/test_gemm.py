@@ -111,7 +111,9 @@ def test_blockwise_dispatch_takes_whole_1x128_by_128x128_blocks_only():
     assert not takes(*operands(192, 128), torch.bfloat16, None)  # K = 192: a partial K block
     assert not takes(*operands(768, 128), torch.bfloat16, None)  # K/128 = 6: cuBLASLt misreads the scales
     assert not takes(*operands(256, 96), torch.bfloat16, None)  # N = 96: a partial weight block
-    assert not takes(*operands(256, 128), torch.bfloat16, torch.zeros(128, dtype=torch.bfloat16))  # no bias there
+    # the block modes take no bias: cuBLASLt writes fp32 and our epilogue adds it (GPU test below)
+    bias = torch.zeros(128, dtype=torch.bfloat16)
+    assert takes(*operands(512, 128), torch.bfloat16, bias) == (gemm.CUDA_PATHS["block"] == "cublaslt")
 
 
 def test_wgrad_dispatch_takes_whole_1x128_by_1x128_blocks_with_aligned_scales():
@@ -150,6 +152,9 @@ def test_cuda_blockwise_dispatch_matches_float64(tokens, d_in, d_out):
     qx, qw = quantize(tensors["x"], "block1x128", "e4m3", False), quantize(tensors["w"], "block128x128", "e4m3", False)
     got = gemm.scaled_mm(qx, qw, out_dtype=torch.bfloat16)
     assert_matches_float64(got, qx, False, qw, False, None, torch.bfloat16)
+    bias = torch.randn(d_out, device="cuda").to(torch.bfloat16)  # cuBLASLt's fp32 product, then our epilogue
+    got = gemm.scaled_mm(qx, qw, out_dtype=torch.bfloat16, bias=bias)
+    assert_matches_float64(got, qx, False, qw, False, bias, torch.bfloat16)
     # wgrad's 1x128 x 1x128 pair, K = tokens (768 and 1280 tokens: the K/128 that broke the 128x128 scales)
     tensors = seeded_tensors(d_in, tokens, d_out, "cuda")
     qdy, qx = (quantize(tensors[name], "block1x128", "e4m3", True) for name in ("dy", "x"))

@@ -163,7 +163,9 @@ DISPATCH = {
     "e5m2-x-e5m2": (("dgrad", ("tensorwise", "e5m2"), ("tensorwise", "e5m2"), (64, 48), ROWS, False),
                     torch.bfloat16, None, False),
     "block-fprop-m-37": (("fprop", *_BLOCK, (512, 128), ROWS, False), torch.bfloat16, None, False),
-    "block-fprop-bias": (CUBLAS_CASES["block-fprop-1x128x128x128"], torch.bfloat16, torch.bfloat16, False),
+    # the block modes take no bias: cuBLASLt writes fp32, kernels.gemm's epilogue adds it
+    "block-fprop-bias": (CUBLAS_CASES["block-fprop-1x128x128x128"], torch.bfloat16, torch.bfloat16,
+                         gemm.CUDA_PATHS["block"] == "cublaslt"),
     "block-wgrad-1x128x1x128": (("wgrad", ("block1x128", "e4m3"), ("block1x128", "e4m3"), (512, 128),
                                  (512, 0, 1024), False), torch.bfloat16, None, gemm.CUDA_PATHS["block"] == "cublaslt"),
     "block-wgrad-partial-k-block": (("wgrad", ("block1x128", "e4m3"), ("block1x128", "e4m3"), (512, 128),
