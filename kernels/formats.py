@@ -68,14 +68,12 @@ SCHEME_BLOCKS: dict[str, tuple[int, int] | None] = {
 }
 
 
-
-
 def row_block_scales(rows: int, blocks: int, device: torch.device) -> Tensor:
     """An fp32 scale_inv buffer [rows, blocks] for 1x128 blocks, stored rows-contiguous (strides (1, rows)).
 
     cuBLASLt's 1x128 block scaling reads the scales of an operand [rows, K] M-major (N-major for B): a
-    quantizer that writes them so spares the GEMM a relayout launch per operand (wgrad on the H200: 963
-    TFLOP/s with the two relayouts against 1056 for the bare call, benchmarks/RESULTS.md 2026-12-02).
+    quantizer that writes them so spares the GEMM a relayout launch per operand (the wgrad pair at 8192^3
+    on the H200: 958 TFLOP/s against 949 with the relayouts, benchmarks/RESULTS.md 2026-12-03).
     The values are the spec's; only the storage order differs from the reference's row-major one.
     """
     if blocks == 1:  # the same memory, with the strides torch's views want of a last dim

@@ -382,13 +382,13 @@ def _torch_scaled_mm(
     b_fp8_t = b.data.view(FORMATS[b.fmt].torch_dtype).t()  # [K, N] column-major
     assert b_fp8_t.stride(0) == 1 and a.k % 16 == 0 and b.rows % 16 == 0, "checked by _torch_scaled_mm_takes"
     scale_a, scale_b = a.scale_inv, b.scale_inv
-    if a.family == "block":  # cuBLASLt reads 1x128 scales M-major (N-major; our quantizers write them so, the
-        # relayout copies only others') and 128x128 ones as [K/128, N/128]
+    if a.family == "block":
+        if bias is not None:  # the block modes take no bias: an fp32 product, then our epilogue adds it (one rounding)
+            return _finish(_torch_scaled_mm(a, b, torch.float32, None), out_dtype, bias, out=out)
+        # cuBLASLt reads 1x128 scales M-major (N-major; our quantizers write them so, the relayout copies only
+        # others') and 128x128 ones as [K/128, N/128]
         scale_a = a.scale_inv.t().contiguous().t()
         scale_b = b.scale_inv.t().contiguous().t() if b.scale_rows == 1 else b.scale_inv.t()
-        if bias is not None:  # the block modes take no bias: an fp32 product, then our epilogue adds it (one rounding)
-            product = _torch_scaled_mm(a, b, torch.float32, None)
-            return _finish(product, out_dtype, bias, out=out)
         if _CUBLAS_BLOCK_PAIRS[(a.scale_rows, b.scale_rows)] == "F.scaled_mm":
             product = _block_1x128_pair(a_fp8, b_fp8_t, scale_a, scale_b, out_dtype)
             return product if out is None else out.copy_(product)

@@ -71,7 +71,7 @@ def _gamma(weight_ptr, cols, H, ZERO_CENTERED: tl.constexpr):
 def _norm_forward_kernel(
     x_ptr, weight_ptr, bias_ptr,  # x [R, H] (rows x_row_stride apart); weight, bias [H]
     out_ptr, mean_ptr, rstd_ptr,  # out [R, H] contiguous (bf16 as int16 bits); mean, rstd fp32 [R]
-    codes_ptr, cast_scale_ptr, cast_scale_inv_ptr,  # fused cast: uint8 [R, H]; fp32 (1,); (1,) or [R, ceil(H/128)] R-contiguous
+    codes_ptr, cast_scale_ptr, cast_scale_inv_ptr,  # fused cast: uint8 [R, H]; fp32 (1,); (1,) or [R, H/128] R-major
     amax_bits_ptr,  # int32 (1,): atomic max of |values| bits
     R, H, x_row_stride, eps,
     RMS: tl.constexpr, ZERO_CENTERED: tl.constexpr, HAS_BIAS: tl.constexpr,
