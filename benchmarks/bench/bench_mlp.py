@@ -11,6 +11,7 @@ MXFP8 and NVFP4 are EMULATED on Hopper (no tensor cores for them: kernels.gemm m
 dequantized values on the bf16 ones), so their floor is the bf16 one.
 
 Run on a CUDA machine:  PYTHONPATH=. python3 benchmarks/bench/bench_mlp.py [--hidden 8192 --ffn 28672 --tokens 16384]
+    [--cases off,current,block]
 """
 
 from __future__ import annotations
@@ -38,20 +39,22 @@ BF16_EXPECTED_MS = 67.8
 
 @dataclass(frozen=True)
 class Case:
+    key: str  # --cases picks by it
     name: str
     recipe: Recipe | None  # None: FP8 off
     fp8_weights: bool = False  # build under quantized_model_init(recipe)
 
 
 CASES = [
-    Case("bf16 (FP8 off)", None),
-    Case("Float8CurrentScaling", Float8CurrentScaling()),
-    Case("DelayedScaling", DelayedScaling()),
-    Case("Float8BlockScaling", Float8BlockScaling()),
-    Case("MXFP8BlockScaling (emulated)", MXFP8BlockScaling()),
-    Case("NVFP4BlockScaling (emulated)", NVFP4BlockScaling()),
-    Case("Float8CurrentScaling, FP8 weights", Float8CurrentScaling(), fp8_weights=True),
+    Case("off", "bf16 (FP8 off)", None),
+    Case("current", "Float8CurrentScaling", Float8CurrentScaling()),
+    Case("delayed", "DelayedScaling", DelayedScaling()),
+    Case("block", "Float8BlockScaling", Float8BlockScaling()),
+    Case("mxfp8", "MXFP8BlockScaling (emulated)", MXFP8BlockScaling()),
+    Case("nvfp4", "NVFP4BlockScaling (emulated)", NVFP4BlockScaling()),
+    Case("fp8-weights", "Float8CurrentScaling, FP8 weights", Float8CurrentScaling(), fp8_weights=True),
 ]
+CASES_BY_KEY = {case.key: case for case in CASES}
 
 
 @dataclass
@@ -119,7 +122,11 @@ def main() -> None:
     parser.add_argument("--hidden", type=int, default=8192)
     parser.add_argument("--ffn", type=int, default=28672)
     parser.add_argument("--tokens", type=int, default=16384)
+    parser.add_argument("--cases", default=",".join(CASES_BY_KEY), help="comma-separated, of: %(default)s")
     args = parser.parse_args()
+    unknown = set(args.cases.split(",")) - set(CASES_BY_KEY)
+    if unknown:
+        parser.error(f"unknown --cases {sorted(unknown)}; choose from {','.join(CASES_BY_KEY)}")
     if not torch.cuda.is_available():
         raise SystemExit("bench_mlp needs a CUDA device")
     flops = 12 * args.tokens * args.hidden * args.ffn
@@ -131,7 +138,8 @@ def main() -> None:
     rows = []
     fallbacks_before = sum(FALLBACK_CALLS.values())
     baseline = None
-    for case in CASES:
+    # FP8 off runs first whatever --cases says: it is every row's peer
+    for case in [CASES[0]] + [CASES_BY_KEY[key] for key in args.cases.split(",") if key != "off"]:
         module = _build(case, args)
         result = _measure(module, _fp8_step(module, case.recipe), x, dy)
         if baseline is None:

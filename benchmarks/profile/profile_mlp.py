@@ -17,10 +17,9 @@ import collections
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from benchmarks.bench.bench_mlp import CASES, _build, _fp8_step
+from benchmarks.bench.bench_mlp import CASES_BY_KEY, _build, _fp8_step
 from benchmarks.harness import environment_line
 
-RECIPES = dict(zip(("off", "current", "delayed", "block", "mxfp8", "nvfp4"), CASES, strict=False))  # bench_mlp's order
 GEMM_MARKS = ("gemm", "nvjet", "cutlass", "sm90_xmma", "_scaled_mm_kernel")  # cuBLAS(Lt) kernel names, our Triton GEMM
 
 
@@ -39,7 +38,7 @@ def main() -> None:
     x.requires_grad_()
     dy = torch.randn_like(x)
     for name in args.recipes.split(","):
-        case = RECIPES[name]
+        case = CASES_BY_KEY[name]
         module = _build(case, args)
         step = _fp8_step(module, case.recipe)
         for _ in range(2):  # compile and autotune
