@@ -27,6 +27,7 @@ import torchside.recipe as torch_recipe
 from kernels import reference as R
 from tests.bridge.byte_compare import as_jax, assert_same_bytes, byte_view
 from tests.kernels.format_models import edge_values
+from tests.selection import in_ci
 
 SHAPES = ((64, 160), (3, 32, 64))  # partial 128-blocks; 3-D; every dim tiles 32 (MXFP8) and 16 (NVFP4)
 # The second shape runs for one configuration per scheme (a jit compile each): shape handling is per scheme.
@@ -168,7 +169,12 @@ def _scale(module, value: float):
     return torch.tensor([value]) if module is R else np.array([value], np.float32)
 
 
-@pytest.mark.parametrize("config", sorted(CONFIGS))
+# NVFP4's RHT without SR on 1x16, and RHT + SR on 16x16, in the grid (5-6 s each on 2 cores): CI keeps RHT + SR on
+# 1x16 (the seed past 2^32) and each block shape without RHT
+GRID_CONFIGS = {"nvfp4_1x16_rht", f"nvfp4_16x16_rht_sr{SEEDS[0]}"}
+
+
+@pytest.mark.parametrize("config", in_ci(sorted(CONFIGS), set(CONFIGS) - GRID_CONFIGS))
 def test_quantized_bytes_match_the_torch_reference(config):
     fmt, call = CONFIGS[config]
     for shape in SHAPES if config in SECOND_SHAPE_CONFIGS else SHAPES[:1]:

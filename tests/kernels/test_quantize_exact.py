@@ -209,10 +209,17 @@ SCHEMES_BY_KERNEL = {
     "nvfp4": ["nvfp4_1x16_hadamard_stochastic", "nvfp4_16x16"],
 }
 CONFIGS = [(kernel, index) for kernel, entry in triton_quantize._KERNELS.items() for index in range(len(entry[1]))]
+# The interpreter takes 3-8 s a config of these: CI runs their first, the grid and `-m gpu` (compiled) run all.
+SLOW_TO_INTERPRET = {"amax", "nvfp4"}
+CONFIG_PARAMS = [
+    pytest.param(kernel, index, id=f"{kernel}-{index}",
+                 marks=[pytest.mark.grid] if kernel in SLOW_TO_INTERPRET and index else [])
+    for kernel, index in CONFIGS
+]  # fmt: skip
 
 
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("kernel, index", CONFIGS, ids=[f"{kernel}-{index}" for kernel, index in CONFIGS])
+@pytest.mark.parametrize("kernel, index", CONFIG_PARAMS)
 def test_every_tile_config_gives_identical_bytes(device, kernel, index, monkeypatch):
     function, candidates, key = triton_quantize._KERNELS[kernel]
     monkeypatch.setitem(triton_quantize._KERNELS, kernel, (function, [candidates[index]], key))

@@ -19,6 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from tests.selection import in_ci
 from torchside.autocast import fp8_autocast
 from torchside.modules import ModuleConfig, RMSNorm
 from torchside.modules.rotary import RotaryPositionEmbedding
@@ -106,7 +107,7 @@ def bf16_final_loss(markov_batches) -> float:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("recipe_name", TRAIN_RECIPES)
+@pytest.mark.parametrize("recipe_name", in_ci(TRAIN_RECIPES, ["current"]))  # delayed (~20 s): the grid
 def test_4_layer_stack_trains_within_3_percent_of_bf16(bf16_final_loss, markov_batches, recipe_name):
     loss = _final_loss(TRAIN_RECIPES[recipe_name], markov_batches)
     gap = abs(loss - bf16_final_loss) / bf16_final_loss
