@@ -20,10 +20,10 @@ The full matrix runs with `-m grid` (every recipe, FP8 parameters on and off, ev
 loaded on every load topology: 301 passed in 170 s on 2 cores; the 30 skipped are layouts refused by
 design: Float8BlockScaling FP8 weights on FSDP4 and FSDP2 x TP2, MXFP8 FP8 weights on FSDP4, whose
 shards would cut scale blocks). CI runs a covering subset: every recipe with FP8 parameters on, FP8 off
-with high-precision ones, every save and load topology; each case loads on its own topology, the pair (TP2 and FSDP2) and one of HSDP 2x2 / one
-process. With FP8 parameters on, NVFP4's 16x16 blocks are cast with the whole weight's global
-amax in every shard. Float8BlockScaling FP8 weights need whole 128x128 blocks in every
-shard: their stack is 256 wide, which HSDP 2x2, FSDP2, TP2 and one process split on block
+with high-precision ones, every save and load topology; each case loads on its own topology, the pair
+(TP2 and FSDP2) and one of HSDP 2x2 / one process. With FP8 parameters on, NVFP4's 16x16 blocks are
+cast with the whole weight's global amax in every shard. Float8BlockScaling FP8 weights need whole
+128x128 blocks in every shard: their stack is 256 wide, which HSDP 2x2, FSDP2, TP2 and one process split on block
 boundaries; FSDP4 and FSDP2 x TP2 would not, and building it there raises a ValueError (tested on
 threads at the end).
 
@@ -40,7 +40,6 @@ from typing import NamedTuple
 
 import numpy as np
 import pytest
-import torch
 from torch.distributed.device_mesh import init_device_mesh
 
 from tests.distributed import run_processes, run_threads
@@ -49,6 +48,7 @@ from tests.torchside.tp_stack import F, H
 from torchside.checkpoint import load, save
 from torchside.checkpoint.safetensors_io import export_safetensors, import_safetensors
 from torchside.quantization import FALLBACK_CALLS
+
 
 class Case(NamedTuple):
     recipe: str
