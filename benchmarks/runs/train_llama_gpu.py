@@ -17,8 +17,8 @@ has no tensor cores for them (kernels.gemm emulates them).
 Size per step: 8 sequences of 512 tokens (4096 tokens), about 6 * 128M * 4096 = 3.2 TFLOP (plus
 attention). At this size the step is bound by kernel launches, not by the GPU's arithmetic.
 `--cuda-graphs` replays each run's step as a CUDA graph (torchside.train's flag: the same numbers as
-the eager step, several times faster at this size). `--report-only` redraws the table and curves from the run directories of an earlier call (e.g. when
-the recipes ran in two device calls).
+the eager step, several times faster at this size). `--report-only` redraws the table and curves
+from the run directories of an earlier call (e.g. when the recipes ran in two device calls).
 
 Run on a CUDA machine:  PYTHONPATH=. python3 benchmarks/runs/train_llama_gpu.py [--recipes off,delayed --seeds 0,1,2]
 """
@@ -65,11 +65,12 @@ def _command(recipe: str, seed: int, args, out: Path) -> list[str]:
         "--device": "cuda", "--seed": seed, "--out": out, "--log-every": 100,
     }  # fmt: skip
     graphs = ["--cuda-graphs"] if args.cuda_graphs else []
-    return [sys.executable, "-m", "torchside.train", *(str(x) for pair in flags.items() for x in pair), "--no-progress", *graphs]
+    pairs = (str(x) for pair in flags.items() for x in pair)
+    return [sys.executable, "-m", "torchside.train", *pairs, "--no-progress", *graphs]
 
 
 def train_all(recipes: list[str], seeds: list[int], args, root: Path) -> None:
-    """Each (recipe, seed) in its own process, at most `args.runs_per_gpu` per GPU at a time; writes its summary.json."""
+    """Each (recipe, seed) in its own process, at most `args.runs_per_gpu` per GPU at a time; writes summary.json."""
     visible = os.environ.get("CUDA_VISIBLE_DEVICES")  # the children get one of the devices this process sees
     gpus = visible.split(",") if visible else [str(g) for g in range(torch.cuda.device_count())]
     waiting, running = [(recipe, seed) for seed in seeds for recipe in recipes], {}
@@ -93,7 +94,8 @@ def train_all(recipes: list[str], seeds: list[int], args, root: Path) -> None:
             if summary_line is None:
                 print(f"{name}: exit {process.returncode} without a summary; last lines:", *lines[-15:], sep="\n")
                 continue
-            summary = json.loads(summary_line) | {"wall_s": time.perf_counter() - started, "runs_per_gpu": args.runs_per_gpu}
+            measured = {"wall_s": time.perf_counter() - started, "runs_per_gpu": args.runs_per_gpu}
+            summary = json.loads(summary_line) | measured
             (out / SUMMARY_NAME).write_text(json.dumps(summary))
             print(f"finished {name}: {summary['tokens_per_s']:.0f} tokens/s, {summary['wall_s']:.0f} s", flush=True)
 
@@ -156,7 +158,7 @@ def main() -> int:
     parser.add_argument("--recipes", default=",".join(REPORTED_RECIPES), help="comma-separated recipes to train now")
     parser.add_argument("--seeds", default="0", help="comma-separated seeds: each recipe trains once per seed")
     parser.add_argument("--runs-per-gpu", type=int, default=1, help="runs sharing one GPU (tokens/s then shared)")
-    parser.add_argument("--cuda-graphs", action="store_true", help="replay each run's step as a CUDA graph (same numbers)")
+    parser.add_argument("--cuda-graphs", action="store_true", help="replay each run's step as a CUDA graph")
     parser.add_argument("--report-only", action="store_true", help="only report the runs already in --out")
     parser.add_argument("--out", default="runs/train_llama_gpu")
     args = parser.parse_args()
@@ -173,7 +175,8 @@ def main() -> int:
     if not args.report_only:
         if not torch.cuda.is_available():
             parser.error("no CUDA device: run on a GPU machine, or pass --report-only")
-        print(f"{datetime.date.today()}  {torch.cuda.get_device_name()} x{torch.cuda.device_count()}  torch {torch.__version__}")
+        device = f"{torch.cuda.get_device_name()} x{torch.cuda.device_count()}"
+        print(f"{datetime.date.today()}  {device}  torch {torch.__version__}")
         train_all(recipes, seeds, args, root)
     reported = list(dict.fromkeys([*REPORTED_RECIPES, *recipes]))
     return report(load_runs(reported, root), reported, root)
