@@ -312,7 +312,8 @@ def test_bad_fp8_hf_input_exits_2_and_writes_nothing(sources, tmp_path, capsys, 
     assert sorted(p.name for p in tmp_path.iterdir()) == ["bad"]
 
 
-def test_to_hf_needs_a_config_that_fits(sources, tmp_path, capsys):
+def test_to_hf_needs_a_config_that_fits(sources, tmp_path, capsys, monkeypatch):
+    monkeypatch.delenv("COLUMNS", raising=False)  # the plan printed to a pipe (pytest-xdist's workers set 80)
     directory, _ = sources["fp32_single"]
     assert convert(directory, "hf", tmp_path / "dcp", "dcp").ok
     argv = ["convert", str(tmp_path / "dcp"), str(tmp_path / "out"), "--from", "dcp", "--to", "hf"]
