@@ -37,6 +37,7 @@ from jaxside.quantize import BUFFERS
 from kernels._backend import Backend, backend_for
 from tests.bridge.byte_compare import as_jax, assert_same_bytes
 from tests.jaxside.quantized_math64 import mismatches
+from tests.selection import in_ci
 from torchside.autocast import fp8_autocast as torch_fp8_autocast
 
 HISTORY = 8
@@ -324,10 +325,7 @@ def _jax_weight_operands(jax_module, recipe, gemm_weights) -> list:
     return operands
 
 
-@pytest.mark.parametrize(
-    "block_name, recipe_name",
-    [case if case in BLOCK_CASES_IN_CI else pytest.param(*case, marks=pytest.mark.grid) for case in BLOCK_CASES],
-)
+@pytest.mark.parametrize("block_name, recipe_name", in_ci(BLOCK_CASES, BLOCK_CASES_IN_CI))
 def test_jax_blocks_match_torch_blocks(reference_kernels, monkeypatch, block_name, recipe_name):
     """MultiheadAttention, TransformerLayer, GroupedLinear: weight bytes, outputs, grads and state, as above."""
     torch_module, jax_module, torch_call, jax_call = _block_twins(block_name)

@@ -28,6 +28,7 @@ from jaxside import sharding as S
 from jaxside.modules import GRAD_FILTER, fp8_autocast, place, shardings
 from jaxside.recipe import Float8CurrentScaling
 from tests.jaxside.layer_builders import BUILDERS, HIDDEN, SEQ
+from tests.selection import in_ci
 
 BATCH = 8  # a multiple of every mesh's dp
 # module -> where its input's batch dim is: "sbhd" [S, B, D] or "bshd" [B, S, D]
@@ -96,13 +97,11 @@ def _compiled_step(module_name: str, dp: int, tp: int, recipe=None) -> str:
 
 # FP8 off on every mesh; FP8 on the (2, 2) mesh only (the per-shard casting does not depend on dp's size), in CI
 # for the layer only (its attention is the other module; ~16 s on 2 cores)
-STEPS = [(m, mesh, "fp8_off") for m in MODULES for mesh in MESHES] + [
-    ("layer_fused_qkv_sbhd", (2, 2), "current"),
-    pytest.param("mha_separate_qkv_rotary_bshd", (2, 2), "current", marks=pytest.mark.grid),
-]
+STEPS = [(m, mesh, "fp8_off") for m in MODULES for mesh in MESHES] + [(m, (2, 2), "current") for m in MODULES]
+STEPS_IN_CI = [step for step in STEPS if step[2] == "fp8_off" or step[0] == "layer_fused_qkv_sbhd"]
 
 
-@pytest.mark.parametrize("module_name, mesh_shape, recipe_name", STEPS)
+@pytest.mark.parametrize("module_name, mesh_shape, recipe_name", in_ci(STEPS, STEPS_IN_CI))
 def test_step_moves_only_parameters_and_tp_partial_sums(module_name, mesh_shape, recipe_name):
     dp, tp = mesh_shape
     found = collectives(_compiled_step(module_name, dp, tp, RECIPES[recipe_name]))

@@ -55,6 +55,7 @@ from jaxside.modules.tokens import data_parallel_groups
 from jaxside.recipe import DelayedScaling
 from tests.jaxside.layer_builders import BUILDERS, GQA_GROUPS, HEAD_DIM, HEADS, SEQ
 from tests.jaxside.quantized_math64 import ELEMENT_TOLERANCE, RECIPES, mismatches
+from tests.selection import in_ci
 
 BATCH, FEATURES = 4, 64  # [S, B] = [16, 4]: 64 tokens, batch 4 over dp_shard's 4
 GROUP_SPLITS = (16, 0, 48)  # rows per group; group 1 has none
@@ -114,12 +115,8 @@ FP8_IN_CI = {  # the other FP8 steps run under -m grid (CI time, ~25 s each on 2
     ("transformer_layer_fused_qkv_sbhd", "delayed"),
     ("grouped_linear_row_parallel", "current"),
 }
-PAIRS = [(ATTENTION, "off")] + [
-    pytest.param(case, r, marks=[pytest.mark.grid] if r != "off" and (case, r) not in FP8_IN_CI else [])
-    for case in CASES
-    if case != ATTENTION
-    for r in ("off", "current", "delayed")
-]
+PAIRS = [(ATTENTION, "off")] + [(case, r) for case in CASES if case != ATTENTION for r in ("off", "current", "delayed")]
+PAIRS_IN_CI = [(case, r) for case, r in PAIRS if r == "off" or (case, r) in FP8_IN_CI]
 
 
 def _step(module, inputs: list, dy, case_name: str, recipe_name: str, dp_groups: int | None) -> dict:
@@ -169,7 +166,7 @@ def _random_vectors(module: nnx.Module, rng: np.random.Generator) -> nnx.Module:
     return module
 
 
-@pytest.mark.parametrize("case_name, recipe_name", PAIRS)
+@pytest.mark.parametrize("case_name, recipe_name", in_ci(PAIRS, PAIRS_IN_CI))
 def test_fsdp_x_tp_step_equals_single_device_step(case_name, recipe_name):
     case, mesh = CASES[case_name], S.make_mesh(dp_shard=DP_GROUPS, tp=2)
     rng = np.random.default_rng(5)
