@@ -9,8 +9,15 @@
 """
 
 import os
+import shutil
+import tempfile
 
 os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip()
+# One JAX compilation cache for the run's processes (pytest-xdist's workers and every launched rank inherit the
+# variable): a program one of them compiled is loaded by the others (NVFP4's steps take a minute on 2 cores).
+_OWN_JAX_CACHE = "JAX_COMPILATION_CACHE_DIR" not in os.environ
+if _OWN_JAX_CACHE:
+    os.environ["JAX_COMPILATION_CACHE_DIR"] = tempfile.mkdtemp(prefix="shardbridge-jax-cache-")
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
@@ -47,3 +54,8 @@ def pytest_collection_modifyitems(config, items):
 def pytest_runtest_logreport(report):
     if report.failed and os.environ.get("PYTEST_INSTAFAIL") == "1":
         print(f"\n=== FAILED {report.nodeid} ({report.when})\n{report.longreprtext}", flush=True)
+
+
+def pytest_sessionfinish(session):
+    if _OWN_JAX_CACHE:  # the process that made the cache (not a worker, which inherited it)
+        shutil.rmtree(os.environ["JAX_COMPILATION_CACHE_DIR"], ignore_errors=True)
