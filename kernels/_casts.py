@@ -13,7 +13,10 @@ per-block work (see there).
 
 from __future__ import annotations
 
+import functools
 import struct
+from collections.abc import Mapping
+from types import MappingProxyType
 
 import triton
 import triton.language as tl
@@ -29,14 +32,15 @@ _FP32_INF_BITS = tl.constexpr(0x7F800000)
 _FP32_NAN_BITS = tl.constexpr(0x7FC00000)
 
 
-def format_constants(fmt: str, prefix: str = "") -> dict[str, int]:
+@functools.cache  # read-only: every launch splats it
+def format_constants(fmt: str, prefix: str = "") -> Mapping[str, int]:
     """The constexprs that describe `fmt` to the cast helpers (keys optionally prefixed)."""
     f = FORMATS[fmt]
     max_bits = struct.unpack("<i", struct.pack("<f", f.max))[0]
     values = {
         "EXPONENT_BITS": f.exponent_bits, "MANTISSA_BITS": f.mantissa_bits, "MAX_BITS": max_bits, "NAN_CODE": f.nan_code
     }
-    return {prefix + key: value for key, value in values.items()}
+    return MappingProxyType({prefix + key: value for key, value in values.items()})
 
 
 @triton.jit

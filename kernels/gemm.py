@@ -40,8 +40,9 @@ import triton.language as tl
 from torch import Tensor
 
 from kernels import gemm_reference
-from kernels._backend import Backend, autotune_configs, backend_for, interpreting
+from kernels._backend import Backend, backend_for, interpreting
 from kernels._casts import code_to_f32, e4m3_code_to_f32, f32_to_bf16_bits, format_constants, scale_from_amax
+from kernels._launch import Launcher
 from kernels.formats import FORMATS, NVFP4_GLOBAL_MAX, SCHEME_BLOCKS
 from kernels.gemm_reference import GemmOperand, check_gemm, gemm_operand
 from kernels.reference import Quantized
@@ -282,19 +283,20 @@ def _finish_kernel(
     _epilogue(acc, rows, cols, M, N, a_amax_ptr, b_amax_ptr, bias_ptr, out_ptr, GLOBAL_SCALES, HAS_BIAS, OUT_BF16)
 
 
+# the epilogue kernels of the cuBLAS paths, launched without Triton's front end once compiled (kernels._launch)
+_DEQUANTIZE, _FINISH = Launcher(_dequantize_kernel), Launcher(_finish_kernel)
+
+
 def _tune_big_problems_only(configs, named_args, **kwargs):
     """Autotuning compiles every candidate; below _TUNE_FROM outputs the launch dominates: take the first."""
     return configs if named_args["M"] * named_args["N"] >= _TUNE_FROM else configs[:1]
 
 
 @functools.cache
-def _tuned(family: str):
+def _tuned(family: str) -> Launcher:
     """The kernel autotuned over its family's tiles, built on first use (the list depends on the backend)."""
-    return triton.autotune(
-        configs=autotune_configs(_TILES[family]),
-        key=["M", "N", "K"],
-        prune_configs_by={"early_config_prune": _tune_big_problems_only},
-    )(_scaled_mm_kernel)
+    prune = {"early_config_prune": _tune_big_problems_only}
+    return Launcher(_scaled_mm_kernel, _TILES[family], ["M", "N", "K"], prune_configs_by=prune)
 
 
 def _kernel_codes(operand: GemmOperand, dot_in_fp32: bool) -> Tensor:
@@ -411,7 +413,7 @@ def _dequantized_bf16(operand: GemmOperand) -> Tensor:
     dot_in_fp32 = interpreting()
     block_rows, block_k = (64, 128) if not dot_in_fp32 else (128, 256)  # the interpreter pays per program
     grid = (triton.cdiv(operand.rows, block_rows), triton.cdiv(operand.k, block_k))
-    _dequantize_kernel[grid](
+    _DEQUANTIZE[grid](
         _kernel_codes(operand, dot_in_fp32), operand.scale_inv, out.view(torch.int16),
         operand.rows, operand.k, operand.data.stride(0), _scale_row_stride(operand.scale_inv),
         SCALING=operand.family, SCALE_K=SCHEME_BLOCKS[operand.scheme][1], SCALE_ROWS=max(operand.scale_rows, 1),
@@ -450,7 +452,7 @@ def _finish(
         return triton.cdiv(M, block_m), triton.cdiv(N, block_n)
 
     a_amax, b_amax = global_amaxes or (product, product)
-    _finish_kernel[grid](
+    _FINISH[grid](
         product, a_amax, b_amax, bias.contiguous() if bias is not None else product,
         out.view(torch.int16) if out_dtype == torch.bfloat16 else out, M, N,
         GLOBAL_SCALES=global_amaxes is not None, HAS_BIAS=bias is not None, OUT_BF16=out_dtype == torch.bfloat16,

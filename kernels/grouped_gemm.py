@@ -42,8 +42,9 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from kernels._backend import Backend, autotune_configs, backend_for, interpreting
+from kernels._backend import Backend, backend_for, interpreting
 from kernels._casts import f32_to_bf16_bits, format_constants
+from kernels._launch import Launcher
 from kernels.formats import SCHEME_BLOCKS
 from kernels.gemm import (
     _GROUP_M,
@@ -164,13 +165,10 @@ def _grouped_scaled_mm_kernel(
 
 
 @functools.cache
-def _tuned(family: str):
+def _tuned(family: str) -> Launcher:
     """The kernel autotuned over kernels.gemm's tiles for the family, built on first use."""
-    return triton.autotune(
-        configs=autotune_configs(_TILES[family]),
-        key=["M", "N", "K"],
-        prune_configs_by={"early_config_prune": _tune_big_problems_only},
-    )(_grouped_scaled_mm_kernel)
+    prune = {"early_config_prune": _tune_big_problems_only}
+    return Launcher(_grouped_scaled_mm_kernel, _TILES[family], ["M", "N", "K"], prune_configs_by=prune)
 
 
 def _as_list(name: str, values: Sequence | None, groups: int) -> list | None:

@@ -24,8 +24,9 @@ import triton.language as tl
 from torch import Tensor
 
 from kernels import norm_reference
-from kernels._backend import Backend, autotune_configs, backend_for, interpreting, multiprocessor_count
+from kernels._backend import Backend, backend_for, interpreting, multiprocessor_count
 from kernels._casts import abs_bits, f32_to_bf16_bits, f32_to_code, format_constants, scale_from_amax
+from kernels._launch import Launcher
 from kernels.formats import FORMATS, row_block_scales
 from kernels.norm_reference import FusedCast, NormBackward, NormForward, check_backward_inputs, check_norm_inputs
 from kernels.reference import Quantized
@@ -171,15 +172,13 @@ def _tune_big_problems_only(configs, named_args, **kwargs):
 
 
 @functools.cache
-def _tuned(kernel_name: str):
+def _tuned(kernel_name: str) -> Launcher:
     """The kernel autotuned over warp counts (one config under the interpreter), keyed by the variant."""
     kernel, key = {
         "forward": (_norm_forward_kernel, ["H", "BLOCK_ROWS", "RMS", "CAST", "WRITE_OUT", "OUT_BF16"]),
         "backward": (_norm_backward_kernel, ["H", "BLOCK_ROWS", "RMS", "DX_BF16"]),
     }[kernel_name]
-    return triton.autotune(
-        configs=autotune_configs(_WARPS), key=key, prune_configs_by={"early_config_prune": _tune_big_problems_only}
-    )(kernel)
+    return Launcher(kernel, _WARPS, key, prune_configs_by={"early_config_prune": _tune_big_problems_only})
 
 
 def _tile(hidden: int, min_block_h: int = 1) -> tuple[int, int]:

@@ -21,7 +21,7 @@ import triton
 from torch import Tensor
 
 from kernels import reference
-from kernels._backend import Backend, autotune_configs, backend_for
+from kernels._backend import Backend, backend_for
 from kernels._casts import format_constants
 from kernels._checks import (
     check_block,
@@ -34,6 +34,7 @@ from kernels._checks import (
     element_format,
     matrix_view,
 )
+from kernels._launch import Launcher
 from kernels._quantize_kernels import _amax_kernel, _blockwise_kernel, _mxfp8_kernel, _nvfp4_kernel, _tensorwise_kernel
 from kernels.formats import FP8_FORMATS, row_block_scales, stochastic_key
 from kernels.reference import Quantized
@@ -86,45 +87,15 @@ _SCALE_STRIDE = 4
 _AUTOTUNE_MIN_ELEMENTS = 1 << 22
 
 
-class _TunedOnce:
-    """A kernel autotuned once per key, then launched directly with the config the autotuner kept.
-
-    Triton's Autotuner rebuilds its key from every argument and re-merges the config on each launch;
-    skipping that saved the host 10-40 us of a 70-390 us quantize call on the H200 machine (A/B in one
-    process, benchmarks/RESULTS.md, 2026-12-01): current scaling's call costs the host more than its
-    kernels take the GPU. The key is the autotuner's: the values of `key`'s arguments and the dtypes
-    of the tensor arguments.
-    """
-
-    def __init__(self, kernel, candidates: list[dict], key: list[str]):
-        self.kernel = kernel
-        self.autotuner = triton.autotune(configs=autotune_configs(candidates), key=key)(kernel)
-        self.key = key
-        self.kept: dict[tuple, dict] = {}
-
-    def __getitem__(self, grid):
-        return functools.partial(self._run, grid)
-
-    def _run(self, grid, *args, **kwargs) -> None:
-        named = dict(zip(self.kernel.arg_names, args), **kwargs)
-        key = tuple(named[name] for name in self.key) + tuple(str(a.dtype) for a in args if isinstance(a, Tensor))
-        config = self.kept.get(key)
-        if config is None:  # tunes (first time) and launches the best
-            self.autotuner[grid](*args, **kwargs)
-            self.kept[key] = self.autotuner.best_config.all_kwargs()
-        else:
-            self.kernel[grid](*args, **kwargs, **config)
-
-
 @functools.cache
-def _kernel(name: str, tuned: bool) -> tuple[object, dict]:
-    """(kernel, launch meta-parameters): autotuned over its candidates (built on first use: the config list
-    depends on the backend), or the bare kernel and its first candidate, launched directly (the autotuner's
-    per-launch work would buy nothing)."""
+def _kernel(name: str, tuned: bool) -> tuple[Launcher, dict]:
+    """(launcher, launch meta-parameters): autotuned over its candidates once per key (built on first use: the
+    config list depends on the backend), or its first candidate, launched without autotuning (the tuning
+    would cost more than it saves)."""
     kernel, candidates, key = _KERNELS[name]
     if tuned:
-        return _TunedOnce(kernel, candidates, key), {}
-    return kernel, candidates[0]
+        return Launcher(kernel, candidates, key), {}
+    return Launcher(kernel), candidates[0]
 
 
 def _launch(name: str, x2d: Tensor, *buffers: Tensor, splits: list[int] | None = None, **meta) -> None:

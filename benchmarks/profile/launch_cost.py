@@ -86,6 +86,7 @@ def main() -> None:
         *_launch_rows(x, y),
         ("kernels.quantize._launch('amax')", host_us(lambda: kq._global_amax(x, hadamard=False))),
         ("kernels.quantize.quantize_tensorwise (amax + cast)", host_us(lambda: kq.quantize_tensorwise(x))),
+        ("  the same, amax by torch (local_amax)", host_us(lambda: kq.quantize_tensorwise(x, amax=local_amax(x)))),
         ("torch._scaled_mm tensorwise", host_us(lambda: torch._scaled_mm(fp8_x, fp8_wt, one, one, out_dtype=x.dtype))),
     ]
     for recipe_name in ("current", "delayed", "block"):

@@ -14,6 +14,7 @@ tensor with one quantizer each (GroupedLinear's experts): one cast launch for th
 
 from __future__ import annotations
 
+import functools
 import importlib
 import math
 from collections.abc import Callable, Sequence
@@ -87,6 +88,7 @@ def _takes_amax_group(recipe: Recipe, role: str) -> bool:
     return _FAMILIES[type(recipe)].takes_amax_group
 
 
+@functools.cache
 def implementation(backend: Backend) -> ModuleType:
     """The module whose quantize functions run on `backend` (they share names and signatures)."""
     return importlib.import_module("kernels.reference" if backend is Backend.REFERENCE else "kernels.quantize")
