@@ -28,8 +28,8 @@ import torch
 import triton.runtime.jit
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from benchmarks.harness import environment_line
 import kernels._backend as backend_module
+from benchmarks.harness import environment_line
 from kernels._backend import Backend
 from torchside.autocast import fp8_autocast
 from torchside.modules import GroupedLinear, LayerNormMLP, Linear

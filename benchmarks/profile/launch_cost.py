@@ -68,6 +68,18 @@ def _launch_rows(x: torch.Tensor, y: torch.Tensor) -> list[tuple[str, float]]:
     return rows
 
 
+def linear_host_us(linear: Linear, x: torch.Tensor, dy: torch.Tensor, recipe_name: str, calls: int = 50) -> float:
+    """Host us of a torchside module's forward + backward under recipe `recipe_name` ("off": FP8 disabled)."""
+    recipe = None if recipe_name == "off" else recipe_from_name(recipe_name)
+
+    def step():
+        with fp8_autocast(enabled=recipe is not None, recipe=recipe):
+            out = linear(x)
+        out.backward(dy)
+
+    return host_us(step, calls=calls)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--tokens", type=int, default=4096)
@@ -96,14 +108,7 @@ def main() -> None:
     linear = Linear(args.hidden, args.hidden, params_dtype=torch.bfloat16, device="cuda")
     xg = x.detach().requires_grad_()
     for recipe_name in ("off", "current", "delayed", "block"):
-        recipe = None if recipe_name == "off" else recipe_from_name(recipe_name)
-
-        def step():
-            with fp8_autocast(enabled=recipe is not None, recipe=recipe):
-                out = linear(xg)
-            out.backward(x)
-
-        rows.append((f"Linear {args.hidden} fwd + bwd, {recipe_name}", host_us(step, calls=50)))
+        rows.append((f"Linear {args.hidden} fwd + bwd, {recipe_name}", linear_host_us(linear, xg, x, recipe_name)))
     width = max(len(name) for name, _ in rows)
     print(f"{'call':<{width}}  host us")
     for name, us in rows:

@@ -23,12 +23,11 @@ import torch.nn.functional as F
 import triton
 
 from benchmarks.harness import environment_line, host_us
+from benchmarks.profile.launch_cost import linear_host_us
 from kernels import quantize as kq
 from kernels._casts import format_constants
 from kernels.formats import FORMATS
-from torchside.autocast import fp8_autocast
 from torchside.modules import Linear
-from torchside.recipe import recipe_from_name
 
 
 class LeanCast:
@@ -151,14 +150,7 @@ def main() -> None:
     ]
     linear = Linear(H, H, params_dtype=torch.bfloat16, device="cuda")
     for recipe_name in ("off", "current"):
-        recipe = None if recipe_name == "off" else recipe_from_name(recipe_name)
-
-        def step():
-            with fp8_autocast(enabled=recipe is not None, recipe=recipe):
-                out = linear(x)
-            out.backward(dy)
-
-        rows.append((f"torchside.Linear {recipe_name}", host_us(step, calls=100)))
+        rows.append((f"torchside.Linear {recipe_name}", linear_host_us(linear, x, dy, recipe_name, calls=100)))
     width = max(len(name) for name, _ in rows + pieces)
     print(f"{'piece':<{width}}  host us")
     for name, us in pieces:
