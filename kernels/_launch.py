@@ -2,9 +2,9 @@
 
 Each `kernel[grid](...)` through Triton's front end binds and specializes every argument, builds a
 cache key and checks the kernel's globals before the launch proper: on the H200 machine's host that
-is ~20 us for a 4-argument kernel and ~65 us for our 35-argument cast (benchmarks/profile/lean_linear.py),
-and triton.autotune adds its own key and config merge on top. An eager FP8 step of a small model
-issues ~200 such launches, and its GPU waits on the host.
+adds 4-13 us to a small kernel's launch and ~25 us to our 35-argument cast's (benchmarks/profile/
+launch_cost.py, lean_linear.py), and triton.autotune adds its own key and config merge on top. An eager
+FP8 step of a small model issues ~200 such launches, and its GPU waits on the host.
 
 `Launcher` keeps the CompiledKernel of the first launch of each specialization and launches it
 directly afterwards. Its key holds what Triton specializes a kernel on: each tensor's dtype and
