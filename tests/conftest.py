@@ -1,6 +1,7 @@
 """Test setup that must happen before jax or triton are imported.
 
 - JAX gets 8 host CPU devices (this only affects JAX's CPU platform; a GPU run keeps its GPUs).
+- The run's processes (xdist workers, launched ranks) share one JAX compilation cache, removed at the end.
 - Without CUDA, Triton kernels run in the interpreter (TRITON_INTERPRET=1).
 - `gpu` tests are skipped without CUDA.
 - `reference_kernels`: the fixture for tests that run kernels through their pure-torch reference.
