@@ -47,7 +47,7 @@ def _safely(probe) -> str:
 
 def collect() -> list[Row]:
     """The rows `shardbridge env` prints."""
-    from kernels import _backend
+    from fp8kernels import _backend
 
     rows = [Row(name, _version(name)) for name in ("torch", "triton", "jax", "jaxlib", "flax", "optax", "orbax-checkpoint")]
     rows.append(Row("torch devices", _safely(_torch_devices)))

@@ -1,4 +1,4 @@
-"""Argument checks of the jaxside quantizers: the same errors, with the same fixes, as kernels/_checks.py."""
+"""Argument checks of the jaxside quantizers: the same errors, with the same fixes, as fp8kernels/_checks.py."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Number formats and the element-level pieces of quantization, in jnp: the twin of kernels/formats.py.
+"""Number formats and the element-level pieces of quantization, in jnp: the twin of fp8kernels/formats.py.
 
 The format table (max, canonical NaN byte), element casts, fp32 and e8m0 block scales, FP4
 packing, the stochastic-rounding hash and the random Hadamard transform, each returning the same

@@ -1,6 +1,6 @@
 """Adam and AdamW with torchside's FusedAdam arithmetic, as an Optax GradientTransformation.
 
-The math is `kernels/adam_reference.py`'s, per element in fp32, t the step count from 1:
+The math is `fp8kernels/adam_reference.py`'s, per element in fp32, t the step count from 1:
 
     g  = fp32(grad cast to the parameter's dtype)       FusedAdam casts grads to the parameter dtype
     g  = g + weight_decay * p                            Adam with L2 only (adam_w_mode=False)
@@ -82,7 +82,7 @@ def fused_adam(
     eps_f32 = np.float32(eps)
 
     def host_scalars(step: np.ndarray, lr: np.ndarray | float = learning_rate) -> np.ndarray:
-        """(step_size, inv_bias_correction2_sqrt, param_decay): kernels.adam_reference.adam_scalars' host path."""
+        """(step_size, inv_bias_correction2_sqrt, param_decay): fp8kernels.adam_reference.adam_scalars' host path."""
         step, lr = float(step), float(lr)
         step_size = lr / (1 - beta1**step)
         inv_bias_correction2_sqrt = 1 / math.sqrt(1 - beta2**step)

@@ -1,6 +1,6 @@
-"""The quantizers of kernels/reference.py in jnp: the same functions, arguments and bytes.
+"""The quantizers of fp8kernels/reference.py in jnp: the same functions, arguments and bytes.
 
-docs/quantization.md is the contract, kernels/reference.py the spec. Vocabulary as there: `x` is
+docs/quantization.md is the contract, fp8kernels/reference.py the spec. Vocabulary as there: `x` is
 viewed as a matrix [M, K]; the rowwise copy quantizes x, the columnwise copy quantizes x.T ([K, M]).
 
 Each quantizer checks its arguments in Python (the same errors as the torch side), converts x to
@@ -361,7 +361,7 @@ def delayed_scaling_update(
 
     amax_history is fp32 [history_len, ...] of amaxes (>= 0) with row 0 the slot the next
     quantizations write; scale is fp32 [...]. Returns new arrays. A non-finite amax in row 0 is
-    refused: the scale stays and the history records 0 in its place (kernels.reference's rule).
+    refused: the scale stays and the history records 0 in its place (fp8kernels.reference's rule).
     """
     if algo not in ("max", "most_recent"):
         raise ValueError(f"amax_compute_algo={algo!r}: use 'max' or 'most_recent'")

@@ -30,10 +30,10 @@ if not HAS_CUDA:
 
 @pytest.fixture
 def reference_kernels(monkeypatch):
-    """Every kernel through its pure-torch reference (kernels._backend reads TRITON_INTERPRET when called):
+    """Every kernel through its pure-torch reference (fp8kernels._backend reads TRITON_INTERPRET when called):
     thread-safe, unlike the Triton interpreter, so threaded ranks can run it, and fast on small shapes.
     One intra-op thread: tensors this small only spin a second one on a shared 2-core machine."""
-    from kernels._backend import Backend, backend_for
+    from fp8kernels._backend import Backend, backend_for
 
     monkeypatch.setenv("TRITON_INTERPRET", "0")
     assert backend_for("cpu") is Backend.REFERENCE

@@ -1,4 +1,4 @@
-"""Dependency direction (DESIGN.md): kernels <- torchside <- bridge -> jaxside, torch and JAX apart; tests apart.
+"""Dependency direction (docs/design.md): fp8kernels <- torchside <- bridge -> jaxside, torch and JAX apart; tests apart.
 
 Two checks: at run time, importing a package and all its submodules loads no module of the other
 framework; statically, no import statement anywhere in a package (lazy ones inside functions
@@ -14,12 +14,12 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
-FORBIDDEN = {"torchside": "jax", "kernels": "jax", "jaxside": "torch"}
+FORBIDDEN = {"torchside": "jax", "fp8kernels": "jax", "jaxside": "torch"}
 # package -> top-level modules no import in it may name
 FORBIDDEN_IMPORTS = {
-    "kernels": {"torchside", "jaxside", "bridge", "jax"},
+    "fp8kernels": {"torchside", "jaxside", "bridge", "jax"},
     "torchside": {"bridge", "jax", "jaxside", "flax"},
-    "jaxside": {"torch", "torchside", "kernels", "bridge"},
+    "jaxside": {"torch", "torchside", "fp8kernels", "bridge"},
 }
 # Framework-free modules both sides share (the Llama config and the Hugging Face name table): they live
 # in jaxside, whose package __init__s import nothing, so that the table exists once (docs/twins.md).
@@ -177,7 +177,7 @@ def test_the_static_checks_see_every_kind_of_import(tmp_path, monkeypatch):
     folder.mkdir(parents=True)
     source = folder / "helpers.py"
     source.write_text(
-        "import tests.kernels.test_gemm\n"
+        "import tests.fp8kernels.test_gemm\n"
         "from tests.torchside import test_attention\n"
         "from . import test_modules\n"
         "def lazy():\n"
@@ -187,7 +187,7 @@ def test_the_static_checks_see_every_kind_of_import(tmp_path, monkeypatch):
     monkeypatch.setattr(sys.modules[__name__], "REPO", tmp_path)
     names = [name for _, name in imported_modules(source)]
     assert [n for n in names if is_test_module(n)] == [
-        "tests.kernels.test_gemm",
+        "tests.fp8kernels.test_gemm",
         "tests.torchside.test_attention",
         "tests.torchside.test_modules",
     ]
@@ -208,3 +208,24 @@ def test_cli_help_and_the_layout_and_demo_packages_load_neither_framework():
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "[]"
+
+
+OUR_TOP_LEVEL = ("fp8kernels", "torchside", "jaxside", "bridge")
+
+
+def test_our_top_level_names_are_ours_alone():
+    """No other installed distribution claims one of our import names (Hugging Face's `kernels` did)."""
+    from importlib.metadata import packages_distributions
+
+    claimed = packages_distributions()
+    others = {name: sorted(set(claimed.get(name, [])) - {"shardbridge"}) for name in OUR_TOP_LEVEL}
+    assert not any(others.values()), f"other distributions install these import names: {others}"
+    assert set(OUR_TOP_LEVEL) == {p.parent.name for p in REPO.glob("*/__init__.py")} - {"tests"}
+
+
+def test_transformers_imports_from_the_repository_root():
+    """transformers (>= 5.25 imports Hugging Face's `kernels`) loads its Llama with the repository first on the path."""
+    pytest.importorskip("transformers")
+    code = "from transformers import LlamaForCausalLM; print(LlamaForCausalLM.__name__)"
+    out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True)
+    assert out.returncode == 0 and out.stdout.strip() == "LlamaForCausalLM", out.stderr[-2000:]

@@ -29,7 +29,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from kernels.reference import delayed_scaling_update
+from fp8kernels.reference import delayed_scaling_update
 from torchside.recipe import RECIPE_CLASSES, DelayedScaling, Recipe
 
 _THREAD_STATE = threading.local()  # .autocast and .model_init: stacks of frames, made on first use

@@ -2,7 +2,7 @@
 
 A recipe says how each tensor role is quantized; it holds no state. Roles:
 "input" (activations), "weight", "grad" (output gradients). The formulas live in
-docs/quantization.md and kernels/reference.py; this file only validates and names them.
+docs/quantization.md and fp8kernels/reference.py; this file only validates and names them.
 """
 
 from __future__ import annotations

@@ -20,7 +20,7 @@ from __future__ import annotations
 import torch
 
 from benchmarks.harness import COPY_BYTES_PER_S, Result, argument_parser, device_ms, report
-from kernels.adam import MultiTensorAdam
+from fp8kernels.adam import MultiTensorAdam
 from torchside.optim import FusedAdam
 
 N_TENSORS, ROWS, COLS = 32, 4096, 4096

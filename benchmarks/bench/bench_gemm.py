@@ -5,7 +5,7 @@
 Throughput = 2*M*N*K / time. Floors are DESIGN.md's H200 peaks: bf16 788 TFLOP/s, FP8 1425
 (torch._scaled_mm tensorwise). Rows:
 
-- tensorwise e4m3: kernels.gemm's Triton kernel, torch._scaled_mm (cuBLASLt), and `scaled_mm`
+- tensorwise e4m3: fp8kernels.gemm's Triton kernel, torch._scaled_mm (cuBLASLt), and `scaled_mm`
   (the path gemm.CUDA_PATHS picks); the faster of the first two decides that table's entry.
 - block-scaled 1x128 x 128x128 and 1x128 x 1x128 (wgrad): our Triton kernel, `scaled_mm` (cuBLASLt
   through torch where it takes the pair), torch._scaled_mm rowwise (the nearest cuBLAS FP8 peer).
@@ -13,7 +13,7 @@ Throughput = 2*M*N*K / time. Floors are DESIGN.md's H200 peaks: bf16 788 TFLOP/s
   peak: our fused Triton kernel (dequantize in the prologue, bf16 dots), the dequantize path
   (bf16 copies, cuBLAS, one epilogue launch), `scaled_mm`; peer: dequantize + bf16 torch.matmul, eager.
 
-Every row also reports its relative error against kernels.gemm_reference (fp32 matmul of the
+Every row also reports its relative error against fp8kernels.gemm_reference (fp32 matmul of the
 dequantized operands), so a fast wrong kernel cannot pass unnoticed. Times: benchmarks.harness.device_ms
 (CUDA graph replays). Output: markdown for benchmarks/RESULTS.md.
 """
@@ -23,7 +23,7 @@ from __future__ import annotations
 import torch
 
 from benchmarks.harness import PEAK_TFLOPS, Result, argument_parser, device_ms, relative_error, report
-from kernels import gemm, gemm_reference, quantize, reference  # reference: the Triton quantizers' bytes, in plain torch
+from fp8kernels import gemm, gemm_reference, quantize, reference  # reference: the Triton quantizers' bytes, in plain torch
 
 
 def main() -> None:

@@ -10,11 +10,11 @@ GroupedLinear's problem (benchmarks/bench/bench_transformer_layer.py, Part 2): 8
 - wgrad, split along K: dw_g = dy_g^T @ x_g, each group reducing over its own tokens (grouped_scaled_mm
   pads each K to a multiple of 16 by a copy, inside the timing: it is part of the grouped GEMM's cost).
 
-Providers: torch._scaled_mm on the dense problem (cuBLASLt), kernels.gemm's Triton kernel on the dense
+Providers: torch._scaled_mm on the dense problem (cuBLASLt), fp8kernels.gemm's Triton kernel on the dense
 problem, the one grouped Triton launch, a loop of torch._scaled_mm per group (where K allows it), and
 `grouped_scaled_mm`, the dispatching entry point GroupedLinear calls (cuBLASLt per group where it takes
 every group, else the autotuned launch; its note says which ran). The Triton launch rows use one fixed
-tile (`--tile`, an index into kernels.gemm._FP8_TILES) so that dense and grouped run the same tile code;
+tile (`--tile`, an index into fp8kernels.gemm._FP8_TILES) so that dense and grouped run the same tile code;
 `--autotune` adds the autotuned launch (6 more compiles). Throughput = 2*T*I*O / time; floor: DESIGN.md's
 FP8 peak (1425 TFLOP/s); "vs peer" (the dense cuBLASLt GEMM) is issue 5's target (>= 0.87x: within 15%). Every grouped
 row reports its relative error against the reference GEMM per group. Times: benchmarks.harness.device_ms
@@ -29,8 +29,8 @@ import torch
 
 from benchmarks.bench.bench_transformer_layer import GROUPED_IN, GROUPED_OUT, SPLITS
 from benchmarks.harness import PEAK_TFLOPS, Result, argument_parser, device_ms, relative_error, report
-from kernels import gemm, gemm_reference, grouped_gemm, reference
-from kernels.gemm_reference import gemm_operand
+from fp8kernels import gemm, gemm_reference, grouped_gemm, reference
+from fp8kernels.gemm_reference import gemm_operand
 
 BF16 = torch.bfloat16
 
@@ -98,7 +98,7 @@ def bench_kind(kind: str, layout: tuple[bool, bool], dense: tuple, groups: tuple
 
 def main() -> None:
     parser = argument_parser(__doc__)
-    parser.add_argument("--tile", type=int, default=0, help="index into kernels.gemm._FP8_TILES for the Triton rows")
+    parser.add_argument("--tile", type=int, default=0, help="index into fp8kernels.gemm._FP8_TILES for the Triton rows")
     parser.add_argument("--autotune", action="store_true", help="also time the autotuned grouped launch")
     args = parser.parse_args()
     if not torch.cuda.is_available():

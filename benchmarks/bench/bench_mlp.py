@@ -7,7 +7,7 @@ measured on the H200 in DESIGN.md), the fraction of the floor reached, the peak 
 and the output's relative error against the bf16 module (same weights). Then the same with FP8
 weights (quantized_model_init): memory against bf16. The peer is torchao's Float8Linear
 (tensorwise, torch.compile) when `import torchao` works. DESIGN.md measured bf16 eager at 67.8 ms.
-MXFP8 and NVFP4 are EMULATED on Hopper (no tensor cores for them: kernels.gemm multiplies their
+MXFP8 and NVFP4 are EMULATED on Hopper (no tensor cores for them: fp8kernels.gemm multiplies their
 dequantized values on the bf16 ones), so their floor is the bf16 one.
 
 Run on a CUDA machine:  PYTHONPATH=. python3 benchmarks/bench/bench_mlp.py [--hidden 8192 --ffn 28672 --tokens 16384]

@@ -17,9 +17,9 @@ import torch
 import torch.nn.functional as F
 
 from benchmarks.harness import COPY_BYTES_PER_S, Result, argument_parser, device_ms, relative_error, report
-from kernels import norm, quantize
-from kernels import reference as R
-from kernels.norm_reference import FusedCast
+from fp8kernels import norm, quantize
+from fp8kernels import reference as R
+from fp8kernels.norm_reference import FusedCast
 
 E4M3_MAX = 448.0
 

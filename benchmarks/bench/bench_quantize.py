@@ -1,11 +1,11 @@
-"""Benchmark: Triton quantizers (kernels.quantize) on a 16384x8192 bf16 tensor, against the copy floor.
+"""Benchmark: Triton quantizers (fp8kernels.quantize) on a 16384x8192 bf16 tensor, against the copy floor.
 
 For each scheme: the device time (benchmarks.harness.device_ms: CUDA graph replays, so Python
 never holds the GPU back), the host time a call costs, the floor (bytes that one pass must move
 / 4.24 TB/s, the H200 copy bandwidth in DESIGN.md), the fraction of the floor reached, the floor
 for the bytes the kernels really move (current scaling and NVFP4 read x twice: the global amax
 must be known before the first cast), and the peer measured in the same run: torch eager doing
-the same math (a plain amax + scale + cast + transpose for tensorwise, kernels.reference
+the same math (a plain amax + scale + cast + transpose for tensorwise, fp8kernels.reference
 otherwise). Every Triton result is also checked byte-for-byte against the reference. Two-pass
 cases also show the global-amax launch alone ("amax ms"); the tile each kernel's autotuner kept
 closes the table.
@@ -22,14 +22,14 @@ from typing import Callable
 import torch
 
 from benchmarks.harness import COPY_BYTES_PER_S, Result, argument_parser, device_ms, host_us, report
-from kernels import quantize as triton_quantize
-from kernels import reference
+from fp8kernels import quantize as triton_quantize
+from fp8kernels import reference
 
 
 @dataclass(frozen=True)
 class Case:
     name: str
-    function: str  # the same name in kernels.quantize and kernels.reference
+    function: str  # the same name in fp8kernels.quantize and fp8kernels.reference
     kwargs: dict = field(default_factory=dict)
     passes_over_x: int = 1  # 2 where a global amax is needed before the cast
     target: float = 0.70  # fraction of the one-pass floor the issue asks for
@@ -62,7 +62,7 @@ def _eager_tensorwise(x: torch.Tensor, scale: torch.Tensor | None = None) -> tup
     return data, data.t().contiguous(), amax
 
 
-_PEER_NAMES = {"quantize_tensorwise": "eager amax, scale, cast, transpose"}  # the others: kernels.reference
+_PEER_NAMES = {"quantize_tensorwise": "eager amax, scale, cast, transpose"}  # the others: fp8kernels.reference
 
 
 def _peer(case: Case, x: torch.Tensor) -> Callable[[], object]:
@@ -127,7 +127,7 @@ def main() -> None:
                  "of that": f"{as_run_ms / ms:.0%}", "of copy": f"{as_run_at_copy_ms / ms:.0%}",
                  "amax ms": None if case.passes_over_x == 1 else _amax_ms(case, x),
                  "exact": "yes" if exact else "NO"}  # fmt: skip
-        peer_name = _PEER_NAMES.get(case.function, "kernels.reference, eager")
+        peer_name = _PEER_NAMES.get(case.function, "fp8kernels.reference, eager")
         rows.append(Result(case.name, ms, floor_ms, peer=peer_ms, peer_name=peer_name, extra=extra))
         torch.cuda.empty_cache()
     notes = [

@@ -14,7 +14,7 @@ uneven splits of 16384 tokens, 4096 -> 14336, bf16, Float8CurrentScaling: Groupe
 casts and one grouped GEMM: the target) against Linear's on all tokens, then both forward + backward
 (GroupedLinear's three GEMMs go through grouped_scaled_mm, which runs cuBLASLt per group here; its wgrad
 writes one weight gradient per group); then the fprop GEMM alone: grouped_scaled_mm against one dense scaled_mm
-(cuBLASLt), and with kernels.gemm's Triton kernels instead of cuBLASLt (its measured switch, which
+(cuBLASLt), and with fp8kernels.gemm's Triton kernels instead of cuBLASLt (its measured switch, which
 grouped_scaled_mm follows: then one grouped launch) against the dense Triton kernel (the same tile
 code, so the gap between those two is the cost of grouping). Floor: 2 * T * in * out (x3 for a step)
 at 1425 TFLOP/s.
@@ -34,8 +34,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from benchmarks.harness import PEAK_FLOPS, Result, argument_parser, device_ms, report
-from kernels import gemm
-from kernels.grouped_gemm import grouped_scaled_mm
+from fp8kernels import gemm
+from fp8kernels.grouped_gemm import grouped_scaled_mm
 from torchside.autocast import fp8_autocast, quantized_model_init
 from torchside.modules import Linear
 from torchside.modules.grouped_linear import GroupedLinear
@@ -159,7 +159,7 @@ def _bench_layer_peers(args, x, dy, freqs, baseline_ms: float, floors: dict, add
 
 @contextlib.contextmanager
 def _triton_tensorwise_gemm():
-    """kernels.gemm's Triton kernel for tensorwise GEMMs instead of cuBLASLt (a measured switch in kernels.gemm;
+    """fp8kernels.gemm's Triton kernel for tensorwise GEMMs instead of cuBLASLt (a measured switch in fp8kernels.gemm;
     grouped_scaled_mm follows it: one grouped Triton launch instead of cuBLASLt per group)."""
     saved = gemm.CUDA_PATHS["tensorwise"]
     gemm.CUDA_PATHS["tensorwise"] = "triton"
@@ -229,7 +229,7 @@ def bench_grouped(args, rows: list[Result]) -> list[str]:
         one_launch_ms = _ms(lambda: grouped_scaled_mm(x_parts, w_parts, out=y_parts), None)
     add_row("fprop GEMM: dense scaled_mm (cuBLASLt)", cublas_ms, cublas_ms, gemm_floor)
     add_row("fprop GEMM: grouped_scaled_mm (cuBLASLt)", grouped_gemm_ms, cublas_ms, gemm_floor, "one call per group")
-    add_row("fprop GEMM: dense kernels.gemm Triton kernel", triton_ms, cublas_ms, gemm_floor)
+    add_row("fprop GEMM: dense fp8kernels.gemm Triton kernel", triton_ms, cublas_ms, gemm_floor)
     add_row("fprop GEMM: grouped_scaled_mm, one launch", one_launch_ms, cublas_ms, gemm_floor,
          f"{one_launch_ms / triton_ms:.2f}x the same kernel ungrouped")  # fmt: skip
     return notes

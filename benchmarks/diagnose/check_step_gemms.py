@@ -1,7 +1,7 @@
 """Every FP8 GEMM of one Llama training step, checked against the pure-torch spec on the same operands.
 
 Wraps the modules' `scaled_mm` for one step (forward + backward) of torchside.train's model and
-recipe and, for each call, recomputes `kernels.gemm_reference.scaled_mm` (dequantize, fp32 matmul)
+recipe and, for each call, recomputes `fp8kernels.gemm_reference.scaled_mm` (dequantize, fp32 matmul)
 from the very operands the module passed. Prints one line per GEMM shape and provider: calls,
 non-finite outputs, worst relative error against the spec, and non-finite values in the operands'
 scale_inv (a broken scale, not a broken GEMM). Use it when a recipe's loss or gradient goes NaN.
@@ -18,7 +18,7 @@ import torch
 
 from benchmarks.harness import environment_line
 import torchside.modules.functions as functions
-from kernels import gemm, gemm_reference
+from fp8kernels import gemm, gemm_reference
 from torchside.corpus import SyntheticCorpus
 from torchside.models.llama import LLAMA_CONFIGS
 from torchside.recipe import recipe_from_name

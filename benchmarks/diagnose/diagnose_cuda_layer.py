@@ -28,7 +28,7 @@ import os
 import torch
 
 from benchmarks.harness import environment_line
-from kernels.gemm_reference import gemm_operand
+from fp8kernels.gemm_reference import gemm_operand
 from tests.torchside.fp8_capture import Gemm, on_cpu
 from tests.torchside.test_modules_numerics import RECIPES, QuantizedMath64, _relative_error
 from tests.torchside.test_transformer_layer import fp8_step, model_errors

@@ -14,7 +14,7 @@ each provider's output against float64:
 - flips: the fraction of the output's E4M3 codes (cast at scale 1, as the next layer's input cast
   does) that differ from the codes of the exact output: what a second framework's cast then sees.
 
-Providers: torch._scaled_mm (cuBLASLt, what torchside runs on CUDA), kernels.gemm's Triton kernel
+Providers: torch._scaled_mm (cuBLASLt, what torchside runs on CUDA), fp8kernels.gemm's Triton kernel
 (promotes to fp32 every K tile), the JAX twin's FP8 dot_general (XLA), the JAX twin's dot on
 dequantized fp32 values at HIGHEST precision.
 
@@ -33,9 +33,9 @@ import torch
 
 from benchmarks.harness import environment_line
 import jaxside.quantize as jq
-import kernels.gemm
+import fp8kernels.gemm
 from jaxside.modules import functions as jax_functions
-from kernels import reference
+from fp8kernels import reference
 
 # (what, A format, M, N, K): fprop x @ W^T, dgrad dy @ W, wgrad dy^T @ x (K = tokens)
 CASES = [
@@ -63,11 +63,11 @@ def _e4m3_codes(x: torch.Tensor) -> torch.Tensor:
 
 def _torch_provider(tensorwise_cublas: bool):
     def run(a, b, a_j, b_j):
-        kernels.gemm.CUDA_PATHS["tensorwise"] = "cublaslt" if tensorwise_cublas else "triton"
+        fp8kernels.gemm.CUDA_PATHS["tensorwise"] = "cublaslt" if tensorwise_cublas else "triton"
         try:
-            return kernels.gemm.scaled_mm(a, b, out_dtype=torch.float32).cpu().double()
+            return fp8kernels.gemm.scaled_mm(a, b, out_dtype=torch.float32).cpu().double()
         finally:
-            kernels.gemm.CUDA_PATHS["tensorwise"] = "cublaslt"
+            fp8kernels.gemm.CUDA_PATHS["tensorwise"] = "cublaslt"
 
     return run
 
@@ -92,7 +92,7 @@ def _jax_provider(dequantized: bool):
 
 PROVIDERS = {
     "torch._scaled_mm (cuBLASLt)": _torch_provider(True),
-    "kernels.gemm Triton": _torch_provider(False),
+    "fp8kernels.gemm Triton": _torch_provider(False),
     "JAX FP8 dot_general (XLA)": _jax_provider(False),
     "JAX fp32 dot, HIGHEST": _jax_provider(True),
 }
@@ -114,7 +114,7 @@ def main() -> None:
         exact, magnitude = a64 @ b64.T, a64.abs() @ b64.abs().T
         exact_codes = _e4m3_codes(exact)
         for provider, run in PROVIDERS.items():
-            if provider.startswith(("torch", "kernels")) and args.device == "cpu":
+            if provider.startswith(("torch", "fp8kernels")) and args.device == "cpu":
                 continue
             out = run(a, b, a_j, b_j)
             error = (out - exact).abs()

@@ -1,6 +1,6 @@
 """The host time OUR code spends per FP8 module step, with every kernel launch stubbed out (CPU, no GPU).
 
-The GPU path is taken (kernels._backend says TRITON for every device), but no Triton kernel,
+The GPU path is taken (fp8kernels._backend says TRITON for every device), but no Triton kernel,
 torch._scaled_mm or reference kernel runs: launches are no-ops and _scaled_mm returns an empty
 output. What is left is our Python plus the small torch ops we issue (allocations, views,
 scale math), each of which on a GPU costs a dispatch and often a launch. For each module and
@@ -28,9 +28,9 @@ import torch
 import triton.runtime.jit
 from torch.utils._python_dispatch import TorchDispatchMode
 
-import kernels._backend as backend_module
+import fp8kernels._backend as backend_module
 from benchmarks.harness import environment_line
-from kernels._backend import Backend
+from fp8kernels._backend import Backend
 from torchside.autocast import fp8_autocast
 from torchside.modules import GroupedLinear, LayerNormMLP, Linear
 from torchside.recipe import recipe_from_name
@@ -64,7 +64,7 @@ def stub_kernels() -> collections.Counter:
 
     torch._scaled_mm = scaled_mm
     original = backend_module.backend_for
-    for module in list(sys.modules.values()):  # every `from kernels._backend import backend_for`
+    for module in list(sys.modules.values()):  # every `from fp8kernels._backend import backend_for`
         if getattr(module, "backend_for", None) is original:
             module.backend_for = lambda device: Backend.TRITON
     return launches

@@ -5,7 +5,7 @@ figure is what the host pays to issue the call (the GPU runs far behind on these
 shapes are the ~125M Llama's (4096 tokens x hidden 768). Rows: a torch allocation and an eager op (the
 unit everything else is counted in); a trivial Triton kernel and one with our cast's dozen constexprs,
 each through Triton's JIT front end and through the CompiledKernel it returns (what a launch costs
-without the binder and cache lookup); our amax launch; kernels.quantize's current-scaling cast; the
+without the binder and cache lookup); our amax launch; fp8kernels.quantize's current-scaling cast; the
 Quantizer call the modules make per recipe; torch._scaled_mm; a Linear's forward + backward per recipe.
 
 Run on a CUDA machine:  PYTHONPATH=. python3 benchmarks/profile/launch_cost.py
@@ -20,7 +20,7 @@ import triton
 import triton.language as tl
 
 from benchmarks.harness import environment_line, host_us
-from kernels import quantize as kq
+from fp8kernels import quantize as kq
 from torchside.autocast import fp8_autocast
 from torchside.modules import Linear
 from torchside.quantization.quantizer import Quantizer, local_amax
@@ -96,8 +96,8 @@ def main() -> None:
         ("torch eager op (torch.mul out=)", host_us(lambda: torch.mul(x, 2, out=y))),
         ("local_amax (torch inf-norm)", host_us(lambda: local_amax(x))),
         *_launch_rows(x, y),
-        ("kernels.quantize._launch('amax')", host_us(lambda: kq._global_amax(x, hadamard=False))),
-        ("kernels.quantize.quantize_tensorwise (amax + cast)", host_us(lambda: kq.quantize_tensorwise(x))),
+        ("fp8kernels.quantize._launch('amax')", host_us(lambda: kq._global_amax(x, hadamard=False))),
+        ("fp8kernels.quantize.quantize_tensorwise (amax + cast)", host_us(lambda: kq.quantize_tensorwise(x))),
         ("  the same, amax by torch (local_amax)", host_us(lambda: kq.quantize_tensorwise(x, amax=local_amax(x)))),
         ("torch._scaled_mm tensorwise", host_us(lambda: torch._scaled_mm(fp8_x, fp8_wt, one, one, out_dtype=x.dtype))),
     ]

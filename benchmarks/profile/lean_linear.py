@@ -2,7 +2,7 @@
 
 A current-scaling Linear's forward + backward, stripped to what any Python design must issue: per
 operand (x, w, dy) one zeroed amax word, the two FP8 copies and a scale (three allocations), the amax
-launch and the cast launch (kernels._quantize_kernels, the same bytes as kernels.quantize), then three
+launch and the cast launch (fp8kernels._quantize_kernels, the same bytes as fp8kernels.quantize), then three
 torch._scaled_mm. No validation, no result objects, one autograd.Function. The launches go through
 Triton's JIT front end ("lean, JIT") or straight to the cached CompiledKernel ("lean, cached").
 
@@ -24,9 +24,9 @@ import triton
 
 from benchmarks.harness import environment_line, host_us
 from benchmarks.profile.launch_cost import linear_host_us
-from kernels import quantize as kq
-from kernels._casts import format_constants
-from kernels.formats import FORMATS
+from fp8kernels import quantize as kq
+from fp8kernels._casts import format_constants
+from fp8kernels.formats import FORMATS
 from torchside.modules import Linear
 
 

@@ -12,7 +12,7 @@ their mean and range), its distance to bf16's, NaN/Inf counts (losses and parame
 final loss ends more than 2% above bf16's (issue 15's bar). Why seeds: two block runs of the same
 code and seed ended 1.1% and 4.4% above bf16 (a run-dependent kernel order at step 34, amplified by
 the early plateau), so one run per recipe cannot decide a 2% bar. MXFP8 and NVFP4 are not run: Hopper
-has no tensor cores for them (kernels.gemm emulates them).
+has no tensor cores for them (fp8kernels.gemm emulates them).
 
 Size per step: 8 sequences of 512 tokens (4096 tokens), about 6 * 128M * 4096 = 3.2 TFLOP (plus
 attention). At this size the step is bound by kernel launches, not by the GPU's arithmetic.

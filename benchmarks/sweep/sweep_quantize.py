@@ -1,7 +1,7 @@
 """Sweep: launch configurations of each quantize kernel on a 16384x8192 bf16 tensor, to set the autotune lists.
 
 For every case of bench_quantize (the same table), each configuration below is forced as the only
-one its kernel may take, checked byte-for-byte against kernels.reference, and timed; the table
+one its kernel may take, checked byte-for-byte against fp8kernels.reference, and timed; the table
 gives ms and the fraction of the as-run floor (bench_quantize.floors_ms) at the copy bandwidth
 measured in the same run. The fp8 cases also time their best configuration with the bit-operation
 cast on in-range tiles (HARDWARE_CAST off), which shows what the GPU's cvt buys. The kernels have
@@ -24,10 +24,10 @@ import triton
 
 from benchmarks.bench.bench_quantize import Case, cases, floors_ms, identical
 from benchmarks.harness import device_ms, environment_line
-from kernels import quantize as triton_quantize
-from kernels import reference
-from kernels._backend import autotune_configs
-from kernels.quantize import configs
+from fp8kernels import quantize as triton_quantize
+from fp8kernels import reference
+from fp8kernels._backend import autotune_configs
+from fp8kernels.quantize import configs
 
 
 # kernel name -> the configurations swept. Tensorwise keeps PACK4's four row repeats per thread
@@ -64,7 +64,7 @@ def _forced(name: str, config: tuple) -> object:
 @contextlib.contextmanager
 def _configured(name: str, config: dict, hardware_cast: bool | None = None):
     """Within: kernel `name` launches with `config` only (the other kernels autotune as usual), and
-    the fp8 kernels cast in-range tiles with the GPU's cvt or not (None: as kernels.quantize decides)."""
+    the fp8 kernels cast in-range tiles with the GPU's cvt or not (None: as fp8kernels.quantize decides)."""
     default_kernel = triton_quantize._kernel
     forced = _forced(name, tuple(sorted(config.items())))
 

@@ -30,7 +30,7 @@ NON_FINITE_REACH = {
     "nvfp4": "the whole tensor (the global amax is not finite) and their 16-element blocks",
 }
 USAGES = {"both": (True, True), "rowwise": (True, False), "columnwise": (False, True)}
-# .npz key -> field of kernels.reference.Quantized (the global scales are derived from amaxes)
+# .npz key -> field of fp8kernels.reference.Quantized (the global scales are derived from amaxes)
 NPZ_KEYS = {
     "data": "data",
     "scale_inv": "scale_inv",
@@ -142,7 +142,7 @@ def _quantize_everywhere(x, recipe, role: str, usage: tuple[bool, bool], compare
     """{implementation: npz arrays}, the default one first, and why others were not run ('' if none)."""
     import torch
 
-    from kernels import _backend
+    from fp8kernels import _backend
     from torchside.quantization.quantizer import Quantizer, implementation
 
     rowwise, columnwise = usage
@@ -182,7 +182,7 @@ def _npz_arrays(fields: dict, fmt: str) -> dict:
     """The .npz arrays of one quantizer result (numpy, on the host); amaxes become NVFP4 global scale_invs."""
     import numpy as np
 
-    from kernels.formats import NVFP4_GLOBAL_MAX
+    from fp8kernels.formats import NVFP4_GLOBAL_MAX
 
     arrays = {}
     for key, field in NPZ_KEYS.items():

@@ -185,7 +185,7 @@ def _optimizer_bytes(optimizer, local, shape: tuple[int, ...]) -> int:
     """The state FusedAdam keeps for a local shard of `shape`: step, both moments as encoded, the master."""
     import torch
 
-    from kernels.adam_reference import split_master
+    from fp8kernels.adam_reference import split_master
     from torchside.optim import moment_formats
 
     values = torch.zeros(shape, dtype=torch.float32, device="meta")

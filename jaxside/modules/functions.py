@@ -9,7 +9,7 @@ is the matrix torchside quantizes, with the same blocks and therefore the same b
     wgrad  dkernel_IO = (x columnwise [T, I])^T @ dy columnwise [T, O]
 
 (a columnwise copy is the quantized transpose, stored [cols, rows]). Every GEMM takes its operands as
-kernels.gemm does, both with K last: fprop (x rowwise, w rowwise), dgrad (dy rowwise, w columnwise),
+fp8kernels.gemm does, both with K last: fprop (x rowwise, w rowwise), dgrad (dy rowwise, w columnwise),
 wgrad (x columnwise, dy columnwise), which gives dkernel_IO directly. Per-tensor operands (delayed and
 current scaling) are multiplied as FP8 codes in one `dot_general` with fp32 accumulation, then scaled
 by scale_inv_a * scale_inv_b: XLA lowers that to an FP8 GEMM on Hopper (a dequantize-then-dot
@@ -130,7 +130,7 @@ def _gemm_operand(q: Quantized, columnwise: bool) -> tuple[Array, Array | None]:
 
 
 def _scaled_mm(a: Quantized, b: Quantized, out_dtype, *, a_columnwise=False, b_columnwise=False, bias=None) -> Array:
-    """out [M, N] = A [M, K] @ B [N, K]^T (+ bias) of two quantized copies, as kernels.gemm.scaled_mm (module docstring)."""
+    """out [M, N] = A [M, K] @ B [N, K]^T (+ bias) of two quantized copies, as fp8kernels.gemm.scaled_mm (module docstring)."""
     (a_operand, a_scale_inv), (b_operand, b_scale_inv) = _gemm_operand(a, a_columnwise), _gemm_operand(b, b_columnwise)
     per_tensor = a_scale_inv is not None
     out = lax.dot_general(
@@ -329,6 +329,6 @@ _normalize.defvjp(lambda x, w, b, rms, eps, zcg: _norm_forward(x, w, b, rms, eps
 
 
 def normalize(x, weight, bias, *, rms: bool, eps: float, zero_centered_gamma: bool) -> Array:
-    """LayerNorm (RMSNorm when `rms`) over the last dim in fp32, written in x's dtype; kernels.norm's math and grads."""
+    """LayerNorm (RMSNorm when `rms`) over the last dim in fp32, written in x's dtype; fp8kernels.norm's math and grads."""
     _check_activation(x, "a norm")
     return _normalize(x, weight, bias, rms, float(eps), zero_centered_gamma)

@@ -3,7 +3,7 @@
 Shape legend: T tokens (all leading dims), H hidden size (the normalized last dim).
 
 The math and the zero-centered gamma (stored weight = gamma - 1, initialized to 0) are those of
-kernels.norm_reference, through `functions.normalize`. No GEMM: these modules have no FP8 state,
+fp8kernels.norm_reference, through `functions.normalize`. No GEMM: these modules have no FP8 state,
 only `weight` (and `bias` for LayerNorm), named and laid out as torchside's.
 """
 

@@ -1,4 +1,4 @@
-"""torch-vs-JAX byte comparison of quantized buffers (kernels.reference against jaxside.quantize), with
+"""torch-vs-JAX byte comparison of quantized buffers (fp8kernels.reference against jaxside.quantize), with
 messages that name the first differing entries, their inputs and both sides' bytes."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import numpy as np
 import torch
 
 import jaxside.quantize as JQ
-from kernels import reference as R
+from fp8kernels import reference as R
 
 
 def as_jax(x: torch.Tensor) -> jnp.ndarray:

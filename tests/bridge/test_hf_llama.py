@@ -349,7 +349,7 @@ def _load_under_current_scaling(rank: int, world_size: int, directory: Path) -> 
 def test_a_bf16_checkpoint_under_quantized_model_init_loads_as_fp8_weights_of_that_recipe(tmp_path):
     """Each FP8 weight (one device, and FSDP2 x TP 2 x 2 threaded) is the reference current-scaling cast of the
     whole HF weight fused by the table: one scale over all its shards."""
-    from kernels import reference
+    from fp8kernels import reference
 
     hf = hf_model("mha_untied_bias").to(torch.bfloat16)
     directory = save(hf, tmp_path, sharded=False)

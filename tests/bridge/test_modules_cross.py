@@ -34,7 +34,7 @@ import torchside.modules.functions as torch_functions
 import torchside.modules.grouped_linear as torch_grouped_linear
 import torchside.recipe as torch_recipe
 from jaxside.quantize import BUFFERS
-from kernels._backend import Backend, backend_for
+from fp8kernels._backend import Backend, backend_for
 from tests.bridge.byte_compare import as_jax, assert_same_bytes
 from tests.jaxside.quantized_math64 import mismatches
 from tests.selection import in_ci
@@ -75,7 +75,7 @@ STATE = ("fp8_forward_scale", "fp8_forward_amax_history", "fp8_backward_scale", 
 
 @pytest.fixture
 def reference_kernels(monkeypatch):
-    """torchside's kernels through their pure-torch reference (kernels._backend reads this when called)."""
+    """torchside's kernels through their pure-torch reference (fp8kernels._backend reads this when called)."""
     monkeypatch.setenv("TRITON_INTERPRET", "0")
     assert backend_for("cpu") is Backend.REFERENCE
     threads = torch.get_num_threads()

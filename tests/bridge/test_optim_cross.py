@@ -1,6 +1,6 @@
 """jaxside.optim.fused_adam against torchside.optim.FusedAdam: 20 steps on the same gradients.
 
-torch runs FusedAdam on CPU with the reference backend (kernels/adam_reference.py, the spec); JAX
+torch runs FusedAdam on CPU with the reference backend (fp8kernels/adam_reference.py, the spec); JAX
 runs jitted on the (4, 2) mesh with parameters placed by jaxside.sharding. XLA fuses multiply-adds
 into FMAs (one rounding where torch's reference rounds twice), so fp32 results differ by an ulp here
 and there: the brief's bound is 1e-6 relative (||jax - torch|| / ||torch||) for parameters and
@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from jaxside import sharding as S
-from kernels._backend import Backend, backend_for
+from fp8kernels._backend import Backend, backend_for
 from jaxside.optim import fused_adam
 from torchside.optim import FusedAdam
 
@@ -46,7 +46,7 @@ def _relative_error(got, expected) -> float:
 
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_twenty_steps_match_torch_fused_adam(case, monkeypatch):
-    monkeypatch.setenv("TRITON_INTERPRET", "0")  # FusedAdam on CPU then runs kernels/adam_reference.py
+    monkeypatch.setenv("TRITON_INTERPRET", "0")  # FusedAdam on CPU then runs fp8kernels/adam_reference.py
     assert backend_for("cpu") is Backend.REFERENCE
     adam_w_mode, torch_dtype, jax_dtype, master_weights = CASES[case]
     rng = np.random.default_rng(11)

@@ -8,8 +8,8 @@ import torch
 from rich.console import Console
 
 from bridge import cli
-from kernels import reference as R
-from kernels._backend import Backend, backend_for
+from fp8kernels import reference as R
+from fp8kernels._backend import Backend, backend_for
 
 # CLI arguments -> the reference call they stand for, written out by hand
 CASES = {

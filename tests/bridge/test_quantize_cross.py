@@ -1,8 +1,8 @@
-"""jaxside quantizers against the torch spec (kernels.reference), byte for byte: data and scales.
+"""jaxside quantizers against the torch spec (fp8kernels.reference), byte for byte: data and scales.
 
 Every scheme, format, rounding mode, block shape, Hadamard on/off and stochastic rounding on/off,
 rowwise and columnwise copies, on random fp32/bf16 inputs of two shapes and on edge tensors built
-from the format grids (tests.kernels.format_models): ties, subnormals, +-max and beyond, +-inf, NaN,
+from the format grids (tests.fp8kernels.format_models): ties, subnormals, +-max and beyond, +-inf, NaN,
 zeros, all-zero blocks, one outlier per block, fp32-subnormal and tiny blocks. Inputs reach both
 sides as the same bits (bf16 through uint16 views). One jit compile per configuration and shape.
 """
@@ -22,11 +22,11 @@ import torch
 import jaxside.formats as JF
 import jaxside.quantize as JQ
 import jaxside.recipe as jax_recipe
-import kernels.formats as TF
+import fp8kernels.formats as TF
 import torchside.recipe as torch_recipe
-from kernels import reference as R
+from fp8kernels import reference as R
 from tests.bridge.byte_compare import as_jax, assert_same_bytes, byte_view
-from tests.kernels.format_models import edge_values
+from tests.fp8kernels.format_models import edge_values
 from tests.selection import in_ci
 
 SHAPES = ((64, 160), (3, 32, 64))  # partial 128-blocks; 3-D; every dim tiles 32 (MXFP8) and 16 (NVFP4)
@@ -115,7 +115,7 @@ def _inputs(fmt: str, shape):
 
 # ----------------------------------------------------------------------------- quantizers, every configuration
 
-# id -> (element format for the edge set, call(module, x)); module is kernels.reference or jaxside.quantize
+# id -> (element format for the edge set, call(module, x)); module is fp8kernels.reference or jaxside.quantize
 CONFIGS = {
     "tensorwise_e4m3": ("e4m3", lambda m, x: m.quantize_tensorwise(x, "e4m3", columnwise=True)),
     "tensorwise_e5m2_pow2_eps": (

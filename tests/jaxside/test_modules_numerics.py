@@ -1,7 +1,7 @@
 """jaxside.modules against a float64 numpy computation of the same quantized math, for every recipe.
 
 The reference here is written independently of jaxside.modules: it quantizes each GEMM operand with
-jaxside.quantize (the byte-exact twin of kernels.reference; the arguments are written out per recipe
+jaxside.quantize (the byte-exact twin of fp8kernels.reference; the arguments are written out per recipe
 below), dequantizes (code * scale_inv, exact in fp32), multiplies in float64, and rounds to the
 activation dtype exactly where the module writes a tensor in that dtype (norm output, GEMM outputs,
 each activation op, and their gradients), so that the same values reach every FP8 cast. Norms and

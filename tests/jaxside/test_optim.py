@@ -48,7 +48,7 @@ def _inputs(dtype) -> tuple[dict, list[dict]]:
 
 
 def _adam_float64(params, grads, lrs, adam_w_mode: bool, grad_dtype) -> tuple[dict, dict, dict]:
-    """FusedAdam's update in float64 (kernels/adam_reference.py), grads first cast to the parameter dtype."""
+    """FusedAdam's update in float64 (fp8kernels/adam_reference.py), grads first cast to the parameter dtype."""
     beta1, beta2 = BETAS
     p = {k: v.astype(np.float64) for k, v in params.items()}
     m = {k: np.zeros_like(v) for k, v in p.items()}

@@ -3,7 +3,7 @@
 Issue 29, finding 4: `shardbridge quantize --compare --recipe current` failed because
 jaxside.quantize_tensorwise had no `amax` (and quantize_nvfp4 no `global_amax`), which
 torchside's quantizers pass. This checks the twin without the CLI: the signatures against
-kernels.reference (the torch spec, the independent side here), the given-amax paths byte for
+fp8kernels.reference (the torch spec, the independent side here), the given-amax paths byte for
 byte, and each recipe and role's call as torchside's Quantizer builds it (the CLI's call).
 """
 
@@ -16,7 +16,7 @@ import pytest
 import torch
 
 import jaxside.quantize as JQ
-from kernels import reference as R
+from fp8kernels import reference as R
 from torchside.quantization.quantizer import Quantizer
 from torchside.recipe import (
     DelayedScaling,

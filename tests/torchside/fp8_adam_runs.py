@@ -10,7 +10,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from bridge.layout import from_dtensor
-from kernels._backend import Backend
+from fp8kernels._backend import Backend
 from tests.torchside.fsdp_tp_training import build_meshes
 from torchside.autocast import quantized_model_init
 from torchside.modules import Linear, ModuleConfig

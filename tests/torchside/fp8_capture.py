@@ -8,7 +8,7 @@ module's device (the tensors are kept alive, so no buffer address is reused whil
   high-precision tensor the quantizer received, the kernel function and arguments it called, and the
   codes it produced;
 - `Gemm`: the submodule and slot (found from the cast that produced its A operand), fprop / dgrad /
-  wgrad, the provider kernels.gemm dispatched it to (cuBLASLt, Triton, the interpreter or the
+  wgrad, the provider fp8kernels.gemm dispatched it to (cuBLASLt, Triton, the interpreter or the
   reference), both operands as the GEMM read them and its output.
 
 Used by the CUDA TransformerLayer check and benchmarks/diagnose_cuda_layer.py.
@@ -24,12 +24,12 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor, nn
 
-import kernels.gemm
-import kernels.reference
+import fp8kernels.gemm
+import fp8kernels.reference
 import torchside.modules.functions as functions
-from kernels._backend import Backend, backend_for
-from kernels.gemm_reference import gemm_operand, operand_values
-from kernels.reference import Quantized
+from fp8kernels._backend import Backend, backend_for
+from fp8kernels.gemm_reference import gemm_operand, operand_values
+from fp8kernels.reference import Quantized
 from torchside.modules import FP8Module
 from torchside.quantization.quantizer import Quantizer
 
@@ -40,20 +40,20 @@ CastKey = tuple[str, str, int]  # (submodule name, role, GEMM slot)
 class Cast:
     key: CastKey
     x: Tensor  # what the quantizer received
-    kernel: str  # the kernels.reference / kernels.quantize function it called
+    kernel: str  # the fp8kernels.reference / fp8kernels.quantize function it called
     kwargs: dict  # that call's arguments (tensors cloned when called: delayed scales change later)
     q: Quantized
 
     def reference(self) -> Quantized:
-        """kernels.reference's cast of the same input with the same arguments, on the same device."""
-        return getattr(kernels.reference, self.kernel)(self.x, **self.kwargs)
+        """fp8kernels.reference's cast of the same input with the same arguments, on the same device."""
+        return getattr(fp8kernels.reference, self.kernel)(self.x, **self.kwargs)
 
 
 @dataclass
 class Gemm:
     key: CastKey  # the cast of its A operand: (submodule, "input" for fprop else "grad", slot)
     role: str  # "fprop" | "dgrad" | "wgrad"
-    provider: str  # "cublaslt" | "dequantize" | "triton" (kernels.gemm.cuda_path) | "interpreter" | "reference"
+    provider: str  # "cublaslt" | "dequantize" | "triton" (fp8kernels.gemm.cuda_path) | "interpreter" | "reference"
     a: Quantized
     b: Quantized
     a_columnwise: bool
@@ -93,12 +93,12 @@ def _cast_keys(module: nn.Module) -> dict[int, CastKey]:
 
 
 def _provider(a: Quantized, b: Quantized, a_columnwise: bool, b_columnwise: bool, out_dtype, bias) -> str:
-    """Where kernels.gemm.scaled_mm sent this GEMM (asked after the call: a refused cuBLASLt case is remembered)."""
+    """Where fp8kernels.gemm.scaled_mm sent this GEMM (asked after the call: a refused cuBLASLt case is remembered)."""
     a_op, b_op = gemm_operand(a, a_columnwise, "a"), gemm_operand(b, b_columnwise, "b")
     backend = backend_for(a_op.data.device)
     if backend is not Backend.TRITON:
         return backend.name.lower()
-    return kernels.gemm.cuda_path(a_op, b_op, out_dtype, bias)
+    return fp8kernels.gemm.cuda_path(a_op, b_op, out_dtype, bias)
 
 
 def _cloned(kwargs: dict) -> dict:

@@ -1,4 +1,4 @@
-"""The float64 model of torchside.modules' quantized math (kernels.reference casts, float64 GEMMs, roundings
+"""The float64 model of torchside.modules' quantized math (fp8kernels.reference casts, float64 GEMMs, roundings
 where the module writes its dtype), shared by the module, grouped-linear and transformer-layer tests.
 tests/torchside/test_modules_numerics.py's docstring describes it."""
 
@@ -7,7 +7,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from kernels import reference as R
+from fp8kernels import reference as R
 from torchside.modules import LayerNormLinear, Linear, ModuleConfig
 from torchside.recipe import (
     DelayedScaling,
@@ -55,7 +55,7 @@ TOLERANCE = {
 
 
 def _reference_quantize(x: torch.Tensor, recipe, role: str, *, scale=None, stochastic_seed=None) -> R.Quantized:
-    """kernels.reference quantization of `x` for `role`, with the recipe's documented arguments."""
+    """fp8kernels.reference quantization of `x` for `role`, with the recipe's documented arguments."""
     both = {"rowwise": True, "columnwise": True}
     if isinstance(recipe, DelayedScaling):
         return R.quantize_tensorwise(x, recipe.fp8_format.for_role(role), scale, **both)

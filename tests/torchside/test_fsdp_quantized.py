@@ -13,7 +13,7 @@ import torch.nn as nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-from kernels._backend import Backend
+from fp8kernels._backend import Backend
 from tests.distributed import run_processes, run_threads
 from torchside.quantization import FALLBACK_CALLS, QuantizedTensor, Quantizer
 from torchside.recipe import (

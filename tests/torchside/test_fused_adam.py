@@ -7,7 +7,7 @@ Kernels run under the Triton interpreter on CPU (tests/conftest.py); `gpu` tests
 import pytest
 import torch
 
-from kernels.adam_reference import split_master
+from fp8kernels.adam_reference import split_master
 from torchside.optim import FusedAdam
 
 SHAPES = [(33, 17), (7,), (1500,)]  # 2-D, tiny, 1-D: one chunk each (kernel tests cover chunk edges)

@@ -20,7 +20,7 @@ from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
-from kernels.adam_reference import split_master
+from fp8kernels.adam_reference import split_master
 from tests.distributed import RankError, run_processes, run_threads
 from tests.torchside.fp8_adam_runs import assert_equal_to_one_process
 from tests.torchside.fp8_adam_runs import train_sharded as train_fp8_sharded

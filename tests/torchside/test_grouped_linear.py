@@ -1,7 +1,7 @@
 """GroupedLinear: every recipe against a float64 model of each group's quantized linear (forward and
 backward), FP8 off against one torch linear per group, per-group FP8 state, FP8 weights, argument checks.
 
-The float64 model is tests/torchside/test_modules_numerics.py's (kernels.reference quantization of
+The float64 model is tests/torchside/test_modules_numerics.py's (fp8kernels.reference quantization of
 each operand with that group's scales, float64 products, rounding where the module writes its
 dtype), applied group by group; its tolerance table is reused as is. Splits are uneven and include
 an empty group, whose weight and bias gradients must be exactly zero.
@@ -16,8 +16,8 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from kernels import quantize as triton_quantize
-from kernels._backend import Backend, backend_for
+from fp8kernels import quantize as triton_quantize
+from fp8kernels._backend import Backend, backend_for
 from tests.distributed import run_threads
 from torchside.autocast import fp8_autocast, quantized_model_init
 from torchside.modules import ModuleConfig

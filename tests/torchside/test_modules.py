@@ -1,6 +1,6 @@
 """Modules with FP8 off match torch.nn; construction, meta init, FP8 parameters, state dicts, argument checks.
 
-The norms run through kernels.norm (the Triton interpreter on CPU, as in CI).
+The norms run through fp8kernels.norm (the Triton interpreter on CPU, as in CI).
 """
 
 from __future__ import annotations

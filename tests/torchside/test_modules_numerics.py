@@ -1,7 +1,7 @@
 """FP8 modules against a float64 computation of the same quantized math, for every recipe.
 
 The reference here is written independently of torchside.modules: it quantizes each GEMM operand
-with kernels.reference (the byte-exact spec; the arguments are written out per recipe below),
+with fp8kernels.reference (the byte-exact spec; the arguments are written out per recipe below),
 dequantizes (code * scale_inv, rounded to fp32 as the spec does), multiplies in float64, and rounds
 to the activation dtype exactly where the module writes a tensor in that dtype (norm output, GEMM
 outputs, activation ops, and their gradients), so that the same values reach every FP8 cast. Norms
@@ -16,7 +16,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels._backend import Backend, backend_for
+from fp8kernels._backend import Backend, backend_for
 from tests.torchside.quantized_math64 import (
     CONFIG,
     RECIPES,

@@ -1,7 +1,7 @@
 """QuantizedTensor: its bytes are the kernels' bytes, and the ops FSDP2/DCP use keep them.
 
 Each case quantizes through a Quantizer (the recipe table) and, independently, by calling
-kernels.reference with the arguments the recipe stands for. Bytes are compared exactly.
+fp8kernels.reference with the arguments the recipe stands for. Bytes are compared exactly.
 """
 
 import copy
@@ -14,8 +14,8 @@ import pytest
 import torch
 
 import torchside
-from kernels import reference as R
-from kernels._backend import Backend, backend_for
+from fp8kernels import reference as R
+from fp8kernels._backend import Backend, backend_for
 from torchside.quantization import FALLBACK_CALLS, QuantizedTensor, Quantizer, ops
 from torchside.recipe import (
     DelayedScaling,
@@ -41,7 +41,7 @@ class Case(NamedTuple):
     recipe: object
     role: str
     shape: tuple
-    reference: object  # x -> kernels.reference.Quantized, the arguments written out by hand
+    reference: object  # x -> fp8kernels.reference.Quantized, the arguments written out by hand
     row_step: int  # dim-0 slices must start on multiples of this
 
 

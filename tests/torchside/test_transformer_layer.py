@@ -3,7 +3,7 @@ against a plain-torch pre-norm block written here; construction and argument che
 test_transformer_layer_training.py.)
 
 The float64 model composes tests/torchside/test_modules_numerics.py's model of each FP8 submodule
-(kernels.reference quantization with that submodule's scales, float64 products, rounding to the
+(fp8kernels.reference quantization with that submodule's scales, float64 products, rounding to the
 activation dtype where the module writes it) with tests/torchside/test_attention.py's float64
 attention and complex rotation; the rotary angles are an input, the same tensor on both sides.
 Its tolerance table is reused. These checks run in fp32: in bf16 torch's attention kernels round
@@ -24,8 +24,8 @@ from torch import nn
 
 import torchside.modules.functions as functions
 
-from kernels._backend import Backend, backend_for
-from kernels.gemm_reference import operand_values
+from fp8kernels._backend import Backend, backend_for
+from fp8kernels.gemm_reference import operand_values
 from torchside.autocast import fp8_autocast, quantized_model_init
 from torchside.modules import FP8Module, LayerNormLinear, ModuleConfig
 from torchside.modules.multihead_attention import MultiheadAttention, fused_from_qkv

@@ -3,7 +3,7 @@
 `Linear`, `LayerNormLinear` (LayerNorm or RMSNorm), `LayerNormMLP`, `LayerNorm`, `RMSNorm`,
 `DotProductAttention`, `MultiheadAttention`, `TransformerLayer` (settings in a frozen
 `TransformerConfig`) and `GroupedLinear` (MoE: every group's GEMM in one call of
-`kernels.grouped_gemm`); tensor parallel through `ModuleConfig` and `set_device_mesh`.
+`fp8kernels.grouped_gemm`); tensor parallel through `ModuleConfig` and `set_device_mesh`.
 """
 
 from torchside.modules.attention import DotProductAttention

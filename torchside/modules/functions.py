@@ -2,7 +2,7 @@
 
 Shape legend: T tokens (all leading dims of the input, flattened), I in features, O out features.
 
-FP8 linear y = x @ w.T + b, three GEMMs through `kernels.gemm.scaled_mm` (out = A @ B^T, TN layout):
+FP8 linear y = x @ w.T + b, three GEMMs through `fp8kernels.gemm.scaled_mm` (out = A @ B^T, TN layout):
 
     fprop  y_TO  = x rowwise [T, I]      @ (w rowwise [O, I])^T       (bias in the epilogue)
     dgrad  dx_TI = dy rowwise [T, O]     @ (w columnwise [I, O])^T
@@ -35,9 +35,9 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from kernels import norm as norm_kernels
-from kernels.gemm import scaled_mm
-from kernels.gemm_reference import OUT_DTYPES
+from fp8kernels import norm as norm_kernels
+from fp8kernels.gemm import scaled_mm
+from fp8kernels.gemm_reference import OUT_DTYPES
 from torchside.parallel.tp_comm import LinearParallelism, TPComm, has_per_tensor_scale, reduce_scatter_dim0
 from torchside.quantization import QuantizedStorage, QuantizedTensor, Quantizer, reduce_amaxes
 from torchside.recipe import Recipe
@@ -218,7 +218,7 @@ def normalize(
     zero_centered_gamma: bool,
     on_backward_done: BackwardHook = None,
 ) -> Tensor:
-    """LayerNorm (or RMSNorm when `rms`) over the last dim through kernels.norm, in x's dtype."""
+    """LayerNorm (or RMSNorm when `rms`) over the last dim through fp8kernels.norm, in x's dtype."""
     return _Normalization.apply(x, weight, bias, rms, eps, zero_centered_gamma, on_backward_done)
 
 

@@ -8,7 +8,7 @@ group 0, the next m_splits[1] through group 1, and so on (a split may be 0).
 Inside fp8_autocast every group has its own FP8 quantizers (input, weight, grad; scales per group).
 The groups' rows of x and of dy are quantized by one `quantize_split` each: one cast launch for all
 groups under the tensorwise recipes (on an H200 a launch costs the host ~100 us, more than the
-groups' casts cost the GPU). Each of the three GEMM kinds is one `kernels.grouped_gemm.grouped_scaled_mm`
+groups' casts cost the GPU). Each of the three GEMM kinds is one `fp8kernels.grouped_gemm.grouped_scaled_mm`
 call over all groups (on CUDA a cuBLASLt GEMM per group where cuBLASLt takes every group, else one grouped
 Triton launch), writing each group's rows of y and dx, and each dw_g, in place:
 
@@ -38,8 +38,8 @@ import torch
 from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from kernels._checks import check_splits
-from kernels.grouped_gemm import grouped_scaled_mm
+from fp8kernels._checks import check_splits
+from fp8kernels.grouped_gemm import grouped_scaled_mm
 from torchside import autocast
 from torchside.modules.base import FP8Module, ParamSpec, default_init_method
 from torchside.modules.config import ModuleConfig, check_parallel_mode, check_size

@@ -3,7 +3,7 @@
 Shape legend: T tokens (all leading dims), H hidden size (the normalized last dim).
 
 The math and the zero-centered gamma (stored weight = gamma - 1, initialized to 0) are those of
-`kernels.norm_reference`; the kernels run through `functions.normalize`. No GEMM: these modules
+`fp8kernels.norm_reference`; the kernels run through `functions.normalize`. No GEMM: these modules
 have no FP8 state, only the parameters `weight` (and `bias` for LayerNorm), replicated over TP;
 under sequence parallelism each rank normalizes its own tokens and the parameter gradients are
 all-reduced over the TP group.

@@ -10,7 +10,7 @@ with the parameter's mesh, placements and global shape, so DCP saves shards, nev
 - `master_param` (bf16/fp16 parameters with `master_weights=True`): an fp32 copy, or with
   `store_param_remainders=True` (bf16 only) an int16 remainder: the fp32 master is the parameter's
   16 bits plus these 16 low bits, and the parameter is the master rounded to nearest
-  (`kernels.adam_reference` defines the format). Same master, half the memory.
+  (`fp8kernels.adam_reference` defines the format). Same master, half the memory.
   Quantized (FP8/FP4 `QuantizedTensor`) parameters always keep an fp32 master, and need
   `master_weights=True`: the kernel steps the master, and a hook re-quantizes the parameter from it
   after the step (`torchside.optim.requantize_fp8_weights` registers one per FP8 weight of a model,
@@ -19,7 +19,7 @@ with the parameter's mesh, placements and global shape, so DCP saves shards, nev
 `state_dict()` holds every moment and master as unscaled fp32 (DTensors for DTensor parameters) and
 `load_state_dict()` encodes them again, so a checkpoint does not depend on the compression chosen.
 
-Cost: one kernel launch per parameter group and kind (see `kernels.adam`); launch tables are built
+Cost: one kernel launch per parameter group and kind (see `fp8kernels.adam`); launch tables are built
 once and reused. Scaled moments (fp16, E4M3) save memory between steps, not time: each step decodes
 them to fp32 for the kernel and re-encodes them after, in torch ops. A found_inf from a grad scaler
 costs one host sync unless `capturable`, where step counts and bias corrections stay on the device.
@@ -36,8 +36,8 @@ import torch
 from torch.distributed.tensor import DTensor
 from torch.utils.hooks import RemovableHandle
 
-from kernels.adam import MultiTensorAdam
-from kernels.adam_reference import join_master, split_master
+from fp8kernels.adam import MultiTensorAdam
+from fp8kernels.adam_reference import join_master, split_master
 from torchside.optim import moment_formats
 from torchside.quantization import QuantizedTensor
 

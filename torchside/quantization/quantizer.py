@@ -1,7 +1,7 @@
 """`Quantizer`: turns high-precision tensors into QuantizedTensors for one recipe and role.
 
 One table maps each recipe family to the kernel function it calls (the same name in
-`kernels.reference` and `kernels.quantize`) and to that function's arguments. The quantizer
+`fp8kernels.reference` and `fp8kernels.quantize`) and to that function's arguments. The quantizer
 adds what a single call cannot know: the delayed-scaling state (scale (1,) and
 amax_history (len,), fixed shapes, updated in place), the amax reduction group, and the
 stochastic-rounding step. Pickling and deepcopy drop the process group.
@@ -25,10 +25,10 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from kernels._backend import Backend, backend_for
-from kernels._checks import check_splits, matrix_view
-from kernels.formats import FORMATS
-from kernels.reference import delayed_scaling_update, group_amaxes
+from fp8kernels._backend import Backend, backend_for
+from fp8kernels._checks import check_splits, matrix_view
+from fp8kernels.formats import FORMATS
+from fp8kernels.reference import delayed_scaling_update, group_amaxes
 from torchside.quantization.storage import QuantizedStorage, from_quantized
 from torchside.quantization.tensor import QuantizedTensor
 from torchside.recipe import (
@@ -44,7 +44,7 @@ from torchside.recipe import (
 
 @dataclass(frozen=True)
 class _Family:
-    kernel: str  # function name in kernels.reference and kernels.quantize
+    kernel: str  # function name in fp8kernels.reference and fp8kernels.quantize
     arguments: Callable[[Recipe, str], dict]  # the recipe's keyword arguments for a role
     takes_amax_group: bool  # one amax sets the scale, so shards can agree on it by all-reduce
 
@@ -91,7 +91,7 @@ def _takes_amax_group(recipe: Recipe, role: str) -> bool:
 @functools.cache
 def implementation(backend: Backend) -> ModuleType:
     """The module whose quantize functions run on `backend` (they share names and signatures)."""
-    return importlib.import_module("kernels.reference" if backend is Backend.REFERENCE else "kernels.quantize")
+    return importlib.import_module("fp8kernels.reference" if backend is Backend.REFERENCE else "fp8kernels.quantize")
 
 
 @dataclass(frozen=True, eq=False)
@@ -160,7 +160,7 @@ class Quantizer:
         if self.stochastic_step is not None:
             # The seed stays a device tensor and the counter advances by a device op: no host read, so a CUDA
             # graph that captured this cast draws new random bits on every replay. The bits use the seed mod
-            # 2^32 (kernels.formats.stochastic_key), so the recipe's seed is reduced first: no int64 overflow.
+            # 2^32 (fp8kernels.formats.stochastic_key), so the recipe's seed is reduced first: no int64 overflow.
             kwargs["stochastic_seed"] = self.stochastic_step + self.recipe.stochastic_rounding_seed % 2**32
             self.stochastic_step.add_(1)
         return family.kernel, kwargs
@@ -273,7 +273,7 @@ def quantize_split(
 
 def _nan_as_inf(amax: Tensor) -> Tensor:
     """A NaN amax recorded as +inf: a MAX all-reduce keeps inf on every rank, where a NaN may be dropped on
-    some; the update then refuses the non-finite step (kernels.reference.delayed_scaling_update)."""
+    some; the update then refuses the non-finite step (fp8kernels.reference.delayed_scaling_update)."""
     return torch.where(amax.isnan(), math.inf, amax)
 
 

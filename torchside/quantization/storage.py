@@ -5,7 +5,7 @@ last dim). Columnwise buffers are the rowwise quantization of the transpose, sto
 (docs/quantization.md). The stored scale is `scale_inv`: dequant = q * scale_inv.
 
 Every buffer field is annotated once: which copy it belongs to, what it holds and its name
-in `kernels.reference.Quantized`. Slicing rows, the FSDP2 all-gather, flatten/unflatten
+in `fp8kernels.reference.Quantized`. Slicing rows, the FSDP2 all-gather, flatten/unflatten
 and pickling all derive from those annotations and the scheme's block.
 """
 
@@ -21,8 +21,8 @@ from typing import Annotated, NamedTuple
 import torch
 from torch import Tensor
 
-from kernels import reference
-from kernels.formats import SCHEME_BLOCKS
+from fp8kernels import reference
+from fp8kernels.formats import SCHEME_BLOCKS
 
 
 class Buffer(NamedTuple):
@@ -30,7 +30,7 @@ class Buffer(NamedTuple):
 
     orientation: str  # "rowwise" (M is axis 0), "columnwise" (M is axis 1) or "shared"
     kind: str  # "data", "scale_inv" or "amax"
-    quantized_name: str  # the same buffer's field in kernels.reference.Quantized
+    quantized_name: str  # the same buffer's field in fp8kernels.reference.Quantized
 
 
 OptionalTensor = Tensor | None
@@ -40,7 +40,7 @@ OptionalTensor = Tensor | None
 class QuantizedStorage:
     """Plain buffers of one quantized [rows, cols] matrix: cheap, no torch.Tensor behaviour."""
 
-    scheme: str  # a key of kernels.formats.SCHEME_BLOCKS
+    scheme: str  # a key of fp8kernels.formats.SCHEME_BLOCKS
     fmt: str  # "e4m3" | "e5m2" | "e2m1"
     rows: int  # M
     cols: int  # K

@@ -28,7 +28,7 @@ import triton
 from torch import Tensor
 from triton.runtime.autotuner import Heuristics
 
-from kernels._backend import autotune_configs, interpreting
+from fp8kernels._backend import autotune_configs, interpreting
 
 Grid = tuple[int, ...] | Callable[[dict], tuple[int, ...]]
 _LAUNCH_OPTIONS = frozenset({"num_warps", "num_stages", "num_ctas", "maxnreg", "enable_fp_fusion"})
@@ -45,7 +45,7 @@ def _specialization(value: object) -> object:
 
 class Launcher:
     """`launcher[grid](*runtime_args, **constexprs)`: a @triton.jit kernel launched through its cached
-    CompiledKernel; with `configs` (kernels._backend.autotune_configs candidates) and `key`, autotuned once
+    CompiledKernel; with `configs` (fp8kernels._backend.autotune_configs candidates) and `key`, autotuned once
     per key first. `grid` is a tuple or a function of the launch's meta-parameters (the config's included)."""
 
     def __init__(self, kernel, configs: list[dict] | None = None, key: list[str] | None = None, **autotune_options):

@@ -1,8 +1,8 @@
 """Number formats and the element-level pieces of quantization, in plain torch.
 
-The building blocks of `kernels.reference` (the spec): the format table with each format's
+The building blocks of `fp8kernels.reference` (the spec): the format table with each format's
 max and canonical NaN byte, element casts, fp32 and e8m0 block scales, FP4 packing, the
-stochastic-rounding hash and the random Hadamard transform. `kernels._casts` holds their
+stochastic-rounding hash and the random Hadamard transform. `fp8kernels._casts` holds their
 Triton twins; docs/quantization.md states the rules.
 """
 

@@ -1,11 +1,11 @@
-"""kernels.grouped_gemm: G groups of different sizes, against float64 per group and against its spec, the
-loop of kernels.gemm.scaled_mm (bit for bit where both run the same Triton tile math); both of its paths,
+"""fp8kernels.grouped_gemm: G groups of different sizes, against float64 per group and against its spec, the
+loop of fp8kernels.gemm.scaled_mm (bit for bit where both run the same Triton tile math); both of its paths,
 the one Triton launch and cuBLASLt per group, and the choice between them.
 
 Groups differ the way MoE experts do: fprop and dgrad in M (the rows each expert got, 0 and 1
 included), wgrad in K (the same counts, now the reduction length: a group of 0 rows writes zeros;
 a K that is not a multiple of 16 goes through the zero-code padding).
-Operands come from the reference quantizers, group by group, with tests/kernels/test_gemm.py's helpers.
+Operands come from the reference quantizers, group by group, with tests/fp8kernels/test_gemm.py's helpers.
 """
 
 from __future__ import annotations
@@ -21,12 +21,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from kernels import gemm, grouped_gemm
-from kernels import reference as R
-from kernels.gemm_reference import gemm_operand
-from kernels.grouped_gemm import grouped_scaled_mm, scaled_mm_loop
-from tests.kernels.devices import DEVICES
-from tests.kernels.gemm_operands import LAYOUTS, assert_matches_float64, quantize, seeded_tensors
+from fp8kernels import gemm, grouped_gemm
+from fp8kernels import reference as R
+from fp8kernels.gemm_reference import gemm_operand
+from fp8kernels.grouped_gemm import grouped_scaled_mm, scaled_mm_loop
+from tests.fp8kernels.devices import DEVICES
+from tests.fp8kernels.gemm_operands import LAYOUTS, assert_matches_float64, quantize, seeded_tensors
 
 # id: (layout, (A scheme, A format), (B scheme, B format), (I, O), rows per group, hadamard)
 # MXFP8 and NVFP4 blocks must tile every operand row, so their sizes are multiples of 32 / 16.
@@ -98,7 +98,7 @@ def test_grouped_matches_float64_per_group(device, epilogue, case):
 @pytest.mark.skipif(torch.cuda.is_available(), reason="CUDA's scaled_mm may take cuBLASLt: compared within tolerance")
 @pytest.mark.parametrize("case", CASES)
 def test_grouped_launch_equals_the_scaled_mm_loop_exact(case):
-    """Under the interpreter both run the same tile math (kernels.gemm's _operand_tile, same tiles): equal bits."""
+    """Under the interpreter both run the same tile math (fp8kernels.gemm's _operand_tile, same tiles): equal bits."""
     qa, qb, a_columnwise, b_columnwise = _grouped_operands(CASES[case], "cpu")
     bias = _biases(qb, b_columnwise, torch.bfloat16, "cpu")
     kwargs = {"a_columnwise": a_columnwise, "b_columnwise": b_columnwise, "out_dtype": torch.bfloat16, "bias": bias}
@@ -149,7 +149,7 @@ def _aligned_operands(qa, qb, a_columnwise: bool, b_columnwise: bool) -> tuple[l
 
 
 _BLOCK = (("block1x128", "e4m3"), ("block128x128", "e4m3"))
-# id: (case, out_dtype, bias dtype, whether every group goes to cuBLASLt): kernels.gemm's rules, group by group
+# id: (case, out_dtype, bias dtype, whether every group goes to cuBLASLt): fp8kernels.gemm's rules, group by group
 DISPATCH = {
     "tensorwise-fprop-bf16-bias": (CUBLAS_CASES["tensorwise-fprop"], torch.bfloat16, torch.bfloat16, True),
     "tensorwise-dgrad-fp32": (CUBLAS_CASES["tensorwise-dgrad-hybrid"], torch.float32, None, True),
@@ -163,7 +163,7 @@ DISPATCH = {
     "e5m2-x-e5m2": (("dgrad", ("tensorwise", "e5m2"), ("tensorwise", "e5m2"), (64, 48), ROWS, False),
                     torch.bfloat16, None, False),
     "block-fprop-m-37": (("fprop", *_BLOCK, (512, 128), ROWS, False), torch.bfloat16, None, False),
-    # the block modes take no bias: cuBLASLt writes fp32, kernels.gemm's epilogue adds it
+    # the block modes take no bias: cuBLASLt writes fp32, fp8kernels.gemm's epilogue adds it
     "block-fprop-bias": (CUBLAS_CASES["block-fprop-1x128x128x128"], torch.bfloat16, torch.bfloat16,
                          gemm.CUDA_PATHS["block"] == "cublaslt"),
     "block-wgrad-1x128x1x128": (("wgrad", ("block1x128", "e4m3"), ("block1x128", "e4m3"), (512, 128),
@@ -235,7 +235,7 @@ def test_cublas_path_on_cpu_scaled_mm_writes_float64_products(case, epilogue):
 @pytest.mark.parametrize("case", CUBLAS_CASES)
 def test_cuda_dispatch_to_cublas_per_group_matches_float64(monkeypatch, case, epilogue):
     """grouped_scaled_mm on CUDA: one torch._scaled_mm per group with a product, written in place (cuBLASLt's
-    blockwise mode takes no bias: there an fp32 product, then kernels.gemm's epilogue adds it)."""
+    blockwise mode takes no bias: there an fp32 product, then fp8kernels.gemm's epilogue adds it)."""
     calls = []
     original = torch._scaled_mm
     monkeypatch.setattr(torch, "_scaled_mm", lambda *args, **kwargs: calls.append(1) or original(*args, **kwargs))
@@ -268,14 +268,14 @@ def test_bad_groups_raise_with_the_fix():
         grouped_scaled_mm(qa, qb, bias=torch.zeros(37))
 
 
-# Compiles kernels.gemm's dense kernel and the grouped one for sm_90 with one tile, as Triton specializes
+# Compiles fp8kernels.gemm's dense kernel and the grouped one for sm_90 with one tile, as Triton specializes
 # them for 16-byte aligned tensors and sizes that are multiples of 16; prints both PTX texts.
 _COMPILE_FOR_SM90 = """
 import json, triton
 from triton.backends.compiler import GPUTarget
-from kernels._casts import format_constants
-from kernels.gemm import _FP8_TILES, _scaled_mm_kernel
-from kernels.grouped_gemm import _grouped_scaled_mm_kernel
+from fp8kernels._casts import format_constants
+from fp8kernels.gemm import _FP8_TILES, _scaled_mm_kernel
+from fp8kernels.grouped_gemm import _grouped_scaled_mm_kernel
 
 tile = dict(_FP8_TILES[0])
 options = {"num_warps": tile.pop("num_warps"), "num_stages": tile.pop("num_stages")}

@@ -1,4 +1,4 @@
-"""The pure-torch spec of kernels.norm: LayerNorm and RMSNorm, forward (with an optional fused FP8 cast), backward.
+"""The pure-torch spec of fp8kernels.norm: LayerNorm and RMSNorm, forward (with an optional fused FP8 cast), backward.
 
 Over the last dim H of x, in fp32 whatever x's dtype (x is viewed as [R, H]):
 
@@ -12,7 +12,7 @@ Backward, with xhat = (x - mean) * rstd (LayerNorm) or x * rstd (RMSNorm) and gd
     dweight = sum over rows of dy * xhat,  dbias = sum over rows of dy
 
 The fused FP8 cast quantizes the fp32 y (before any rounding to out_dtype) for the next GEMM's
-rowwise operand, with the bytes of kernels.reference.quantize_tensorwise (a given delayed-scaling
+rowwise operand, with the bytes of fp8kernels.reference.quantize_tensorwise (a given delayed-scaling
 scale) or quantize_blockwise (1x128). Current scaling cannot be fused into one pass: its scale
 needs the amax of the whole output, known only after every row is normalized; the forward
 returns the output and its amax instead, and the caller casts with scale_from_amax(amax).
@@ -25,9 +25,9 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from kernels._checks import element_format
-from kernels.formats import FP8_FORMATS
-from kernels.reference import Quantized, quantize_blockwise, quantize_tensorwise, tensor_amax
+from fp8kernels._checks import element_format
+from fp8kernels.formats import FP8_FORMATS
+from fp8kernels.reference import Quantized, quantize_blockwise, quantize_tensorwise, tensor_amax
 
 NORM_DTYPES = (torch.float32, torch.bfloat16)
 FUSED_CAST_SCHEMES = ("tensorwise", "block1x128")

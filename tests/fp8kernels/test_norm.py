@@ -1,6 +1,6 @@
-"""kernels.norm (Triton: interpreted on CPU, compiled with `-m gpu`) and its spec kernels.norm_reference
+"""fp8kernels.norm (Triton: interpreted on CPU, compiled with `-m gpu`) and its spec fp8kernels.norm_reference
 against float64 torch (F.layer_norm / F.rms_norm and their autograd), and the fused FP8 cast
-byte for byte against kernels.reference quantizing the kernel's own fp32 output.
+byte for byte against fp8kernels.reference quantizing the kernel's own fp32 output.
 """
 
 from __future__ import annotations
@@ -9,10 +9,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kernels import norm, norm_reference
-from kernels import reference as R
-from kernels.norm_reference import FusedCast
-from tests.kernels.devices import DEVICES
+from fp8kernels import norm, norm_reference
+from fp8kernels import reference as R
+from fp8kernels.norm_reference import FusedCast
+from tests.fp8kernels.devices import DEVICES
 
 IMPLEMENTATIONS = {"triton": norm, "reference": norm_reference}
 # one element, a tail tile, partial 128-blocks, 3-D; on CUDA also the benchmark's row length

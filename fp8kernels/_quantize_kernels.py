@@ -1,8 +1,8 @@
-"""The @triton.jit quantization kernels behind kernels.quantize (one program = one tile of x).
+"""The @triton.jit quantization kernels behind fp8kernels.quantize (one program = one tile of x).
 
 Every kernel loads a [BLOCK_M, BLOCK_K] tile of x once and writes both the rowwise codes
 ([M, K]) and the columnwise ones (the rowwise quantization of x.T, stored [K, M]) from it.
-Casts, scales and the Hadamard transform come from kernels._casts; amaxes are int32 bits of |x|,
+Casts, scales and the Hadamard transform come from fp8kernels._casts; amaxes are int32 bits of |x|,
 NaN winning as torch.amax propagates it: block amaxes by a NaN-propagating float max (|.| is free
 on it), tile and global ones by an integer max of the bits (integer max is float max there).
 
@@ -10,7 +10,7 @@ Why they are shaped this way (each choice read off the sm_90 SASS of Triton 3.6,
 - The casts are bound by the integer pipe, so each tile first checks from its amaxes and
   scales that no value is NaN or past the rounding limit and then casts on the short
   IN_RANGE path of f32_to_code (`_cast`); tiles with NaN, inf or overflow take the full one.
-  Compiled (HARDWARE_CAST, set by kernels.quantize off the interpreter), that path is the GPU's
+  Compiled (HARDWARE_CAST, set by fp8kernels.quantize off the interpreter), that path is the GPU's
   fp8 cvt: sm_90 SASS of Triton 3.9 executes ~12 instead of ~18 instructions per element
   (tensorwise, 64x128 tile); the bit operations stay the spec the interpreter checks.
 - One scale per tile (tensorwise, 128x128): the codes are cast once and transposed as whole
@@ -18,7 +18,7 @@ Why they are shaped this way (each choice read off the sm_90 SASS of Triton 3.6,
   row repeats are four consecutive x rows, packed into one word in registers; shared memory
   then moves 4 bytes per access instead of 1.
 - Scales along the columns (1x128, MXFP8, NVFP4): the bf16 tile is transposed first and each
-  operand is split into runs (kernels._casts.split_runs: element j of every 16 consecutive
+  operand is split into runs (fp8kernels._casts.split_runs: element j of every 16 consecutive
   elements of an operand row, as 16 tensors). That puts each run in one thread, so Triton
   transposes with ldmatrix.trans, block maxima are register maxima, each block scale is
   computed once, and the codes are packed into int32 words in registers (`_store_runs`).
@@ -31,7 +31,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from kernels._casts import (
+from fp8kernels._casts import (
     abs_bits,
     e2m1_top_code_doubled,
     e4m3_code_to_f32,
@@ -52,7 +52,7 @@ from kernels._casts import (
     split_runs,
     to_f32,
 )
-from kernels.formats import NVFP4_GLOBAL_MAX
+from fp8kernels.formats import NVFP4_GLOBAL_MAX
 
 _NVFP4_GLOBAL_MAX = tl.constexpr(NVFP4_GLOBAL_MAX)
 _FP32_INF_BITS = tl.constexpr(0x7F800000)
@@ -358,7 +358,7 @@ def _blockwise_kernel(
                 runs, tl.broadcast_to(scale[:, None], partial.shape), in_range, columnwise_ptr, cols,
                 tl.program_id(0) * BLOCK, K, M, EXPONENT_BITS, MANTISSA_BITS, MAX_BITS, NAN_CODE, PACK4, HARDWARE_CAST,
             )
-            # scale_inv [K, row_blocks] stored K-contiguous (kernels.formats.row_block_scales)
+            # scale_inv [K, row_blocks] stored K-contiguous (fp8kernels.formats.row_block_scales)
             tl.store(columnwise_scale_inv_ptr + tl.program_id(0) * K + cols, _reciprocal_rn(scale), mask=cols < K)
         if ROWWISE:  # a 1x128 block per row of the tile
             values = to_f32(x)
@@ -369,7 +369,7 @@ def _blockwise_kernel(
                 values * scale[:, None], in_range, EXPONENT_BITS, MANTISSA_BITS, MAX_BITS, NAN_CODE, HARDWARE_CAST,
             )
             _store_tile(data_ptr, codes, rows, cols, M, K)
-            # scale_inv [M, col_blocks] stored M-contiguous (kernels.formats.row_block_scales)
+            # scale_inv [M, col_blocks] stored M-contiguous (fp8kernels.formats.row_block_scales)
             tl.store(scale_inv_ptr + tl.program_id(1) * M + rows, _reciprocal_rn(scale), mask=rows < M)
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from kernels.formats import FORMATS, FloatFormat
+from fp8kernels.formats import FORMATS, FloatFormat
 
 INPUT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 

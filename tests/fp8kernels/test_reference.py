@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 import torch
 
-from kernels import reference as R
-from tests.kernels.format_models import LAYOUTS, format_max, rne_model
+from fp8kernels import reference as R
+from tests.fp8kernels.format_models import LAYOUTS, format_max, rne_model
 
 FP32_MAX = float(np.finfo(np.float32).max)
 

@@ -1,4 +1,4 @@
-"""Triton twins of kernels.formats: casts as bit operations, block scales, the hash, the RHT.
+"""Triton twins of fp8kernels.formats: casts as bit operations, block scales, the hash, the RHT.
 
 Why not Triton's casts: the interpreter's own fp8/bf16 casts round wrongly and do not saturate
 (../shared/notes/cpu-feasibility.md). Our casts use integer bit operations plus IEEE fp32
@@ -21,7 +21,7 @@ from types import MappingProxyType
 import triton
 import triton.language as tl
 
-from kernels.formats import FORMATS, HADAMARD_SIGN_BITS, HASH_MULTIPLIERS
+from fp8kernels.formats import FORMATS, HADAMARD_SIGN_BITS, HASH_MULTIPLIERS
 
 # Globals a @triton.jit function reads must be constexprs.
 _HADAMARD_SIGN_BITS = tl.constexpr(HADAMARD_SIGN_BITS)
@@ -267,7 +267,7 @@ def e8m0_encode_multiplier(exponent, ROUND_UP: tl.constexpr):
 
 @triton.jit
 def hash32(x):
-    """lowbias32 on uint32 (wrapping multiplies), as kernels.formats.hash32."""
+    """lowbias32 on uint32 (wrapping multiplies), as fp8kernels.formats.hash32."""
     x = x ^ (x >> 16)
     x = x * tl.full(x.shape, _HASH_MULTIPLIER_1, tl.uint32)
     x = x ^ (x >> 15)

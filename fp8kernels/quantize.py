@@ -1,4 +1,4 @@
-"""Triton quantizers: the functions and signatures of kernels.reference, returning the same bytes.
+"""Triton quantizers: the functions and signatures of fp8kernels.reference, returning the same bytes.
 
 Formulas: docs/quantization.md; each launcher must match the reference function of its name.
 Launches: tensorwise current scaling and NVFP4 need the global amax before any cast, so they
@@ -20,10 +20,10 @@ import torch
 import triton
 from torch import Tensor
 
-from kernels import reference
-from kernels._backend import Backend, backend_for
-from kernels._casts import format_constants
-from kernels._checks import (
+from fp8kernels import reference
+from fp8kernels._backend import Backend, backend_for
+from fp8kernels._casts import format_constants
+from fp8kernels._checks import (
     check_block,
     check_divisible,
     check_global_amax,
@@ -34,10 +34,10 @@ from kernels._checks import (
     element_format,
     matrix_view,
 )
-from kernels._launch import Launcher
-from kernels._quantize_kernels import _amax_kernel, _blockwise_kernel, _mxfp8_kernel, _nvfp4_kernel, _tensorwise_kernel
-from kernels.formats import FP8_FORMATS, row_block_scales, stochastic_key
-from kernels.reference import Quantized
+from fp8kernels._launch import Launcher
+from fp8kernels._quantize_kernels import _amax_kernel, _blockwise_kernel, _mxfp8_kernel, _nvfp4_kernel, _tensorwise_kernel
+from fp8kernels.formats import FP8_FORMATS, row_block_scales, stochastic_key
+from fp8kernels.reference import Quantized
 
 
 def configs(*shapes: tuple[int, ...]) -> list[dict]:
@@ -241,7 +241,7 @@ def quantize_tensorwise_split(
     """quantize_tensorwise of each group of consecutive rows (m_splits[g] rows in group g) with scales[g] or from
     amaxes[g] (by default the groups' own, one torch op for all), in ONE cast launch: the same bytes as
     quantizing each group alone. The groups' rowwise copies are row slices of one [M, K] buffer, their
-    columnwise copies consecutive [K, m_g] blocks of one buffer (what kernels.grouped_gemm reads)."""
+    columnwise copies consecutive [K, m_g] blocks of one buffer (what fp8kernels.grouped_gemm reads)."""
     element_format(fmt, FP8_FORMATS)
     check_roles(rowwise, columnwise)
     x2d, _ = matrix_view(x)
@@ -353,7 +353,7 @@ def quantize_nvfp4(
     global_amax: Tensor | None = None,
 ) -> Quantized:
     """E2M1 values, an e4m3 scale per 1x16 or 16x16 block and an fp32 global scale from the operand's amax
-    (or a given `global_amax`: see kernels.reference.quantize_nvfp4)."""
+    (or a given `global_amax`: see fp8kernels.reference.quantize_nvfp4)."""
     block = check_block(block, ((1, 16), (16, 16)), "quantize_nvfp4")
     check_roles(rowwise, columnwise)
     check_stochastic_seed(stochastic_seed)

@@ -15,9 +15,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from kernels import adam_reference
-from kernels.adam import MultiTensorAdam, _adam_kernel, adam_step
-from kernels.multi_tensor import aligned
+from fp8kernels import adam_reference
+from fp8kernels.adam import MultiTensorAdam, _adam_kernel, adam_step
+from fp8kernels.multi_tensor import aligned
 
 HYPER = dict(lr=1e-2, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.1)
 # Sizes that cover one element, a partial chunk, a full chunk plus a tail, and a chunk boundary.
@@ -286,7 +286,7 @@ def compile_report_for_sm90() -> dict[str, dict]:
 @functools.cache
 def _sm90_report() -> dict[str, dict]:
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    code = "import json; from tests.kernels.test_adam import compile_report_for_sm90 as r; print(json.dumps(r()))"
+    code = "import json; from tests.fp8kernels.test_adam import compile_report_for_sm90 as r; print(json.dumps(r()))"
     root = Path(__file__).resolve().parents[2]
     done = subprocess.run([sys.executable, "-c", code], cwd=root, env=env, capture_output=True, text=True, check=True)
     return json.loads(done.stdout.splitlines()[-1])

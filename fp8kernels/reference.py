@@ -1,13 +1,13 @@
 """The pure-torch spec of every quantizer: readable and slow; its bytes are the ones to match.
 
-docs/quantization.md is the contract. `kernels.quantize` (Triton, on GPU and in the
+docs/quantization.md is the contract. `fp8kernels.quantize` (Triton, on GPU and in the
 interpreter) and `jaxside` expose the same functions and must return identical bytes.
 
 Vocabulary: `x` is viewed as a matrix [M, K]. Every quantization works on an *operand*
 [R, C] row by row: the rowwise copy quantizes x itself, the columnwise copy quantizes x.T
 ([K, M]). Element casts: x * scale in fp32, NaN -> the format's canonical NaN byte, clamp to
 +-max, round to nearest even (subnormals included). The element-level pieces live in
-`kernels.formats` and are re-exported here.
+`fp8kernels.formats` and are re-exported here.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from kernels._checks import (
+from fp8kernels._checks import (
     check_block,
     check_divisible,
     check_global_amax,
@@ -29,7 +29,7 @@ from kernels._checks import (
     element_format,
     matrix_view,
 )
-from kernels.formats import (
+from fp8kernels.formats import (
     FORMATS,
     FP8_FORMATS,
     FP32_MAX,

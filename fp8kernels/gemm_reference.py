@@ -1,4 +1,4 @@
-"""The pure-torch spec of kernels.gemm: out[M, N] = A[M, K] @ B[N, K]^T of the dequantized operands.
+"""The pure-torch spec of fp8kernels.gemm: out[M, N] = A[M, K] @ B[N, K]^T of the dequantized operands.
 
 Both operands are "TN": row-major with K contiguous, which is what the quantizers' buffers are
 (docs/quantization.md). An operand is a quantized tensor's rowwise copy (x viewed as
@@ -27,8 +27,8 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from kernels.formats import SCHEME_BLOCKS
-from kernels.reference import Quantized, dequantize
+from fp8kernels.formats import SCHEME_BLOCKS
+from fp8kernels.reference import Quantized, dequantize
 
 OUT_DTYPES = (torch.bfloat16, torch.float32)
 
@@ -70,7 +70,7 @@ class GemmOperand:
 def gemm_operand(q: Quantized, columnwise: bool, name: str) -> GemmOperand:
     """The operand a GEMM reads from `q`: its rowwise copy, or its columnwise one (the quantized x.T)."""
     if not isinstance(q, Quantized):
-        raise TypeError(f"{name} must be a kernels.reference.Quantized, got {type(q).__name__}; quantize it first")
+        raise TypeError(f"{name} must be a fp8kernels.reference.Quantized, got {type(q).__name__}; quantize it first")
     data = q.columnwise_data if columnwise else q.data
     if data is None:
         have, want = ("rowwise", "columnwise") if columnwise else ("columnwise", "rowwise")
@@ -122,7 +122,7 @@ def check_gemm(a: GemmOperand, b: GemmOperand, out_dtype: torch.dtype, bias: Ten
 
 
 def operand_values(q: Quantized, columnwise: bool) -> Tensor:
-    """The operand as fp32 [rows, K], from kernels.reference.dequantize (a rotated copy comes back unrotated)."""
+    """The operand as fp32 [rows, K], from fp8kernels.reference.dequantize (a rotated copy comes back unrotated)."""
     x = dequantize(q, columnwise=columnwise)
     x2d = x.reshape(-1, x.shape[-1])
     return x2d.T if columnwise else x2d

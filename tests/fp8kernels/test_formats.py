@@ -1,4 +1,4 @@
-"""kernels.formats against float64 models built from the format specs (tests/kernels/format_models.py)."""
+"""fp8kernels.formats against float64 models built from the format specs (tests/fp8kernels/format_models.py)."""
 
 from __future__ import annotations
 
@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 import torch
 
-from kernels import formats
-from tests.kernels.format_models import decode_model, edge_values, format_max, rne_model
+from fp8kernels import formats
+from tests.fp8kernels.format_models import decode_model, edge_values, format_max, rne_model
 
 FP8 = ["e4m3", "e5m2"]
 

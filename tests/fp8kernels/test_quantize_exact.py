@@ -1,4 +1,4 @@
-"""Triton quantizers (kernels.quantize) byte-for-byte against the torch reference (kernels.reference).
+"""Triton quantizers (fp8kernels.quantize) byte-for-byte against the torch reference (fp8kernels.reference).
 
 Every scheme, both roles, bf16 and fp32 inputs of several shapes, and an edge set generated
 from the format specs. On CPU the kernels run in the interpreter; the same tests run compiled
@@ -13,12 +13,12 @@ import numpy as np
 import pytest
 import torch
 
-from kernels import quantize as triton_quantize
-from kernels import reference
-from kernels._backend import Backend, backend_for
-from tests.kernels.byte_exact import assert_same_bytes, random_input
-from tests.kernels.devices import DEVICES
-from tests.kernels.format_models import edge_values
+from fp8kernels import quantize as triton_quantize
+from fp8kernels import reference
+from fp8kernels._backend import Backend, backend_for
+from tests.fp8kernels.byte_exact import assert_same_bytes, random_input
+from tests.fp8kernels.devices import DEVICES
+from tests.fp8kernels.format_models import edge_values
 from tests.transformer_engine_models import transformer_engine_e8m0
 
 # name -> (function name, keyword arguments, shape family)

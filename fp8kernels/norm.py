@@ -1,8 +1,8 @@
 """LayerNorm and RMSNorm in Triton, forward fused with the FP8 cast of the output, and backward.
 
-The math, the zero-centered gamma and the fused-cast rules are in `kernels.norm_reference`; the
+The math, the zero-centered gamma and the fused-cast rules are in `fp8kernels.norm_reference`; the
 functions here have its names and signatures. Outputs match it within fp32 rounding; the fused
-cast's bytes equal kernels.reference's quantization of the kernel's own fp32 output exactly.
+cast's bytes equal fp8kernels.reference's quantization of the kernel's own fp32 output exactly.
 
 Forward: one program normalizes BLOCK_ROWS whole rows held in registers (x is read once), so a
 tensorwise cast with a given (delayed-scaling) scale, and 1x128 block scales, fit in the same
@@ -23,13 +23,13 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from kernels import norm_reference
-from kernels._backend import Backend, backend_for, interpreting, multiprocessor_count
-from kernels._casts import abs_bits, f32_to_bf16_bits, f32_to_code, format_constants, scale_from_amax
-from kernels._launch import Launcher
-from kernels.formats import FORMATS, row_block_scales
-from kernels.norm_reference import FusedCast, NormBackward, NormForward, check_backward_inputs, check_norm_inputs
-from kernels.reference import Quantized
+from fp8kernels import norm_reference
+from fp8kernels._backend import Backend, backend_for, interpreting, multiprocessor_count
+from fp8kernels._casts import abs_bits, f32_to_bf16_bits, f32_to_code, format_constants, scale_from_amax
+from fp8kernels._launch import Launcher
+from fp8kernels.formats import FORMATS, row_block_scales
+from fp8kernels.norm_reference import FusedCast, NormBackward, NormForward, check_backward_inputs, check_norm_inputs
+from fp8kernels.reference import Quantized
 
 MAX_HIDDEN = 65536  # whole rows live in registers
 _CAST_BLOCK = 128  # elements per scale of the 1x128 fused cast

@@ -1,6 +1,6 @@
 """Scaled FP8 GEMM in Triton: out[M, N] = A[M, K] @ B[N, K]^T of dequantized operands, fp32 accumulation.
 
-The spec is `kernels.gemm_reference.scaled_mm` (same signature; its docstring lists the fprop, dgrad
+The spec is `fp8kernels.gemm_reference.scaled_mm` (same signature; its docstring lists the fprop, dgrad
 and wgrad operand layouts). Results match it within fp32 accumulation rounding, not bit for bit.
 
 How each scaling family reaches the tensor cores (one kernel; the family is a constexpr):
@@ -39,13 +39,13 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from kernels import gemm_reference
-from kernels._backend import Backend, backend_for, interpreting
-from kernels._casts import code_to_f32, e4m3_code_to_f32, f32_to_bf16_bits, format_constants, scale_from_amax
-from kernels._launch import Launcher
-from kernels.formats import FORMATS, NVFP4_GLOBAL_MAX, SCHEME_BLOCKS
-from kernels.gemm_reference import GemmOperand, check_gemm, gemm_operand
-from kernels.reference import Quantized
+from fp8kernels import gemm_reference
+from fp8kernels._backend import Backend, backend_for, interpreting
+from fp8kernels._casts import code_to_f32, e4m3_code_to_f32, f32_to_bf16_bits, format_constants, scale_from_amax
+from fp8kernels._launch import Launcher
+from fp8kernels.formats import FORMATS, NVFP4_GLOBAL_MAX, SCHEME_BLOCKS
+from fp8kernels.gemm_reference import GemmOperand, check_gemm, gemm_operand
+from fp8kernels.reference import Quantized
 
 # How scaled_mm runs each scaling family on CUDA, measured by benchmarks/bench/bench_gemm.py (8192^3, bf16 out,
 # one H200). "cublaslt" where _torch_scaled_mm_takes the case (else this Triton kernel); "dequantize":
@@ -283,7 +283,7 @@ def _finish_kernel(
     _epilogue(acc, rows, cols, M, N, a_amax_ptr, b_amax_ptr, bias_ptr, out_ptr, GLOBAL_SCALES, HAS_BIAS, OUT_BF16)
 
 
-# the epilogue kernels of the cuBLAS paths, launched without Triton's front end once compiled (kernels._launch)
+# the epilogue kernels of the cuBLAS paths, launched without Triton's front end once compiled (fp8kernels._launch)
 _DEQUANTIZE, _FINISH = Launcher(_dequantize_kernel), Launcher(_finish_kernel)
 
 
@@ -319,7 +319,7 @@ def _scaled_mm_triton(
     dot_in_fp32 = interpreting()
     block = SCHEME_BLOCKS[a.scheme]
     # The kernel reads a scale row's blocks adjacent: 1x128 scales arrive rows-contiguous (for cuBLASLt,
-    # kernels.formats.row_block_scales) and are copied here, on the path of the cases cuBLASLt does not take.
+    # fp8kernels.formats.row_block_scales) and are copied here, on the path of the cases cuBLASLt does not take.
     a_scale, b_scale = a.scale_inv.contiguous(), b.scale_inv.contiguous()
 
     def grid(meta):

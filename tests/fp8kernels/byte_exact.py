@@ -1,11 +1,11 @@
-"""Byte-exact comparison of a Triton quantizer's result with kernels.reference's, and the seeded inputs of
+"""Byte-exact comparison of a Triton quantizer's result with fp8kernels.reference's, and the seeded inputs of
 the quantizer tests (test_quantize_exact, test_quantize_split_exact)."""
 
 from __future__ import annotations
 
 import torch
 
-from kernels import reference
+from fp8kernels import reference
 
 FIELDS = ("data", "scale_inv", "columnwise_data", "columnwise_scale_inv")
 

@@ -16,7 +16,7 @@ import torch
 class Backend(enum.Enum):
     TRITON = "triton"  # compiled Triton on a CUDA device
     INTERPRETER = "interpreter"  # TRITON_INTERPRET=1 on CPU tensors (tests)
-    REFERENCE = "reference"  # the pure-torch spec in kernels.reference
+    REFERENCE = "reference"  # the pure-torch spec in fp8kernels.reference
 
 
 def interpreting() -> bool:

@@ -1,4 +1,4 @@
-"""kernels._launch.Launcher: a cached launch computes what Triton's own launch computes, one compiled kernel per
+"""fp8kernels._launch.Launcher: a cached launch computes what Triton's own launch computes, one compiled kernel per
 specialization (dtype, alignment, ints, constexprs), and call sites that break its convention fail loudly."""
 
 from __future__ import annotations
@@ -8,8 +8,8 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels._launch import Launcher
-from tests.kernels.devices import DEVICES
+from fp8kernels._launch import Launcher
+from tests.fp8kernels.devices import DEVICES
 
 
 @triton.jit

@@ -1,4 +1,4 @@
-"""The Triton bit-operation helpers (kernels._casts) byte-for-byte against kernels.formats.
+"""The Triton bit-operation helpers (fp8kernels._casts) byte-for-byte against fp8kernels.formats.
 
 Each helper runs elementwise over a format's edge set (generated from the spec) in one small
 kernel, in the interpreter on CPU and compiled on CUDA (`-m gpu`).
@@ -13,9 +13,9 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels import _casts, formats
-from tests.kernels.format_models import edge_values
-from tests.kernels.devices import DEVICES
+from fp8kernels import _casts, formats
+from tests.fp8kernels.format_models import edge_values
+from tests.fp8kernels.devices import DEVICES
 
 BLOCK = 1024
 

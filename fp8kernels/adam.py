@@ -1,10 +1,10 @@
 """Multi-tensor Adam/AdamW in Triton: one launch updates every tensor of a parameter group.
 
-The math, the master-weight formats and the scalars are specified in `kernels.adam_reference`
+The math, the master-weight formats and the scalars are specified in `fp8kernels.adam_reference`
 (`adam_step` there is the spec this launcher matches, within fp32 rounding: on the GPU the kernel
 contracts multiply-adds into FMAs and uses approximate sqrt and division, an ulp or two each).
 
-One launch reaches many tensors through the tables of `kernels.multi_tensor`: per tensor, the
+One launch reaches many tensors through the tables of `fp8kernels.multi_tensor`: per tensor, the
 addresses of its parameter, grad, exp_avg, exp_avg_sq and master (0 if none) and its size; and a
 flat grid of (tensor, chunk) pairs, each program updating BLOCK contiguous elements of one tensor.
 
@@ -29,17 +29,17 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels import adam_reference
-from kernels._backend import Backend, backend_for
-from kernels._casts import f32_to_bf16_bits
-from kernels.multi_tensor import TensorTable, aligned
+from fp8kernels import adam_reference
+from fp8kernels._backend import Backend, backend_for
+from fp8kernels._casts import f32_to_bf16_bits
+from fp8kernels.multi_tensor import TensorTable, aligned
 
 # Measured on one H200 (benchmarks/bench/bench_adam.py, 537M fp32 params, kernel only): 1024 x 4 warps 3.575 ms
 # (4.21 TB/s) against 3.921 ms for 4096 x 8; larger blocks were no faster.
 DEFAULT_BLOCK = 1024  # elements per program: 8 per thread with 4 warps
 DEFAULT_NUM_WARPS = 4
 
-# Rows of the address table (kernels.multi_tensor.TensorTable).
+# Rows of the address table (fp8kernels.multi_tensor.TensorTable).
 _PARAM = tl.constexpr(0)
 _GRAD = tl.constexpr(1)
 _EXP_AVG = tl.constexpr(2)
@@ -238,7 +238,7 @@ class _Launch:
 class MultiTensorAdam:
     """Adam over a fixed list of tensors: launch tables built once, reused by every `step`.
 
-    `masters[i]` is None, an fp32 master or an int16 remainder (see `kernels.adam_reference`).
+    `masters[i]` is None, an fp32 master or an int16 remainder (see `fp8kernels.adam_reference`).
     Rebuild when the tensors change (`matches` tells); grads may change every step.
     """
 
@@ -292,7 +292,7 @@ class MultiTensorAdam:
         inv_scale: torch.Tensor | None = None,
         found_inf: torch.Tensor | None = None,
     ) -> None:
-        """One Adam/AdamW step on every tensor (see `kernels.adam_reference.adam_step`)."""
+        """One Adam/AdamW step on every tensor (see `fp8kernels.adam_reference.adam_step`)."""
         params, exp_avgs, exp_avg_sqs, masters = self._tensors
         _check_grads(params, grads)
         if self.backend is Backend.REFERENCE:

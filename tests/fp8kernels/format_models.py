@@ -1,6 +1,6 @@
 """Float64 models of the low-precision formats, built from the bit layouts alone (OCP FP8/MX specs).
 
-Independent of kernels/: the tests use these to check the reference, and the edge-value sets
+Independent of fp8kernels/: the tests use these to check the reference, and the edge-value sets
 here (ties, subnormals, +-max and beyond, +-inf, NaN, zeros) drive the bit-exact tests.
 """
 

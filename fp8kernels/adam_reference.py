@@ -1,4 +1,4 @@
-"""Pure-torch specification of the multi-tensor Adam in `kernels.adam`: slow, readable, exact.
+"""Pure-torch specification of the multi-tensor Adam in `fp8kernels.adam`: slow, readable, exact.
 
 Per element, in fp32 (t = the step count, from 1):
 
@@ -107,7 +107,7 @@ def adam_step(
     inv_scale: torch.Tensor | None = None,
     found_inf: torch.Tensor | None = None,
 ) -> None:
-    """One Adam/AdamW step on every tensor, in place (the spec `kernels.adam.adam_step` matches)."""
+    """One Adam/AdamW step on every tensor, in place (the spec `fp8kernels.adam.adam_step` matches)."""
     if found_inf is not None and found_inf.item() != 0:
         return
     scalars = adam_scalars(lr, step, beta1, beta2, weight_decay, adam_w_mode)

@@ -1,5 +1,5 @@
-"""kernels.gemm (Triton: interpreted on CPU, compiled with `-m gpu`) and its spec kernels.gemm_reference,
-each against a float64 matmul of the operands as kernels.reference.dequantize gives them.
+"""fp8kernels.gemm (Triton: interpreted on CPU, compiled with `-m gpu`) and its spec fp8kernels.gemm_reference,
+each against a float64 matmul of the operands as fp8kernels.reference.dequantize gives them.
 
 The operands come from the reference quantizers (their bytes are the Triton quantizers' bytes) for
 the three GEMMs of a linear layer, x [T, I], w [O, I], dy [T, O]:
@@ -14,10 +14,10 @@ import dataclasses
 import pytest
 import torch
 
-from kernels import gemm, gemm_reference
-from kernels import reference as R
-from tests.kernels.devices import DEVICES
-from tests.kernels.gemm_operands import LAYOUTS, assert_matches_float64, dequantized_operand, quantize, seeded_tensors
+from fp8kernels import gemm, gemm_reference
+from fp8kernels import reference as R
+from tests.fp8kernels.devices import DEVICES
+from tests.fp8kernels.gemm_operands import LAYOUTS, assert_matches_float64, dequantized_operand, quantize, seeded_tensors
 
 IMPLEMENTATIONS = {"scaled_mm": gemm.scaled_mm, "reference": gemm_reference.scaled_mm}
 

@@ -1,5 +1,5 @@
-"""kernels.quantize.quantize_tensorwise_split (one launch for every row group) byte-for-byte against
-kernels.reference.quantize_tensorwise run on each group's rows alone.
+"""fp8kernels.quantize.quantize_tensorwise_split (one launch for every row group) byte-for-byte against
+fp8kernels.reference.quantize_tensorwise run on each group's rows alone.
 
 Uneven splits with empty groups and row counts that are not multiples of 4 (the transposed stores
 then go byte by byte) or all multiples of 4 (packed words); bf16 and fp32; current scaling (own
@@ -13,12 +13,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels import quantize as triton_quantize
-from kernels import reference
-from kernels._backend import Backend, backend_for
-from tests.kernels.devices import DEVICES
-from tests.kernels.format_models import edge_values
-from tests.kernels.byte_exact import assert_same_bytes, random_input
+from fp8kernels import quantize as triton_quantize
+from fp8kernels import reference
+from fp8kernels._backend import Backend, backend_for
+from tests.fp8kernels.devices import DEVICES
+from tests.fp8kernels.format_models import edge_values
+from tests.fp8kernels.byte_exact import assert_same_bytes, random_input
 
 # name -> (fmt, keyword arguments; "scales"/"amaxes": one value per group, made by _per_group)
 MODES = {

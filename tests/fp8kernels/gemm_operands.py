@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import torch
 
-from kernels import gemm_reference
-from kernels import reference as R
+from fp8kernels import gemm_reference
+from fp8kernels import reference as R
 
 # layout -> ((tensor, columnwise) of A, (tensor, columnwise) of B)
 LAYOUTS = {

@@ -4,11 +4,11 @@ The groups may differ in M, N and K (MoE experts: fprop and dgrad differ in M, w
 group's operands carry their own scales. All groups share one scaling family and the formats of
 A and of B (one recipe quantized them), which the kernel takes as constexprs.
 
-The spec is `scaled_mm_loop`: `kernels.gemm.scaled_mm` once per group (its docstring gives the
+The spec is `scaled_mm_loop`: `fp8kernels.gemm.scaled_mm` once per group (its docstring gives the
 fprop/dgrad/wgrad layouts and the arithmetic). A measured choice (`GROUPS_USE_TORCH_SCALED_MM`): on CUDA,
-where kernels.gemm would send every group to cuBLASLt (`_torch_scaled_mm_takes`), one `torch._scaled_mm`
+where fp8kernels.gemm would send every group to cuBLASLt (`_torch_scaled_mm_takes`), one `torch._scaled_mm`
 per group writes out[g] in place; everything else (1x128 x 1x128 wgrad, MXFP8, NVFP4, odd shapes, the
-interpreter) runs as ONE Triton launch, with kernels.gemm's per-tile math (`_operand_tile`, the same
+interpreter) runs as ONE Triton launch, with fp8kernels.gemm's per-tile math (`_operand_tile`, the same
 epilogue): under the interpreter it equals scaled_mm bit for bit; on CUDA the paths agree within fp32
 accumulation rounding.
 
@@ -21,7 +21,7 @@ appended (zeros add nothing), before either path: cuBLASLt needs it as much as t
 
 Why it is as fast as the dense kernel: every buffer is a real tensor argument (the group's buffer at
 the lowest address) plus a table offset, so Triton specializes pointer types and alignment as it does
-for kernels.gemm; offsets and row strides are stored in units of up to 16 bytes and K in units of 16,
+for fp8kernels.gemm; offsets and row strides are stored in units of up to 16 bytes and K in units of 16,
 multiplied back by constexprs, so 16-byte alignment is proven by the arithmetic. (The previous design
 cast table addresses to pointers and declared alignment with `tl.multiple_of` on helper results;
 Triton 3.6, the H200's version, drops such hints when it inlines the helper: byte loads, no
@@ -42,11 +42,11 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from kernels._backend import Backend, backend_for, interpreting
-from kernels._casts import f32_to_bf16_bits, format_constants
-from kernels._launch import Launcher
-from kernels.formats import SCHEME_BLOCKS
-from kernels.gemm import (
+from fp8kernels._backend import Backend, backend_for, interpreting
+from fp8kernels._casts import f32_to_bf16_bits, format_constants
+from fp8kernels._launch import Launcher
+from fp8kernels.formats import SCHEME_BLOCKS
+from fp8kernels.gemm import (
     _GROUP_M,
     _TILES,
     _kernel_codes,
@@ -59,8 +59,8 @@ from kernels.gemm import (
     _tune_big_problems_only,
     scaled_mm,
 )
-from kernels.gemm_reference import GemmOperand, check_gemm, gemm_operand
-from kernels.reference import Quantized
+from fp8kernels.gemm_reference import GemmOperand, check_gemm, gemm_operand
+from fp8kernels.reference import Quantized
 
 # Measured choice (benchmarks/bench/bench_grouped_gemm.py, one H200, 2026-11-30; GroupedLinear's problem: 8 groups
 # [2861, 1024, 3517, 611, 2290, 1999, 3077, 1005] of 16384 tokens, 4096 -> 14336, tensorwise e4m3, bf16 out):
@@ -110,7 +110,7 @@ def _find_tile(table_ptr, num_groups, BLOCK_M: tl.constexpr, BLOCK_N: tl.constex
 
 @triton.jit
 def _grouped_scaled_mm_kernel(
-    a_ptr, b_ptr,  # bases: each group's A and B lie at table offsets from these (see kernels.gemm's kernel)
+    a_ptr, b_ptr,  # bases: each group's A and B lie at table offsets from these (see fp8kernels.gemm's kernel)
     a_scale_ptr, b_scale_ptr, a_amax_ptr, b_amax_ptr,  # bases of the scale_invs and nvfp4 global amaxes
     bias_ptr, out_ptr,  # bases of the biases and of the outputs (fp32, or bf16 bits as int16)
     table_ptr, num_groups,  # int64 [_TABLE_ROWS, num_groups]: offsets, sizes, strides (see the rows above)
@@ -122,7 +122,7 @@ def _grouped_scaled_mm_kernel(
     A_UNIT: tl.constexpr, B_UNIT: tl.constexpr, OUT_UNIT: tl.constexpr,  # elements per table unit (<= 16 bytes)
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
 ):  # fmt: skip
-    """One [BLOCK_M, BLOCK_N] tile of one group's output: kernels.gemm's K loop and epilogue on that group."""
+    """One [BLOCK_M, BLOCK_N] tile of one group's output: fp8kernels.gemm's K loop and epilogue on that group."""
     group, tile = _find_tile(table_ptr, num_groups, BLOCK_M, BLOCK_N)
     m = _size(table_ptr, _M, num_groups, group)
     n = _size(table_ptr, _N, num_groups, group)
@@ -166,7 +166,7 @@ def _grouped_scaled_mm_kernel(
 
 @functools.cache
 def _tuned(family: str) -> Launcher:
-    """The kernel autotuned over kernels.gemm's tiles for the family, built on first use."""
+    """The kernel autotuned over fp8kernels.gemm's tiles for the family, built on first use."""
     prune = {"early_config_prune": _tune_big_problems_only}
     return Launcher(_grouped_scaled_mm_kernel, _TILES[family], ["M", "N", "K"], prune_configs_by=prune)
 
@@ -225,7 +225,7 @@ def scaled_mm_loop(
     bias: Sequence[Tensor] | None = None,
     out: Sequence[Tensor] | None = None,
 ) -> list[Tensor]:
-    """The spec of grouped_scaled_mm: kernels.gemm.scaled_mm on each group (written into `out` when given)."""
+    """The spec of grouped_scaled_mm: fp8kernels.gemm.scaled_mm on each group (written into `out` when given)."""
     _, _, bias, out = _checked_groups(a, b, a_columnwise, b_columnwise, out_dtype, bias, out)
     results = []
     for g, (a_g, b_g) in enumerate(zip(a, b, strict=True)):
@@ -262,7 +262,7 @@ def _has_product(a_op: GemmOperand, b_op: GemmOperand) -> bool:
 def _cublas_takes_every_group(
     a_ops: list[GemmOperand], b_ops: list[GemmOperand], out_dtype: torch.dtype, bias: list | None
 ) -> bool:
-    """Whether the groups go to cuBLASLt one by one (GROUPS_USE_TORCH_SCALED_MM): where kernels.gemm would send
+    """Whether the groups go to cuBLASLt one by one (GROUPS_USE_TORCH_SCALED_MM): where fp8kernels.gemm would send
     every group with a product there (operands K-aligned by _aligned_k). A pure function of the operands."""
     return GROUPS_USE_TORCH_SCALED_MM and all(
         _torch_scaled_mm_takes(a_op, b_op, out_dtype, None if bias is None else bias[g])
@@ -274,7 +274,7 @@ def _cublas_takes_every_group(
 def _cublas_per_group(
     a_ops: list[GemmOperand], b_ops: list[GemmOperand], out_dtype: torch.dtype, bias: list | None, out: list
 ) -> None:
-    """kernels.gemm._torch_scaled_mm on each group with a product, cuBLASLt writing out[g] in place (a copy
+    """fp8kernels.gemm._torch_scaled_mm on each group with a product, cuBLASLt writing out[g] in place (a copy
     of the fprop output would cost ~15% of the GEMM); K = 0 writes the bias, or zeros."""
     for g, (a_op, b_op) in enumerate(zip(a_ops, b_ops, strict=True)):
         bias_g = None if bias is None else bias[g]
@@ -317,7 +317,7 @@ def _grouped_triton(
     device = first_a.data.device
     a_base, a_offsets = _based([_kernel_codes(op, dot_in_fp32) for op in a_ops])
     b_base, b_offsets = _based([_kernel_codes(op, dot_in_fp32) for op in b_ops])
-    # row-major scales, as kernels.gemm's Triton path reads them (1x128 ones arrive rows-contiguous)
+    # row-major scales, as fp8kernels.gemm's Triton path reads them (1x128 ones arrive rows-contiguous)
     a_scales, b_scales = [op.scale_inv.contiguous() for op in a_ops], [op.scale_inv.contiguous() for op in b_ops]
     a_scale_base, a_scale_offsets = _based(a_scales)
     b_scale_base, b_scale_offsets = _based(b_scales)
@@ -387,7 +387,7 @@ def grouped_scaled_mm(
         except (RuntimeError, ValueError):
             if a_ops[0].family != "block":
                 raise
-            # a torch build without blockwise _scaled_mm: kernels.gemm.scaled_mm records it and runs Triton
+            # a torch build without blockwise _scaled_mm: fp8kernels.gemm.scaled_mm records it and runs Triton
             return spec(out_dtype=out_dtype, bias=bias, out=out)
     elif any(a_op.rows * b_op.rows for a_op, b_op in zip(a_ops, b_ops, strict=True)):
         _grouped_triton(a_ops, b_ops, out_dtype, bias, out)
