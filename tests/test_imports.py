@@ -14,12 +14,13 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
-FORBIDDEN = {"torchside": "jax", "fp8kernels": "jax", "jaxside": "torch"}
+FORBIDDEN = {"torchside": "jax", "fp8kernels": "jax", "jaxside": "torch", "twinspec": "torch"}
 # package -> top-level modules no import in it may name
 FORBIDDEN_IMPORTS = {
     "fp8kernels": {"torchside", "jaxside", "bridge", "jax"},
     "torchside": {"bridge", "jax", "jaxside", "flax"},
     "jaxside": {"torch", "torchside", "fp8kernels", "bridge"},
+    "twinspec": {"torch", "jax", "flax", "triton", "fp8kernels", "torchside", "jaxside", "bridge"},
 }
 # Framework-free modules both sides share (the Llama config and the Hugging Face name table): they live
 # in jaxside, whose package __init__s import nothing, so that the table exists once (docs/twins.md).
@@ -210,7 +211,7 @@ def test_cli_help_and_the_layout_and_demo_packages_load_neither_framework():
     assert out.strip() == "[]"
 
 
-OUR_TOP_LEVEL = ("fp8kernels", "torchside", "jaxside", "bridge")
+OUR_TOP_LEVEL = ("twinspec", "fp8kernels", "torchside", "jaxside", "bridge")
 
 
 def test_our_top_level_names_are_ours_alone():
