@@ -76,7 +76,8 @@ def test_te_keywords_build_the_layer_of_the_structured_config(case):
 
 
 def test_te_tensor_parallel_keywords_set_the_module_config():
-    layer = TransformerLayer(HIDDEN, FFN, HEADS, tp_size=2, sequence_parallel=True, set_parallel_mode=True, device="meta")
+    te_keywords = {"tp_size": 2, "sequence_parallel": True, "set_parallel_mode": True}
+    layer = TransformerLayer(HIDDEN, FFN, HEADS, device="meta", **te_keywords)
     assert layer.config == TransformerConfig(module_config=ModuleConfig(tp_size=2, sequence_parallel=True))
     assert layer.tp_size == 2 and layer.layernorm_mlp.fc1_weight.shape == (FFN // 2, HIDDEN)
 
