@@ -54,10 +54,10 @@ TOP_LEVEL = {
         "Linear", "LayerNormLinear", "LayerNormMLP", "LayerNorm", "RMSNorm", "TransformerLayer", "GroupedLinear",
         "DotProductAttention", "MultiheadAttention", "TransformerConfig", "ModuleConfig",
     ),
-    "torchside.autocast": ("fp8_autocast", "quantized_model_init"),
+    "torchside.autocast": ("fp8_autocast", "quantized_model_init", "fp8_model_init"),
     "torchside.recipe": (
         "DelayedScaling", "Float8CurrentScaling", "Float8BlockScaling", "MXFP8BlockScaling", "NVFP4BlockScaling",
-        "Format",
+        "Format", "recipe_from_name", "recipe_names",
     ),
 }  # fmt: skip
 

@@ -1,8 +1,10 @@
 """The PyTorch frontend: FP8 recipes, quantized tensors and TransformerEngine-style modules.
 
 As in TransformerEngine, the modules (`torchside.Linear`, `LayerNormMLP`, `TransformerLayer`, ...),
-`fp8_autocast` and `quantized_model_init` are importable from here; they load on first use, so
-`import torchside` stays as cheap as the recipes. Never imports jax.
+`fp8_autocast` and `quantized_model_init` (or TransformerEngine's older name `fp8_model_init`) are
+importable from here; they load on first use, so `import torchside` stays as cheap as the recipes.
+`recipe_from_name("current")` and `recipe_names()` give the recipes by the command lines' names.
+Never imports jax.
 """
 
 import importlib
@@ -21,11 +23,13 @@ from torchside.recipe import (
     NVFP4BlockScaling,
     Recipe,
     check_role,
+    recipe_from_name,
+    recipe_names,
 )
 
 # Loaded on first access (module __getattr__): name -> the module defining it.
 _LAZY = {
-    **dict.fromkeys(("fp8_autocast", "quantized_model_init"), "torchside.autocast"),
+    **dict.fromkeys(("fp8_autocast", "fp8_model_init", "quantized_model_init"), "torchside.autocast"),
     **dict.fromkeys(
         (
             "DotProductAttention",
@@ -79,5 +83,7 @@ __all__ = [
     "QuantizedTensor",
     "Quantizer",
     "quantize",
+    "recipe_from_name",
+    "recipe_names",
     *sorted(_LAZY),
 ]

@@ -1,4 +1,5 @@
-"""FP8 regions (`fp8_autocast`) and FP8 parameter creation (`quantized_model_init`).
+"""FP8 regions (`fp8_autocast`) and FP8 parameter creation (`quantized_model_init`, or TransformerEngine's
+older name `fp8_model_init`).
 
 `fp8_autocast(enabled, recipe, amax_reduction_group)` (TransformerEngine's `fp8_recipe=` and
 `fp8_group=` work too): the modules called inside run their GEMMs in FP8 under `recipe`. Regions
@@ -181,18 +182,31 @@ class ModelInit:
     preserve_high_precision_init_val: bool
 
 
-@contextlib.contextmanager
 def quantized_model_init(
     enabled: bool = True, recipe: Recipe | None = None, preserve_high_precision_init_val: bool = False
-) -> Iterator[None]:
+) -> contextlib.AbstractContextManager[None]:
     """Create the GEMM weights of modules built inside as FP8 QuantizedTensor parameters (no high-precision copy).
 
     `preserve_high_precision_init_val=True` keeps a CPU copy of each initial value
     (`torchside.modules.high_precision_init_val(param)`). A None recipe inherits the enclosing one.
     """
-    _check_bool("quantized_model_init", "enabled", enabled)
-    _check_recipe("quantized_model_init", recipe)
-    _check_bool("quantized_model_init", "preserve_high_precision_init_val", preserve_high_precision_init_val)
+    return _model_init_region("quantized_model_init", enabled, recipe, preserve_high_precision_init_val)
+
+
+def fp8_model_init(
+    enabled: bool = True, recipe: Recipe | None = None, preserve_high_precision_init_val: bool = False
+) -> contextlib.AbstractContextManager[None]:
+    """TransformerEngine's older name of `quantized_model_init`: the same arguments, the same region."""
+    return _model_init_region("fp8_model_init", enabled, recipe, preserve_high_precision_init_val)
+
+
+@contextlib.contextmanager
+def _model_init_region(
+    owner: str, enabled: bool, recipe: Recipe | None, preserve_high_precision_init_val: bool
+) -> Iterator[None]:
+    _check_bool(owner, "enabled", enabled)
+    _check_recipe(owner, recipe)
+    _check_bool(owner, "preserve_high_precision_init_val", preserve_high_precision_init_val)
     frames = _stack("model_init")
     parent = next((f for f in reversed(frames) if f is not None), None)
     if recipe is None:
@@ -216,6 +230,7 @@ __all__ = [
     "ModelInit",
     "fp8_autocast",
     "fp8_frame",
+    "fp8_model_init",
     "model_init",
     "quantized_model_init",
 ]

@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from torchside.autocast import fp8_autocast, quantized_model_init
+from torchside.autocast import fp8_autocast, fp8_model_init, quantized_model_init
 from torchside.modules import (
     ACTIVATIONS,
     GroupedLinear,
@@ -250,6 +250,25 @@ def test_preserved_high_precision_init_value_is_the_plain_init():
     assert kept.device.type == "cpu" and torch.equal(kept, plain.weight.detach())
     clear_high_precision_init_val(quantized.weight)
     assert high_precision_init_val(quantized.weight) is None
+
+
+def test_fp8_model_init_is_quantized_model_init_under_transformer_engines_older_name():
+    torch.manual_seed(3)
+    plain = Linear(HIDDEN, FFN)
+    torch.manual_seed(3)
+    with quantized_model_init(recipe=Float8CurrentScaling()):
+        quantized = Linear(HIDDEN, FFN)
+    torch.manual_seed(3)
+    with fp8_model_init(enabled=True, recipe=Float8CurrentScaling(), preserve_high_precision_init_val=True):
+        te_spelled = Linear(HIDDEN, FFN)
+    with fp8_model_init(enabled=False):
+        off = Linear(HIDDEN, FFN)
+    assert isinstance(te_spelled.weight, QuantizedTensor) and type(off.weight) is nn.Parameter
+    got, want = te_spelled.weight.quantized_storage.buffers(), quantized.weight.quantized_storage.buffers()
+    assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in want)
+    assert torch.equal(high_precision_init_val(te_spelled.weight), plain.weight.detach())
+    with pytest.raises(TypeError, match=r"fp8_model_init\(enabled=1\)"), fp8_model_init(enabled=1):
+        pass
 
 
 def test_fp8_weights_compute_what_high_precision_weights_do():

@@ -16,9 +16,15 @@ this rank's heads. Under sequence parallelism hidden states are [S/tp, B, D] (th
 sequence rows, "sbhd") in and out, and the residual adds and norms run on them.
 `set_device_mesh(tp_mesh, weight_mesh)` (or the same constructor arguments) reaches every
 parameter through the children.
+
+The settings are one `TransformerConfig` (`config=`), or TransformerEngine's keywords
+(`TransformerLayer(h, f, n, normalization="RMSNorm", activation="swiglu", tp_size=2, ...)`), which
+`te_keywords.TE_KEYWORDS` maps onto its fields; not both for one field.
 """
 
 from __future__ import annotations
+
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -29,17 +35,16 @@ from torchside.modules.attention import AttentionMask
 from torchside.modules.config import check_size
 from torchside.modules.layernorm_mlp import LayerNormMLP
 from torchside.modules.multihead_attention import MultiheadAttention, RotaryFreqs, reset_fp8_submodules
-from torchside.modules.transformer_config import (
-    InitMethod,
-    TransformerConfig,
-    check_layer_parallelism,
-    check_transformer_config,
-)
+from torchside.modules.te_keywords import config_from_te_keywords
+from torchside.modules.transformer_config import InitMethod, TransformerConfig, check_layer_parallelism
 from torchside.parallel.module_mesh import TensorParallelMixin
 
 
 class TransformerLayer(TensorParallelMixin, nn.Module):
-    """Pre-norm self-attention + MLP block with TransformerEngine's te.TransformerLayer sizes; knobs in the config."""
+    """Pre-norm self-attention + MLP block with TransformerEngine's te.TransformerLayer sizes; knobs in the config.
+
+    `te_keywords`: TransformerEngine's keywords for the config's fields (`te_keywords.TE_KEYWORDS`).
+    """
 
     def __init__(
         self,
@@ -55,10 +60,11 @@ class TransformerLayer(TensorParallelMixin, nn.Module):
         config: TransformerConfig | None = None,
         tp_mesh: DeviceMesh | None = None,
         weight_mesh: DeviceMesh | None = None,
+        **te_keywords: Any,
     ) -> None:
         super().__init__()
         owner = "TransformerLayer"
-        config = check_transformer_config(owner, config)
+        config = config_from_te_keywords(owner, config, te_keywords)
         self._init_tensor_parallel(check_layer_parallelism(owner, config.module_config))
         check_size(owner, "ffn_hidden_size", ffn_hidden_size)
         self._set_own_device_mesh(tp_mesh, weight_mesh)  # checks the meshes before any weight is built
