@@ -1,4 +1,5 @@
 import io
+import re
 import subprocess
 import sys
 
@@ -21,8 +22,11 @@ def test_env_reports_every_framework_and_where_kernels_run():
 
 
 def test_help_lists_the_commands():
+    """Each command is a line of the COMMAND list (name, then its help), above the exit codes epilog."""
     out = subprocess.run([sys.executable, "-m", "bridge", "--help"], capture_output=True, text=True, check=True).stdout
-    assert "env" in out
+    commands = out.split("positional arguments:")[1].split("options:")[0]
+    listed = re.findall(r"^    (\S+)", commands, flags=re.MULTILINE)  # continuation lines are indented further
+    assert listed == list(cli.COMMANDS)
 
 
 def test_env_renders_a_table(monkeypatch):
@@ -117,6 +121,17 @@ def test_ctrl_c_under_torchrun_exits_130(monkeypatch, capsys, tmp_path):
     monkeypatch.setattr(torchrun, "main", interrupted)
     assert cli.main(["run", "-n", "2", str(script)]) == 130
     assert capsys.readouterr().err == "error: interrupted\n"
+
+
+@pytest.mark.parametrize("argv", [["plan", "show", "--png"], ["demo", "--out"], ["verify", "--report"]])
+def test_an_output_path_under_a_file_says_it_is_a_file(tmp_path, capsys, argv):
+    """Issue 42: `--out text.npy/sub.npz` said "directory text.npy does not exist" while it is a file."""
+    blocking = tmp_path / "text.npy"
+    blocking.write_text("")
+    out = blocking / "sub" / "x.png"
+    assert cli.main([*argv, str(out)]) == 2
+    assert capsys.readouterr().err == f"error: {argv[-1]} {out}: {blocking} is a file, not a folder; pick another path\n"
+    assert blocking.is_file()
 
 
 def test_run_names_a_missing_script(capsys):
