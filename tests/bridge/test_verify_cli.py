@@ -55,7 +55,10 @@ def _no_launch(monkeypatch) -> None:
         (["--mesh", "tp=3"], "--mesh tp=3: tp=3 does not divide the ffn size 4 x --hidden = 1024"),
         (["--mesh", "tp=2", "--hidden", "96"], "tp=2 does not divide the 3 heads (--hidden / 32)"),
         (["--report", "/nonexistent/r.json"], "--report /nonexistent/r.json: directory /nonexistent does not exist"),
-        (["--plan", f"{PLANS}/embedding_hidden_split.toml"], "rule 0 (match 'embedding') matches no parameter"),
+        (["--model", "mlp", "--plan", f"{PLANS}/embedding_hidden_split.toml"],
+         "rule 0 (match 'embedding') matches no parameter"),
+        (["--model", "mlp", "--plan", f"{PLANS}/fsdp_dim1_down_proj.toml"],
+         "rule 0 (match 'layers.*.layernorm_mlp.fc2_weight') matches no parameter"),
         (["--plan", f"{PLANS}/fsdp_dim1_down_proj.toml", "--mesh", "dp=4"], "the plan's [mesh] is"),
         (["--plan", "/nonexistent/plan.toml"], "/nonexistent/plan.toml"),
         (["--model", "llama", "--plan", f"{PLANS}/embedding_hidden_split.toml", "--mesh", "dp=2,tp=2"],
@@ -85,6 +88,33 @@ def test_a_plan_that_matches_nothing_in_the_llama_is_one_line_before_any_process
     assert main(["verify", "--device", "cpu", "--model", "llama", "--plan", str(plan)]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "rule 0 (match 'layers.*.mlp') matches no parameter" in err, err
+
+
+@pytest.mark.parametrize(
+    "plan, model, worker, processes",
+    [
+        ("fsdp_dim1_down_proj", "transformer", "verify", 4),
+        ("attention_replicated_mlp_tp", "transformer", "verify", 4),
+        ("embedding_hidden_split", "llama", "verify_plan", 8),
+    ],
+)
+def test_without_model_a_plan_picks_the_model_its_rules_name_and_says_so(monkeypatch, capsys, plan, model, worker,
+                                                                          processes):  # fmt: skip
+    """Issue 42: the README's `shardbridge verify --plan PLAN` exited 2 for every example plan (--model mlp)."""
+    from bridge import runtime
+
+    launched = []
+
+    def first_launch(fn, nprocs, work, device_type=None, **kwargs):
+        launched.append((fn.__name__, nprocs, device_type))
+        raise KeyboardInterrupt  # stop before the work: only the choice is under test
+
+    monkeypatch.setattr(runtime, "launch", first_launch)
+    path = PLANS / f"{plan}.toml"
+    assert main(["verify", "--device", "cpu", "--plan", str(path)]) == 130
+    assert launched == [(worker, processes, "cpu")]
+    said = f"--plan {path}: --model {model}, the first of mlp, transformer, llama whose names its rules match\n"
+    assert capsys.readouterr().err == said + "error: interrupted\n"
 
 
 def _report() -> dict:
@@ -171,12 +201,13 @@ def test_an_example_plan_passes_verify(tmp_path, monkeypatch, plan, recipes):
     every recipe on the built-in placement, 2 x 256."""
     monkeypatch.setenv("TRITON_INTERPRET", "0")
     report_file = tmp_path / "report.json"
-    arguments = ["verify", *TRANSFORMER, "--layers", "1", "--hidden", "128", "--recipe", recipes,
+    # No --model: the README's `verify --plan PLAN`, the plan's names choose the transformer stack.
+    arguments = ["verify", "--layers", "1", "--hidden", "128", "--device", "cpu", "--recipe", recipes,
                  "--steps", "2", "--plan", str(PLANS / f"{plan}.toml"), "--report", str(report_file)]  # fmt: skip
     assert main(arguments) == 0
     reports = json.loads(report_file.read_text())
-    assert [(r["recipe"], r["mesh"], r["passed"]) for r in reports] == [
-        (recipe, "dp_shard=2,tp=2", True) for recipe in recipes.split(",")
+    assert [(r["model"], r["recipe"], r["mesh"], r["passed"]) for r in reports] == [
+        ("transformer", recipe, "dp_shard=2,tp=2", True) for recipe in recipes.split(",")
     ]
     for report in reports:
         if report["recipe"] == "mxfp8":
