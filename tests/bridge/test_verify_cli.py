@@ -117,6 +117,38 @@ def test_without_model_a_plan_picks_the_model_its_rules_name_and_says_so(monkeyp
     assert capsys.readouterr().err == said + "error: interrupted\n"
 
 
+def test_default_device_with_too_few_gpus_runs_cpu_processes_and_says_so(monkeypatch, capsys):
+    """Issue 44: verify falls back as demo does (bridge.runtime.choose_device_type, one decision for both)."""
+    import torch
+
+    from bridge import runtime
+
+    launched = []
+
+    def first_launch(fn, nprocs, work, device_type=None, **kwargs):
+        launched.append(device_type)
+        raise KeyboardInterrupt  # stop before the work: only the decision is under test
+
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setattr(runtime, "launch", first_launch)
+    assert main(["verify"]) == 130
+    assert launched == ["cpu"]
+    said = "4 processes need 4 GPUs but torch sees 1: running 4 CPU processes\n"
+    assert capsys.readouterr().err == said + "error: interrupted\n"
+
+
+def test_explicit_cuda_with_too_few_gpus_exits_2_before_any_process_starts(monkeypatch, capsys):
+    import torch
+
+    _no_launch(monkeypatch)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    assert main(["verify", "--device", "cuda"]) == 2
+    assert capsys.readouterr().err == (
+        "error: 4 processes per node need 4 GPUs but torch sees 1: start fewer processes, or run on the CPU "
+        "(device type 'cpu')\n"
+    )
+
+
 def _report() -> dict:
     report = VerifyReport("mlp", "dp_shard=2,tp=2", "current", 1)
     limit = Tolerance(0.125)
