@@ -2,12 +2,15 @@ import io
 import re
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 from rich.console import Console
 
 from bridge import cli, environment
 from bridge.errors import CheckFailed
+
+ROOT = Path(__file__).parents[2]
 
 
 def test_env_reports_every_framework_and_where_kernels_run():
@@ -130,10 +133,30 @@ def test_an_output_path_under_a_file_says_it_is_a_file(tmp_path, capsys, argv):
     blocking.write_text("")
     out = blocking / "sub" / "x.png"
     assert cli.main([*argv, str(out)]) == 2
-    assert capsys.readouterr().err == f"error: {argv[-1]} {out}: {blocking} is a file, not a folder; pick another path\n"
+    said = f"error: {argv[-1]} {out}: {blocking} is a file, not a folder; pick another path\n"
+    assert capsys.readouterr().err == said
     assert blocking.is_file()
 
 
 def test_run_names_a_missing_script(capsys):
     assert cli.main(["run", "-n", "2", "/nonexistent/train.py"]) == 2
     assert capsys.readouterr().err == "error: /nonexistent/train.py: no such script; pass the path of a Python file\n"
+
+
+def test_the_readme_test_command_is_the_one_ci_runs():
+    """Issue 42: the README's command differed from .ci/run's (no --durations=15 and more)."""
+    readme = (ROOT / "README.md").read_text().split("## Tests (one command)")[1]
+    readme_command = readme.split("```bash\n")[1].split("\n```")[0]
+    ci_commands = [line.strip() for line in (ROOT / ".ci" / "run").read_text().splitlines() if "-m pytest" in line]
+    assert ci_commands == [readme_command]
+
+
+def test_run_help_and_the_readme_point_to_an_example_that_exists(capsys):
+    example = "examples/run_colocated.py"
+    assert (ROOT / example).is_file()
+    with pytest.raises(SystemExit):
+        cli.main(["run", "--help"])
+    assert f"shardbridge run -n 2 {example}" in capsys.readouterr().out
+    rows = (ROOT / "README.md").read_text().splitlines()
+    run_row = next(line for line in rows if line.startswith("| `shardbridge run"))
+    assert f"`shardbridge run -n 2 {example}`" in run_row

@@ -128,7 +128,7 @@ def test_compare_two_plans(stdout):
     ("make", "message"),
     [
         (lambda path: path.mkdir(), "is a directory; pass a TOML placement plan"),
-        (lambda path: path.write_bytes(b"\x93NUMPY\x01\x00"), "not a text file (byte 0x93 at 0 is not UTF-8); pass a TOML"),
+        (lambda path: path.write_bytes(b"\x93NUMPY\x01\x00"), "not a text file (byte 0x93 at 0 is not UTF-8)"),
     ],
 )
 @pytest.mark.parametrize("argv", [["show"], ["compare", "--mesh", "dp=2", "--mesh", "dp=4"]])

@@ -3,7 +3,7 @@
 The fast tests need no processes. The slow ones start the co-located runtime from the CLI: a
 TransformerLayer under MXFP8 on FSDP x TP for 2 steps (in CI; one layer of hidden 128), the issue's
 model (2 layers, hidden 256) over the whole recipe grid on FSDP x TP and HSDP for 5 steps (`-m grid`),
-`run` starting a script that brings up torch and JAX, and each example plan on the stacks and on the
+`run` starting the co-located example (examples/run_colocated.py), and each example plan on the stacks and on the
 tiny Llama (`--model llama --plan`).
 """
 
@@ -13,7 +13,6 @@ import io
 import json
 import subprocess
 import sys
-import textwrap
 from pathlib import Path
 
 import pytest
@@ -193,24 +192,19 @@ def test_every_recipe_passes_on_fsdp_tp_and_hsdp(tmp_path, monkeypatch, mesh):
 
 @pytest.mark.slow
 @pytest.mark.multiprocess
-def test_run_starts_a_co_located_script(tmp_path):
-    script = tmp_path / "hello.py"
-    script.write_text(textwrap.dedent("""
-        import os
-
-        import jax
-        from bridge import runtime
-
-        rt = runtime.initialize("cpu")
-        line = f"rank {rt.rank} jax process {jax.process_index()} of {jax.process_count()}\\n"
-        os.write(1, line.encode())  # one write: the two processes share the pipe and must not interleave
-        runtime.shutdown()
-    """))
+def test_run_starts_the_co_located_example(tmp_path):
+    """`shardbridge run -n 2 examples/run_colocated.py` (the README's and `run --help`'s example), CPU processes:
+    each rank's rows of the [8, 3] tensor, JAX's shard on torch's memory, and the sum after the round trip,
+    2 x (0 + ... + 23) = 552."""
+    example = Path(__file__).parents[2] / "examples" / "run_colocated.py"
     done = subprocess.run(
-        [sys.executable, "-m", "bridge", "run", "-n", "2", str(script)], capture_output=True, text=True, timeout=300
+        [sys.executable, "-m", "bridge", "run", "-n", "2", str(example)], capture_output=True, text=True, timeout=300
     )
     assert done.returncode == 0, done.stderr[-2000:]
-    assert "rank 0 jax process 0 of 2" in done.stdout and "rank 1 jax process 1 of 2" in done.stdout
+    lines = sorted(done.stdout.splitlines())
+    assert [line.split(" on ")[0] for line in lines[:2]] == ["rank 0: rows 0-3", "rank 1: rows 4-7"], lines
+    assert all(line.endswith("JAX on torch's memory: True") for line in lines[:2]), lines
+    assert lines[2:] == ["sum after the round trip: 552 (expected 552)"]
 
 
 @pytest.mark.slow
