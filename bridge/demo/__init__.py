@@ -41,7 +41,9 @@ def check_input(options: DemoOptions) -> None:
     from jaxside.plan import DEFAULT_PLAN
 
     mesh = MeshShape(dp_shard=options.dp, tp=options.tp)
-    case = plan_check.PlanCase(DEFAULT_PLAN, mesh, (options.recipe,), options.batch_size, options.seq_len, "demo")
+    case = plan_check.PlanCase(
+        DEFAULT_PLAN, mesh, (options.recipe,), batch_size=options.batch_size, seq_len=options.seq_len, name="demo"
+    )
     try:
         plan_check.check_input(case)
     except ValueError as error:
