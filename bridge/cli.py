@@ -80,6 +80,9 @@ def main(argv: Sequence[str] | None = None) -> int:
 def check_output_path(option: str, path: str, *, directory: bool = False) -> Path:
     """`path` of an output option, checked before any work starts (a folder is created): ValueError with the fix."""
     target = Path(path)
+    blocking = _file_in_the_way(target if directory else target.parent)
+    if blocking is not None:
+        raise ValueError(f"{option} {path}: {blocking} is a file, not a folder; pick another path")
     if directory:
         try:
             target.mkdir(parents=True, exist_ok=True)
@@ -99,6 +102,14 @@ def check_output_path(option: str, path: str, *, directory: bool = False) -> Pat
     except OSError as error:
         raise ValueError(f"{option} {path}: cannot write in {folder} ({error.strerror}); pick another path") from error
     return target
+
+
+def _file_in_the_way(folder: Path) -> Path | None:
+    """The nearest existing path at or above `folder` when it is not a folder (a file), else None."""
+    for candidate in (folder, *folder.parents):
+        if candidate.exists():
+            return None if candidate.is_dir() else candidate
+    return None
 
 
 def _stdout_console() -> Console:

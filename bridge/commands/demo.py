@@ -60,8 +60,10 @@ def run(args: argparse.Namespace, console: Console) -> int:
 
     fields = ("steps", "recipe", "dp", "tp", "reload_dp", "batch_size", "seq_len", "lr", "out", "device")
     options = DemoOptions(**{name: getattr(args, name) for name in fields})
+    from bridge.demo import check_input, run_demo
+
+    check_input(options)  # the mesh first: a refused one leaves no --out folder behind
     check_output_path("--out", options.out, directory=True)
-    from bridge.demo import run_demo
     from bridge.demo.report import table
 
     errors = Console(stderr=True, soft_wrap=True)

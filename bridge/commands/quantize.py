@@ -71,20 +71,34 @@ def run(args: argparse.Namespace, console: Console) -> int:
     x = _load(Path(args.input), args.dtype)
     _warn_non_finite(x, args.input, args.recipe)
     results, unavailable = _quantize_everywhere(x, recipe, args.role, USAGES[args.usage], args.compare)
+    if args.compare:  # compared before anything is written: a failure leaves no output behind
+        mismatches = _compare_table(results, console)
+        if unavailable:
+            console.print(f"not compared: {escape(unavailable)}", soft_wrap=True)
+        if mismatches:
+            console.print(f"not written: {escape(str(out))} (the implementations differ; without --compare the "
+                          "default implementation's bytes are written)", soft_wrap=True)  # fmt: skip
+            return 1
+    written = next(iter(results.values()))
+    _save_npz_atomically(out, written)
+    summary = ", ".join(f"{k} {tuple(v.shape)} {v.dtype}" for k, v in written.items())
+    console.print(f"wrote {escape(str(out))}: {summary}", soft_wrap=True)
+    return 0
+
+
+def _save_npz_atomically(out: Path, arrays: dict) -> None:
+    """`arrays` as an .npz at exactly `out` (no suffix added), whole or not at all: a partial file, then renamed."""
+    import os
 
     import numpy as np
 
-    written = next(iter(results.values()))
-    with open(out, "wb") as file:  # a file object: numpy appends no .npz, the path is exactly --out
-        np.savez(file, **written)
-    summary = ", ".join(f"{k} {tuple(v.shape)} {v.dtype}" for k, v in written.items())
-    console.print(f"wrote {escape(str(out))}: {summary}", soft_wrap=True)
-    if not args.compare:
-        return 0
-    mismatches = _compare_table(results, console)
-    if unavailable:
-        console.print(f"not compared: {escape(unavailable)}", soft_wrap=True)
-    return 1 if mismatches else 0
+    partial = out.with_name(f".{out.name}.partial")
+    try:
+        with open(partial, "wb") as file:  # a file object: numpy appends no .npz
+            np.savez(file, **arrays)
+        os.replace(partial, out)
+    finally:
+        partial.unlink(missing_ok=True)
 
 
 def _load(path: Path, dtype: str | None):
@@ -189,7 +203,9 @@ def _npz_arrays(fields: dict, fmt: str) -> dict:
         value = fields.get(field)
         if value is None or (field.endswith("amax") and fmt != "e2m1"):
             continue
-        value = value.cpu().numpy() if hasattr(value, "cpu") else np.asarray(value)
+        # Values are the contract, storage order is not (docs/quantization.md): block1x128 scales come
+        # rows-contiguous from Triton, row-major from the reference; byte views and the .npz need C order.
+        value = np.ascontiguousarray(value.cpu().numpy() if hasattr(value, "cpu") else value)
         arrays[key] = (value / np.float32(NVFP4_GLOBAL_MAX)) if field.endswith("amax") else value
     return arrays
 

@@ -3,6 +3,8 @@
 The script calls `bridge.runtime.initialize()` to bring up torch's process group and JAX's
 distributed runtime in each process. This is torchrun itself (`torch.distributed.run`,
 standalone rendezvous on this node); for several nodes call torchrun with its rendezvous options.
+Example: `shardbridge run -n 2 examples/run_colocated.py` moves one sharded tensor from torch to JAX
+and back on the same devices.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ def register(verbs) -> None:
         "run",
         help="start a script in N co-located torch+JAX processes (torchrun, one per device)",
         description=__doc__.split("\n\n")[1],
+        formatter_class=argparse.RawDescriptionHelpFormatter,  # the example stays on its own line
     )
     parser.add_argument("-n", "--nproc", type=int, required=True, help="processes (one per device)")
     parser.add_argument("script")

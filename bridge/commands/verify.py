@@ -10,7 +10,9 @@ tiny Llama under the plan is compared with its JAX twin and with the unsharded m
 all within tolerance, 1 a divergence (the first one is named), 2 bad input.
 
 --plan PLAN places both twins by a placement plan (a TOML file, jaxside.plan): its [mesh] is the
-default --mesh, and the plan is checked against the model before any process starts. With --model
+default --mesh, and the plan is checked against the model before any process starts. Without --model,
+the model is the first of mlp, transformer and llama whose parameter names the plan's rules all match
+(one line says which; an explicit --model the plan does not match is an error naming the rule). With --model
 llama (no --hf) the model is the seeded tiny Llama, embedding and head included: its logits in torch
 under the plan, in the JAX twin and in the unsharded model are compared (bridge/plan_check.py).
 
@@ -34,6 +36,8 @@ from bridge.numerics import RECIPES
 RECIPE_CHOICES = f"{', '.join(RECIPES)} (comma-separated) or all"
 STACK_DEFAULTS = {"layers": 2, "hidden": 256, "steps": 5}  # the built-in stacks' options (bridge/twins.py)
 HF_DEFAULTS = {"batch_size": 8, "seq_len": 32}  # --model llama --hf's options
+# Without --model, --plan PLAN picks the first of these whose parameter names every rule of the plan matches.
+PLAN_MODELS = ("mlp", "transformer", "llama")
 
 
 def register(verbs) -> None:
@@ -43,8 +47,9 @@ def register(verbs) -> None:
         description=__doc__.split("\n\n")[1],
     )
     parser.add_argument(
-        "--model", default="mlp",
-        help="linear, mlp (default) or transformer (bridge/twins.py), or llama with --hf or --plan",
+        "--model",
+        help="linear, mlp or transformer (bridge/twins.py), or llama with --hf or --plan; default: mlp, or with "
+        f"--plan the first of {', '.join(PLAN_MODELS)} whose parameter names the plan's rules all match",
     )  # fmt: skip
     parser.add_argument(
         "--hf",
@@ -87,15 +92,18 @@ def register(verbs) -> None:
 
 def run(args: argparse.Namespace, console: Console) -> int:
     from bridge import crosscheck, hf_check, plan_check
+    from bridge.plan.build import read_plan
 
-    if args.model == "llama" and args.hf is None and args.plan is not None:
-        case = _plan_case(args)
+    plan = None if args.plan is None or args.hf is not None else read_plan(args.plan)  # --hf refuses --plan
+    args.model, chosen = _model(args, plan)
+    if args.model == "llama" and args.hf is None and plan is not None:
+        case = _plan_case(args, plan)
         work, processes, worker = case, case.mesh.size, plan_check.verify_plan
     elif args.model == "llama" or args.hf is not None:
         case = _hf_case(args)
         work, processes, worker = case, case.mesh.size, hf_check.verify_hf
     else:
-        cases = _cases(args)
+        cases = _cases(args, plan)
         work, processes, worker = cases, cases[0].mesh.size, crosscheck.verify
     if args.report:
         from bridge.cli import check_output_path
@@ -106,6 +114,8 @@ def run(args: argparse.Namespace, console: Console) -> int:
     from bridge import runtime
 
     errors = Console(stderr=True, soft_wrap=True)
+    if chosen:
+        errors.print(escape(chosen))
     device, fallback = runtime.choose_device_type(args.device, processes, torch.cuda.device_count())
     if fallback:
         errors.print(escape(fallback))
@@ -135,6 +145,34 @@ def _recipes(text: str) -> tuple[str, ...]:
     return RECIPES if text == "all" else tuple(r.strip() for r in text.split(",") if r.strip())
 
 
+def _model(args: argparse.Namespace, plan) -> tuple[str, str | None]:
+    """--model, or the one chosen without it (its help says how), and a line saying which when a plan chose it."""
+    if args.model is not None:
+        return args.model, None
+    if plan is None or not plan.rules or args.hf is not None:
+        return PLAN_MODELS[0], None
+    for model in PLAN_MODELS:
+        names = _parameter_names(model, args)
+        if all(any(rule.matches(name) for name in names) for rule in plan.rules):
+            candidates = ", ".join(PLAN_MODELS)
+            return model, f"--plan {args.plan}: --model {model}, the first of {candidates} whose names its rules match"
+    return PLAN_MODELS[0], None  # none matches: the default model's check names the rule
+
+
+def _parameter_names(model: str, args: argparse.Namespace) -> set[str]:
+    """The torch names a plan's rules match in `model` (its units and parameters), built on meta."""
+    from bridge.twins import TwinSpec, build_torch
+    from torchside.models.llama import LLAMA_CONFIGS, Llama
+    from torchside.parallel.plan import model_params, model_units
+
+    if model == "llama":
+        torch_model = Llama(LLAMA_CONFIGS["tiny"], device="meta")
+    else:
+        sizes = [STACK_DEFAULTS[n] if getattr(args, n) is None else getattr(args, n) for n in ("layers", "hidden")]
+        torch_model = build_torch(TwinSpec(model, *sizes, tp_size=1, amax_history_len=1))
+    return {*model_units(torch_model), *model_params(torch_model)}
+
+
 def _hf_case(args: argparse.Namespace):
     """--model llama --hf DIR's case, its checkpoint and mesh checked (bridge.hf_check.check_input)."""
     from bridge.hf_check import HFCase, check_input
@@ -156,14 +194,12 @@ def _hf_case(args: argparse.Namespace):
     return case
 
 
-def _plan_case(args: argparse.Namespace):
+def _plan_case(args: argparse.Namespace, plan):
     """--model llama --plan PLAN's case, the plan checked against the tiny Llama (bridge.plan_check.check_input)."""
     from pathlib import Path
 
     from bridge.plan_check import PlanCase, check_input
-    from jaxside.plan import Plan
 
-    plan = Plan.from_toml(args.plan)
     mesh = _llama_mesh(args, "--model llama --plan", plan.mesh)
     options = _llama_options(args, "--model llama --plan")
     case = PlanCase(plan, mesh, _recipes(args.recipe or "current"), name=Path(args.plan).stem, **options)
@@ -192,9 +228,9 @@ def _llama_mesh(args: argparse.Namespace, what: str, plan_mesh: dict | None):
     return parse_mesh("dp=2,tp=2") if plan_mesh is None else MeshShape(**plan_mesh)
 
 
-def _cases(args: argparse.Namespace) -> list:
+def _cases(args: argparse.Namespace, plan) -> list:
     from bridge.crosscheck import MeshShape, VerifyCase, parse_mesh
-    from jaxside.plan import DEFAULT_PLAN, Plan
+    from jaxside.plan import DEFAULT_PLAN
 
     hf_only = [f"--{name.replace('_', '-')}" for name in HF_DEFAULTS if getattr(args, name) is not None]
     if hf_only:
@@ -203,7 +239,7 @@ def _cases(args: argparse.Namespace) -> list:
     layers, hidden, steps = (
         STACK_DEFAULTS[n] if getattr(args, n) is None else getattr(args, n) for n in STACK_DEFAULTS
     )
-    plan = DEFAULT_PLAN if args.plan is None else Plan.from_toml(args.plan)
+    plan = DEFAULT_PLAN if plan is None else plan
     if args.mesh:
         meshes = [parse_mesh(text) for text in args.mesh]
     else:

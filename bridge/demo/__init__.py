@@ -30,8 +30,28 @@ from bridge.demo.report import LOSS_PLOT_NAME, Check, DemoReport, plot_losses
 LOSS_DROP = 0.95  # the last step's loss must be at most this fraction of the first's: the model learns
 
 
+def check_input(options: DemoOptions) -> None:
+    """The tiny Llama on the training mesh, before any process starts: `verify --plan`'s check (bridge.plan_check).
+
+    The modules refuse what TP cannot split (key/value heads, the ffn) and the twin's shardings what JAX cannot:
+    ValueError naming --dp/--tp and the fix.
+    """
+    from bridge import plan_check
+    from bridge.crosscheck import MeshShape
+    from jaxside.plan import DEFAULT_PLAN
+
+    mesh = MeshShape(dp_shard=options.dp, tp=options.tp)
+    case = plan_check.PlanCase(
+        DEFAULT_PLAN, mesh, (options.recipe,), batch_size=options.batch_size, seq_len=options.seq_len, name="demo"
+    )
+    try:
+        plan_check.check_input(case)
+    except ValueError as error:
+        raise ValueError(f"--dp {options.dp} --tp {options.tp}: {error}") from error
+
+
 def run_demo(options: DemoOptions, status: Callable[[str], Any] = print) -> DemoReport:
-    """All stages (module docstring); the report, also written to out/report.json."""
+    """All stages (module docstring); the report, also written to out/report.json. Call check_input first."""
     import torch
 
     from bridge import runtime
@@ -110,4 +130,4 @@ def _training_checks(report: DemoReport, trained: dict, options: DemoOptions) ->
     ))  # fmt: skip
 
 
-__all__ = ["LOSS_DROP", "run_demo"]
+__all__ = ["LOSS_DROP", "check_input", "run_demo"]

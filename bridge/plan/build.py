@@ -228,10 +228,19 @@ def _jax_model(options: PlanOptions, plan):
 
 
 def read_plan(path: str):
-    """The placement plan in a TOML file (jaxside.plan.Plan; ValueError naming the file and the rule)."""
+    """The placement plan in a TOML file (jaxside.plan.Plan; ValueError naming the file, and the rule or what it is)."""
     from jaxside.plan import Plan
 
-    return Plan.from_toml(path)
+    try:
+        return Plan.from_toml(path)
+    except OSError as error:  # missing, a folder, unreadable
+        reason = error.strerror or type(error).__name__
+        raise ValueError(f"{path}: {reason.lower()}; pass a TOML placement plan (examples/plans/)") from error
+    except UnicodeDecodeError as error:  # a binary file such as a .npy
+        raise ValueError(
+            f"{path}: not a text file (byte {error.object[error.start]:#04x} at {error.start} is not UTF-8); pass a "
+            "TOML placement plan (examples/plans/)"
+        ) from error
 
 
 def plan_mesh(plan) -> MeshShape | None:

@@ -1,12 +1,16 @@
 import io
+import re
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 from rich.console import Console
 
 from bridge import cli, environment
 from bridge.errors import CheckFailed
+
+ROOT = Path(__file__).parents[2]
 
 
 def test_env_reports_every_framework_and_where_kernels_run():
@@ -21,8 +25,11 @@ def test_env_reports_every_framework_and_where_kernels_run():
 
 
 def test_help_lists_the_commands():
+    """Each command is a line of the COMMAND list (name, then its help), above the exit codes epilog."""
     out = subprocess.run([sys.executable, "-m", "bridge", "--help"], capture_output=True, text=True, check=True).stdout
-    assert "env" in out
+    commands = out.split("positional arguments:")[1].split("options:")[0]
+    listed = re.findall(r"^    (\S+)", commands, flags=re.MULTILINE)  # continuation lines are indented further
+    assert listed == list(cli.COMMANDS)
 
 
 def test_env_renders_a_table(monkeypatch):
@@ -119,6 +126,37 @@ def test_ctrl_c_under_torchrun_exits_130(monkeypatch, capsys, tmp_path):
     assert capsys.readouterr().err == "error: interrupted\n"
 
 
+@pytest.mark.parametrize("argv", [["plan", "show", "--png"], ["demo", "--out"], ["verify", "--report"]])
+def test_an_output_path_under_a_file_says_it_is_a_file(tmp_path, capsys, argv):
+    """Issue 42: `--out text.npy/sub.npz` said "directory text.npy does not exist" while it is a file."""
+    blocking = tmp_path / "text.npy"
+    blocking.write_text("")
+    out = blocking / "sub" / "x.png"
+    assert cli.main([*argv, str(out)]) == 2
+    said = f"error: {argv[-1]} {out}: {blocking} is a file, not a folder; pick another path\n"
+    assert capsys.readouterr().err == said
+    assert blocking.is_file()
+
+
 def test_run_names_a_missing_script(capsys):
     assert cli.main(["run", "-n", "2", "/nonexistent/train.py"]) == 2
     assert capsys.readouterr().err == "error: /nonexistent/train.py: no such script; pass the path of a Python file\n"
+
+
+def test_the_readme_test_command_is_the_one_ci_runs():
+    """Issue 42: the README's command differed from .ci/run's (no --durations=15 and more)."""
+    readme = (ROOT / "README.md").read_text().split("## Tests (one command)")[1]
+    readme_command = readme.split("```bash\n")[1].split("\n```")[0]
+    ci_commands = [line.strip() for line in (ROOT / ".ci" / "run").read_text().splitlines() if "-m pytest" in line]
+    assert ci_commands == [readme_command]
+
+
+def test_run_help_and_the_readme_point_to_an_example_that_exists(capsys):
+    example = "examples/run_colocated.py"
+    assert (ROOT / example).is_file()
+    with pytest.raises(SystemExit):
+        cli.main(["run", "--help"])
+    assert f"shardbridge run -n 2 {example}" in capsys.readouterr().out
+    rows = (ROOT / "README.md").read_text().splitlines()
+    run_row = next(line for line in rows if line.startswith("| `shardbridge run"))
+    assert f"`shardbridge run -n 2 {example}`" in run_row

@@ -196,3 +196,16 @@ def test_demo_with_explicit_cuda_and_too_few_gpus_exits_2(monkeypatch, tmp_path,
     assert cli.main(["demo", "--device", "cuda", "--out", str(tmp_path)]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "4 processes per node need 4 GPUs but torch sees 1" in err
+
+
+def test_a_mesh_the_model_cannot_split_is_refused_before_any_process_or_folder(monkeypatch, tmp_path, capsys):
+    """Issue 42: --tp 3 (the tiny Llama's 2 key/value heads) ran 38 s of tracebacks and left an empty --out."""
+    from bridge import runtime
+
+    monkeypatch.setattr(runtime, "launch", lambda *args, **kwargs: pytest.fail("a process started"))
+    out = tmp_path / "out"
+    assert cli.main(["demo", "--tp", "3", "--out", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("error: --dp 2 --tp 3: ")
+    assert "num_gqa_groups=2 (key/value heads) does not divide by tp_size=3" in err
+    assert not out.exists()

@@ -90,7 +90,7 @@ def test_png(tmp_path, stdout):
         (["--model", "gpt"], "model 'gpt': use one of transformer, llama"),
         (["--mesh", "dp=3", "--batch", "4"], "--batch 4 must divide over the 3 data-parallel ranks"),
         (["--mesh", "tp=3"], "tp=3 must divide the heads and ffn"),
-        (["missing.toml"], "No such file"),
+        (["missing.toml"], "missing.toml: no such file or directory; pass a TOML placement plan"),
     ],
 )
 def test_bad_input_exits_2_with_one_error_line(capsys, argv, message):
@@ -122,6 +122,23 @@ def test_compare_two_plans(stdout):
     differing = stdout.getvalue().split("parameters placed differently")[1]
     assert "layers.0.self_attention.layernorm_qkv.weight" in differing  # replicated over tp by the second
     assert "layers.0.layernorm_mlp.fc1_weight" not in differing  # column-parallel, FSDP dim 0 in both
+
+
+@pytest.mark.parametrize(
+    ("make", "message"),
+    [
+        (lambda path: path.mkdir(), "is a directory; pass a TOML placement plan"),
+        (lambda path: path.write_bytes(b"\x93NUMPY\x01\x00"), "not a text file (byte 0x93 at 0 is not UTF-8)"),
+    ],
+)
+@pytest.mark.parametrize("argv", [["show"], ["compare", "--mesh", "dp=2", "--mesh", "dp=4"]])
+def test_a_plan_that_is_not_a_toml_file_is_named(tmp_path, capsys, make, message, argv):
+    """Issue 42: the error names the file and says a TOML placement plan is expected (was a bare codec error)."""
+    plan = tmp_path / "x.npy"
+    make(plan)
+    assert cli.main(["plan", argv[0], str(plan), *argv[1:]]) == 2
+    errors = capsys.readouterr().err.strip().splitlines()
+    assert len(errors) == 1 and errors[0].startswith(f"error: {plan}: {message}"), errors
 
 
 def test_a_bad_plan_exits_2_naming_the_rule(tmp_path, capsys):

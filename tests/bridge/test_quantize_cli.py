@@ -127,6 +127,35 @@ def test_compare_reports_a_jax_mismatch(array_path, tmp_path, console, monkeypat
     code = cli.main(["quantize", str(array_path), "--recipe", "mxfp8", "--out", str(tmp_path / "q.npz"), "--compare"])
     row = next(line for line in console.getvalue().splitlines() if line.strip("│ ").startswith("data "))
     assert code == 1 and row.rstrip(" │|").split()[-1] == "1"
+    assert not (tmp_path / "q.npz").exists()  # bytes the implementations disagree on are not written
+
+
+def test_block_compare_matches_the_reference_and_writes_its_bytes(tmp_path, console, monkeypatch):
+    """Issue 42: under the interpreter --recipe block --compare wrote --out, then failed on the Triton 1x128
+    scales' storage order (rows-contiguous: with two or more blocks per row a byte view needs C order)."""
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    x = np.random.default_rng(2).standard_normal((32, 256)).astype(np.float32)
+    np.save(tmp_path / "x.npy", x)
+    out = tmp_path / "q.npz"
+    assert cli.main(["quantize", str(tmp_path / "x.npy"), "--recipe", "block", "--out", str(out), "--compare"]) == 0
+    expected = R.quantize_blockwise(torch.from_numpy(x), "e4m3", (1, 128), columnwise=True)
+    with np.load(out) as written:
+        for key in ("data", "scale_inv", "columnwise_data", "columnwise_scale_inv"):
+            np.testing.assert_array_equal(written[key], getattr(expected, key).contiguous().numpy(), err_msg=key)
+    assert sorted(path.name for path in tmp_path.iterdir()) == ["q.npz", "x.npy"]  # no partial file left
+
+
+def test_a_failed_comparison_writes_nothing(array_path, tmp_path, console, monkeypatch, capsys):
+    from bridge.commands import quantize as command
+
+    def broken(results, console):
+        raise ValueError("the comparison failed")
+
+    monkeypatch.setattr(command, "_compare_table", broken)
+    out = tmp_path / "q.npz"
+    assert cli.main(["quantize", str(array_path), "--recipe", "current", "--out", str(out), "--compare"]) == 2
+    assert capsys.readouterr().err == "error: the comparison failed\n"
+    assert sorted(path.name for path in tmp_path.iterdir()) == ["x.npy"]
 
 
 @pytest.mark.parametrize(

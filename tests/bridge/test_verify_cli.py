@@ -3,7 +3,7 @@
 The fast tests need no processes. The slow ones start the co-located runtime from the CLI: a
 TransformerLayer under MXFP8 on FSDP x TP for 2 steps (in CI; one layer of hidden 128), the issue's
 model (2 layers, hidden 256) over the whole recipe grid on FSDP x TP and HSDP for 5 steps (`-m grid`),
-`run` starting a script that brings up torch and JAX, and each example plan on the stacks and on the
+`run` starting the co-located example (examples/run_colocated.py), and each example plan on the stacks and on the
 tiny Llama (`--model llama --plan`).
 """
 
@@ -13,7 +13,6 @@ import io
 import json
 import subprocess
 import sys
-import textwrap
 from pathlib import Path
 
 import pytest
@@ -55,7 +54,10 @@ def _no_launch(monkeypatch) -> None:
         (["--mesh", "tp=3"], "--mesh tp=3: tp=3 does not divide the ffn size 4 x --hidden = 1024"),
         (["--mesh", "tp=2", "--hidden", "96"], "tp=2 does not divide the 3 heads (--hidden / 32)"),
         (["--report", "/nonexistent/r.json"], "--report /nonexistent/r.json: directory /nonexistent does not exist"),
-        (["--plan", f"{PLANS}/embedding_hidden_split.toml"], "rule 0 (match 'embedding') matches no parameter"),
+        (["--model", "mlp", "--plan", f"{PLANS}/embedding_hidden_split.toml"],
+         "rule 0 (match 'embedding') matches no parameter"),
+        (["--model", "mlp", "--plan", f"{PLANS}/fsdp_dim1_down_proj.toml"],
+         "rule 0 (match 'layers.*.layernorm_mlp.fc2_weight') matches no parameter"),
         (["--plan", f"{PLANS}/fsdp_dim1_down_proj.toml", "--mesh", "dp=4"], "the plan's [mesh] is"),
         (["--plan", "/nonexistent/plan.toml"], "/nonexistent/plan.toml"),
         (["--model", "llama", "--plan", f"{PLANS}/embedding_hidden_split.toml", "--mesh", "dp=2,tp=2"],
@@ -85,6 +87,65 @@ def test_a_plan_that_matches_nothing_in_the_llama_is_one_line_before_any_process
     assert main(["verify", "--device", "cpu", "--model", "llama", "--plan", str(plan)]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "rule 0 (match 'layers.*.mlp') matches no parameter" in err, err
+
+
+@pytest.mark.parametrize(
+    "plan, model, worker, processes",
+    [
+        ("fsdp_dim1_down_proj", "transformer", "verify", 4),
+        ("attention_replicated_mlp_tp", "transformer", "verify", 4),
+        ("embedding_hidden_split", "llama", "verify_plan", 8),
+    ],
+)
+def test_without_model_a_plan_picks_the_model_its_rules_name_and_says_so(monkeypatch, capsys, plan, model, worker,
+                                                                          processes):  # fmt: skip
+    """Issue 42: the README's `shardbridge verify --plan PLAN` exited 2 for every example plan (--model mlp)."""
+    from bridge import runtime
+
+    launched = []
+
+    def first_launch(fn, nprocs, work, device_type=None, **kwargs):
+        launched.append((fn.__name__, nprocs, device_type))
+        raise KeyboardInterrupt  # stop before the work: only the choice is under test
+
+    monkeypatch.setattr(runtime, "launch", first_launch)
+    path = PLANS / f"{plan}.toml"
+    assert main(["verify", "--device", "cpu", "--plan", str(path)]) == 130
+    assert launched == [(worker, processes, "cpu")]
+    said = f"--plan {path}: --model {model}, the first of mlp, transformer, llama whose names its rules match\n"
+    assert capsys.readouterr().err == said + "error: interrupted\n"
+
+
+def test_default_device_with_too_few_gpus_runs_cpu_processes_and_says_so(monkeypatch, capsys):
+    """Issue 44: verify falls back as demo does (bridge.runtime.choose_device_type, one decision for both)."""
+    import torch
+
+    from bridge import runtime
+
+    launched = []
+
+    def first_launch(fn, nprocs, work, device_type=None, **kwargs):
+        launched.append(device_type)
+        raise KeyboardInterrupt  # stop before the work: only the decision is under test
+
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setattr(runtime, "launch", first_launch)
+    assert main(["verify"]) == 130
+    assert launched == ["cpu"]
+    said = "4 processes need 4 GPUs but torch sees 1: running 4 CPU processes\n"
+    assert capsys.readouterr().err == said + "error: interrupted\n"
+
+
+def test_explicit_cuda_with_too_few_gpus_exits_2_before_any_process_starts(monkeypatch, capsys):
+    import torch
+
+    _no_launch(monkeypatch)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    assert main(["verify", "--device", "cuda"]) == 2
+    assert capsys.readouterr().err == (
+        "error: 4 processes per node need 4 GPUs but torch sees 1: start fewer processes, or run on the CPU "
+        "(device type 'cpu')\n"
+    )
 
 
 def _report() -> dict:
@@ -131,24 +192,19 @@ def test_every_recipe_passes_on_fsdp_tp_and_hsdp(tmp_path, monkeypatch, mesh):
 
 @pytest.mark.slow
 @pytest.mark.multiprocess
-def test_run_starts_a_co_located_script(tmp_path):
-    script = tmp_path / "hello.py"
-    script.write_text(textwrap.dedent("""
-        import os
-
-        import jax
-        from bridge import runtime
-
-        rt = runtime.initialize("cpu")
-        line = f"rank {rt.rank} jax process {jax.process_index()} of {jax.process_count()}\\n"
-        os.write(1, line.encode())  # one write: the two processes share the pipe and must not interleave
-        runtime.shutdown()
-    """))
+def test_run_starts_the_co_located_example(tmp_path):
+    """`shardbridge run -n 2 examples/run_colocated.py` (the README's and `run --help`'s example), CPU processes:
+    each rank's rows of the [8, 3] tensor, JAX's shard on torch's memory, and the sum after the round trip,
+    2 x (0 + ... + 23) = 552."""
+    example = Path(__file__).parents[2] / "examples" / "run_colocated.py"
     done = subprocess.run(
-        [sys.executable, "-m", "bridge", "run", "-n", "2", str(script)], capture_output=True, text=True, timeout=300
+        [sys.executable, "-m", "bridge", "run", "-n", "2", str(example)], capture_output=True, text=True, timeout=300
     )
     assert done.returncode == 0, done.stderr[-2000:]
-    assert "rank 0 jax process 0 of 2" in done.stdout and "rank 1 jax process 1 of 2" in done.stdout
+    lines = sorted(done.stdout.splitlines())
+    assert [line.split(" on ")[0] for line in lines[:2]] == ["rank 0: rows 0-3", "rank 1: rows 4-7"], lines
+    assert all(line.endswith("JAX on torch's memory: True") for line in lines[:2]), lines
+    assert lines[2:] == ["sum after the round trip: 552 (expected 552)"]
 
 
 @pytest.mark.slow
@@ -171,12 +227,13 @@ def test_an_example_plan_passes_verify(tmp_path, monkeypatch, plan, recipes):
     every recipe on the built-in placement, 2 x 256."""
     monkeypatch.setenv("TRITON_INTERPRET", "0")
     report_file = tmp_path / "report.json"
-    arguments = ["verify", *TRANSFORMER, "--layers", "1", "--hidden", "128", "--recipe", recipes,
+    # No --model: the README's `verify --plan PLAN`, the plan's names choose the transformer stack.
+    arguments = ["verify", "--layers", "1", "--hidden", "128", "--device", "cpu", "--recipe", recipes,
                  "--steps", "2", "--plan", str(PLANS / f"{plan}.toml"), "--report", str(report_file)]  # fmt: skip
     assert main(arguments) == 0
     reports = json.loads(report_file.read_text())
-    assert [(r["recipe"], r["mesh"], r["passed"]) for r in reports] == [
-        (recipe, "dp_shard=2,tp=2", True) for recipe in recipes.split(",")
+    assert [(r["model"], r["recipe"], r["mesh"], r["passed"]) for r in reports] == [
+        ("transformer", recipe, "dp_shard=2,tp=2", True) for recipe in recipes.split(",")
     ]
     for report in reports:
         if report["recipe"] == "mxfp8":

@@ -139,3 +139,17 @@ def test_two_processes_on_tp_2_agree_from_the_cli(tmp_path, monkeypatch, checkpo
     assert (report["mesh"], report["recipe"], report["passed"]) == ("tp=2", "off", True)
     (check,) = report["checks"]
     assert check["name"] == "logits" and check["relative"] <= TOLERANCE
+
+
+def test_load_hf_on_a_cpu_mesh_warns_nothing_of_dtensor_random_ops(one_rank_world, checkpoint):
+    """Issue 42: `verify --hf` printed "DTensor random operators may not have complete support on cpu device
+    mesh" from materializing the model before the file's values replace every parameter."""
+    import warnings
+
+    from torchside.models import llama as torch_llama
+
+    world, _ = one_rank_world
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch_llama.load_hf(checkpoint, mesh=world["dp_shard"], tp_mesh=world["tp"], dtype=torch.float32)
+    assert [str(w.message) for w in caught if "DTensor random" in str(w.message)] == []

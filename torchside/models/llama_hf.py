@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import warnings
 from pathlib import Path
 
 import torch
@@ -117,7 +118,10 @@ def load_hf(
     fp8_init = quantized_model_init(recipe=Float8BlockScaling()) if checkpoint.fp8 else contextlib.nullcontext()
     with fp8_init:
         model = Llama(config, params_dtype=dtype, device="meta", module_config=ModuleConfig(tp_size=tp))
-    parallelize_llama(model, LlamaMeshes(world=None, data=mesh, tp=tp_mesh, weight=weight_mesh), device=device)
+    meshes = LlamaMeshes(world=None, data=mesh, tp=tp_mesh, weight=weight_mesh)
+    with warnings.catch_warnings():  # materializing on a CPU mesh warns of DTensor RNG: the file's values replace all
+        warnings.filterwarnings("ignore", message="DTensor random operators may not have complete support")
+        parallelize_llama(model, meshes, device=device)
     params = dict(model.named_parameters())
     unmapped = sorted(set(params) ^ set(checkpoint.sources))
     assert not unmapped, f"the HF table and the model disagree on {unmapped}"
