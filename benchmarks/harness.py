@@ -121,11 +121,6 @@ def slowest_rank(value: float) -> float:
     return largest.item()
 
 
-def relative_error(got, want) -> float:
-    """||got - want|| / ||want|| of two torch tensors, in fp32: a fast wrong kernel must not pass unnoticed."""
-    return float((got.float() - want.float()).norm() / want.float().norm())
-
-
 # --- the page cache -------------------------------------------------------------------------------------------
 def drop_from_page_cache(paths: Sequence[Path]) -> None:
     """Write the files' dirty pages back, then ask the kernel to evict them (posix_fadvise DONTNEED).

@@ -22,7 +22,8 @@ from __future__ import annotations
 
 import torch
 
-from benchmarks.harness import PEAK_TFLOPS, Result, argument_parser, device_ms, relative_error, report
+from benchmarks.harness import PEAK_TFLOPS, Result, argument_parser, device_ms, report
+from bridge.numerics import relative_error
 from fp8kernels import gemm, gemm_reference, quantize, reference  # reference: the Triton quantizers' bytes, in plain torch
 
 

@@ -28,7 +28,8 @@ import time
 import torch
 
 from benchmarks.bench.bench_transformer_layer import GROUPED_IN, GROUPED_OUT, SPLITS
-from benchmarks.harness import PEAK_TFLOPS, Result, argument_parser, device_ms, relative_error, report
+from benchmarks.harness import PEAK_TFLOPS, Result, argument_parser, device_ms, report
+from bridge.numerics import relative_error
 from fp8kernels import gemm, gemm_reference, grouped_gemm, reference
 from fp8kernels.gemm_reference import gemm_operand
 

@@ -21,7 +21,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from benchmarks.harness import PEAK_FLOPS, Result, argument_parser, device_ms, relative_error, report
+from benchmarks.harness import PEAK_FLOPS, Result, argument_parser, device_ms, report
+from bridge.numerics import relative_error
 from torchside.autocast import fp8_autocast, quantized_model_init
 from torchside.modules import LayerNormMLP
 from torchside.quantization import FALLBACK_CALLS

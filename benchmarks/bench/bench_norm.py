@@ -16,7 +16,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from benchmarks.harness import COPY_BYTES_PER_S, Result, argument_parser, device_ms, relative_error, report
+from benchmarks.harness import COPY_BYTES_PER_S, Result, argument_parser, device_ms, report
+from bridge.numerics import relative_error
 from fp8kernels import norm, quantize
 from fp8kernels import reference as R
 from fp8kernels.norm_reference import FusedCast

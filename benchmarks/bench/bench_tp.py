@@ -29,8 +29,9 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from benchmarks.harness import (
-    NCCL_ALL_GATHER_BYTES_PER_S, PEAK_FLOPS, Result, argument_parser, relative_error, report, slowest_rank, wall_ms,
+    NCCL_ALL_GATHER_BYTES_PER_S, PEAK_FLOPS, Result, argument_parser, report, slowest_rank, wall_ms,
 )  # fmt: skip
+from bridge.numerics import relative_error
 from torchside.autocast import fp8_autocast
 from torchside.modules import LayerNormMLP, ModuleConfig
 from torchside.quantization import FALLBACK_CALLS

@@ -32,6 +32,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
+from bridge.numerics import relative_error
 from tests.distributed import run_threads
 from tests.torchside.tp_stack import (
     FP32_ORDER,
@@ -47,7 +48,6 @@ from tests.torchside.tp_stack import (
     load_shards,
     make_stack,
     one_step,
-    relative_error,
     seeded,
 )
 from torchside.autocast import fp8_autocast
