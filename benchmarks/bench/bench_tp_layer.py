@@ -12,7 +12,7 @@ Cases (the bf16 case is the peer, measured in the same run):
 - Float8CurrentScaling, bf16 all-gather (`ModuleConfig(fp8_all_gather=False)`): gather bf16, then cast.
 
 Printed per case: the slowest rank's median ms, the floor (GEMM flops per GPU at the measured peak,
-attention's at the bf16 peak, plus the bytes the collectives bring to each GPU at DESIGN.md's
+attention's at the bf16 peak, plus the bytes the collectives bring to each GPU at benchmarks/harness.py's
 ~250 GB/s), the fraction of it, the speedup over bf16, and the output's relative error against bf16
 (the two FP8 cases must agree exactly: `equal`).
 

@@ -235,7 +235,7 @@ def test_a_tp_group_alone_gives_plain_shards_and_frozen_dtensor_weights_stay_fro
         assert result == {"frozen weight grad": None, "bias grad": ("DTensor", (Shard(0),)), "input grad": True}
 
 
-# (module, parameter) -> (placement on the TP mesh, global shape): DESIGN.md's table for Linear(8, 16) & co.
+# (module, parameter) -> (placement on the TP mesh, global shape): docs/design.md's table for Linear(8, 16) & co.
 EXPECTED_PLACEMENTS = {
     "column": {"weight": (Shard(0), (16, 8)), "bias": (Shard(0), (16,))},
     "row": {"weight": (Shard(1), (16, 8)), "bias": (Replicate(), (16,))},
