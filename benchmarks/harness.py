@@ -1,8 +1,8 @@
 """What every benchmark shares: the H200 floors, the timers, the environment line, and the result rows.
 
-Floors are DESIGN.md's "Performance floors", measured on the device machine. A benchmark prints, per
+Floors are the H200 figures below (PEAK_FLOPS & co.), measured on the device machine. A benchmark prints, per
 row: the measured figure, its floor, the fraction of the floor reached, and the peer measured in the
-same run (DESIGN.md), as a markdown table for benchmarks/RESULTS.md and, with --json, as JSON.
+same run, as a markdown table for benchmarks/RESULTS.md and, with --json, as JSON.
 
 Timing. `device_ms` is the one device timer. A Python call that launches kernels costs the host tens
 to hundreds of microseconds; timed with triton.testing.do_bench alone, a call whose host time exceeds
@@ -36,7 +36,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-# --- floors (DESIGN.md "Performance floors", one H200) -------------------------------------------------------
+# --- floors (measured on one H200) -------------------------------------------------------------------------------
 PEAK_FLOPS = {"bf16": 788e12, "fp8": 1425e12}  # flop/s at 8192^3: bf16 matmul, FP8 torch._scaled_mm tensorwise
 PEAK_TFLOPS = {name: flops / 1e12 for name, flops in PEAK_FLOPS.items()}
 COPY_BYTES_PER_S = 4.24e12  # a device copy, bytes read + written
@@ -119,11 +119,6 @@ def slowest_rank(value: float) -> float:
     largest = torch.tensor([value], dtype=torch.float64, device=device)
     dist.all_reduce(largest, op=dist.ReduceOp.MAX)
     return largest.item()
-
-
-def relative_error(got, want) -> float:
-    """||got - want|| / ||want|| of two torch tensors, in fp32: a fast wrong kernel must not pass unnoticed."""
-    return float((got.float() - want.float()).norm() / want.float().norm())
 
 
 # --- the page cache -------------------------------------------------------------------------------------------

@@ -3,7 +3,7 @@
 Each verb lives in its own module under `bridge/commands/` with
 `register(verbs)` (adds its subparser and `set_defaults(run=fn)`) and `fn(args, console) -> int`.
 
-The exit contract (DESIGN.md, "CLI contract") is applied here, once, for every verb:
+The exit contract (docs/design.md, "The command line contract") is applied here, once, for every verb:
 
     0    done
     1    a check or verification failed (a verb returns 1, or raises bridge.errors.CheckFailed)

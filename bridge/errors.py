@@ -1,4 +1,4 @@
-"""The CLI's exit contract (DESIGN.md, "CLI contract"), as exceptions library code can raise.
+"""The CLI's exit contract (docs/design.md, "The command line contract"), as exceptions library code can raise.
 
     0    done
     1    CheckFailed: a check or verification failed (the data disagrees with what was recorded)

@@ -55,6 +55,8 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+import numpy as np
+
 from jaxside.recipe import recipe_names
 
 E4M3_U, E5M2_U, E2M1_U = 2.0**-4, 2.0**-3, 2.0**-2
@@ -79,6 +81,28 @@ class Tolerance:
 
 
 BITWISE = Tolerance(0.0, 0.0)
+
+
+def relative_error(got: Any, expected: Any) -> float:
+    """`||got - expected|| / ||expected||` over the whole tensor, in float64: the relative error every tolerance
+    here bounds, the one definition tests and benchmarks use. Numpy, JAX or torch arrays of any dtype and device;
+    0 where both are zero, inf where only `expected` is."""
+    a, b = _float64(got), _float64(expected)
+    if a.shape != b.shape:
+        raise ValueError(f"relative_error: got shape {a.shape}, expected {b.shape}: compare tensors of one shape")
+    return _ratio(float(np.linalg.norm(a - b)), float(np.linalg.norm(b)))
+
+
+def _float64(array: Any) -> np.ndarray:
+    if hasattr(array, "detach"):  # torch (imported by the caller, not here): bf16 and FP8 have no numpy dtype
+        array = array.detach().cpu().double().numpy()
+    return np.asarray(array, dtype=np.float64)
+
+
+def _ratio(difference_norm: float, reference_norm: float) -> float:
+    if reference_norm > 0:
+        return difference_norm / reference_norm
+    return 0.0 if difference_norm == 0 else math.inf
 
 
 def _fp8(u_forward: float, u_grad: float, factor: float) -> dict[str, Tolerance]:
@@ -195,7 +219,7 @@ def reduce_stats(local_stats, group=None) -> list[tuple[float, float, bool]]:
         dist.all_reduce(maxima, op=dist.ReduceOp.MAX, group=group)
     results = []
     for (sq_diff, sq_ref, nans), max_abs in zip(sums.tolist(), maxima.tolist()):
-        relative = math.sqrt(sq_diff) / math.sqrt(sq_ref) if sq_ref > 0 else (0.0 if sq_diff == 0 else math.inf)
+        relative = _ratio(math.sqrt(sq_diff), math.sqrt(sq_ref))
         results.append((relative, max_abs, nans > 0))
     return results
 
@@ -248,5 +272,6 @@ __all__ = [
     "collect",
     "local_stats",
     "reduce_stats",
+    "relative_error",
     "tolerance",
 ]

@@ -4,7 +4,7 @@ The mesh always has the three axes `dp_replicate`, `dp_shard` and `tp` (size 1 w
 from devices in rank order: device i is torch rank i, reshaped row-major. So one set of specs covers
 FSDP (dp_shard), HSDP (dp_replicate x dp_shard), FSDP x TP and HSDP x TP.
 
-Parameters follow the torch placement table (DESIGN.md, "Parallelism") row for row. torch decides a
+Parameters follow the torch placement table (docs/design.md, "Parallelism") row for row. torch decides a
 parameter's layout by its role and position, not by what its dims mean: TP splits a column layer's
 out features and a row layer's in features, and FSDP2 shards dim 0 of every parameter, on top of TP.
 So each rules table lists, per role, the mesh axes of each axis of the Flax parameter:

@@ -15,7 +15,7 @@ DelayedScaling keeps state between steps; its bookkeeping happens here, once per
 - backward: the same for the grad-output amaxes, once, at the end of the backward of the first
   FP8 module of the forward (in a sequential model, the last backward to run).
 
-The amax group is explicit: `None` reduces nothing (DESIGN.md: groups are never guessed from a
+The amax group is explicit: `None` reduces nothing (docs/design.md: groups are never guessed from a
 mesh). State is per thread, because the ranks of the threaded process group are threads.
 """
 

@@ -1,7 +1,7 @@
 """FusedAdam step time on one GPU against the bandwidth floor and torch's fused AdamW.
 
 537M parameters as 32 tensors of 4096 x 4096. Floor = bytes moved / 4.24 TB/s (the H200 copy
-bandwidth in DESIGN.md; the copy measured in this run is printed too). Bytes per element:
+bandwidth in benchmarks/harness.py; the copy measured in this run is printed too). Bytes per element:
 
     fp32 params, fp32 moments      read p g m v (16), write p m v (12)             = 28
     bf16 params, fp32 master       read g master m v (14), write p master m v (14) = 28

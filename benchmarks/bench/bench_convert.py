@@ -7,7 +7,7 @@ devices), each including the read-back verification (every box read again and ch
     dcp -> safetensors, safetensors -> dcp, dcp -> orbax (transposed), orbax -> dcp (transposed back)
 
 Floor = bytes read + written (source once, target written once and read back once) / the disk
-bandwidth in DESIGN.md (~1.0 GB/s read, ~1.1 GB/s write, direct I/O; the page cache can beat it).
+bandwidth in benchmarks/harness.py (~1.0 GB/s read, ~1.1 GB/s write, direct I/O; the page cache can beat it).
 Peer, same run: `dcp.load` of the whole state dict plus `safetensors.torch.save_file` (a gather-everything
 converter, which holds the full model in host memory). Disk: about 13 GB in a temporary directory,
 removed at the end. Usage (repository root): PYTHONPATH=. python3 benchmarks/bench/bench_convert.py [--layers 16]

@@ -2,7 +2,7 @@
 
     PYTHONPATH=. python3 benchmarks/bench/bench_gemm.py [--size 8192] [--json PATH]
 
-Throughput = 2*M*N*K / time. Floors are DESIGN.md's H200 peaks: bf16 788 TFLOP/s, FP8 1425
+Throughput = 2*M*N*K / time. Floors are benchmarks/harness.py's H200 peaks: bf16 788 TFLOP/s, FP8 1425
 (torch._scaled_mm tensorwise). Rows:
 
 - tensorwise e4m3: fp8kernels.gemm's Triton kernel, torch._scaled_mm (cuBLASLt), and `scaled_mm`
@@ -22,7 +22,8 @@ from __future__ import annotations
 
 import torch
 
-from benchmarks.harness import PEAK_TFLOPS, Result, argument_parser, device_ms, relative_error, report
+from benchmarks.harness import PEAK_TFLOPS, Result, argument_parser, device_ms, report
+from bridge.numerics import relative_error
 from fp8kernels import gemm, gemm_reference, quantize, reference  # reference: the Triton quantizers' bytes, in plain torch
 
 

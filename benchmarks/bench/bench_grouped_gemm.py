@@ -15,7 +15,7 @@ problem, the one grouped Triton launch, a loop of torch._scaled_mm per group (wh
 `grouped_scaled_mm`, the dispatching entry point GroupedLinear calls (cuBLASLt per group where it takes
 every group, else the autotuned launch; its note says which ran). The Triton launch rows use one fixed
 tile (`--tile`, an index into fp8kernels.gemm._FP8_TILES) so that dense and grouped run the same tile code;
-`--autotune` adds the autotuned launch (6 more compiles). Throughput = 2*T*I*O / time; floor: DESIGN.md's
+`--autotune` adds the autotuned launch (6 more compiles). Throughput = 2*T*I*O / time; floor: benchmarks/harness.py's
 FP8 peak (1425 TFLOP/s); "vs peer" (the dense cuBLASLt GEMM) is issue 5's target (>= 0.87x: within 15%). Every grouped
 row reports its relative error against the reference GEMM per group. Times: benchmarks.harness.device_ms
 (CUDA graph replays). Runs in well under 60 s on an H200.
@@ -28,7 +28,8 @@ import time
 import torch
 
 from benchmarks.bench.bench_transformer_layer import GROUPED_IN, GROUPED_OUT, SPLITS
-from benchmarks.harness import PEAK_TFLOPS, Result, argument_parser, device_ms, relative_error, report
+from benchmarks.harness import PEAK_TFLOPS, Result, argument_parser, device_ms, report
+from bridge.numerics import relative_error
 from fp8kernels import gemm, gemm_reference, grouped_gemm, reference
 from fp8kernels.gemm_reference import gemm_operand
 

@@ -8,7 +8,7 @@ Llama-3-8B's layer: hidden 4096, 32 heads, 8 KV groups, ffn 14336, SwiGLU, RMSNo
 seq 2048 x batch 4 (8192 tokens: the torch benchmark's count; the JAX twin's attention materializes
 fp32 scores, so a shorter sequence keeps them at 2 GiB), bf16 parameters and activations.
 Floor: the projections' GEMM flops (2 * T * in * out, x3 for forward + backward) at the GEMM peak
-(bf16 788 TFLOP/s, FP8 1425, DESIGN.md) plus attention's (4 * B * S^2 * N * D, causal halves it, x3)
+(bf16 788 TFLOP/s, FP8 1425, benchmarks/harness.py) plus attention's (4 * B * S^2 * N * D, causal halves it, x3)
 at the bf16 peak.
 
 Run on a CUDA machine:  XLA_PYTHON_CLIENT_PREALLOCATE=false XLA_FLAGS=--xla_gpu_enable_triton_gemm=false \

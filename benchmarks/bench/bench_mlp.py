@@ -3,7 +3,7 @@
 Shape (DESIGN.md's peer measurement): hidden 8192, ffn 28672, gelu, 16384 tokens, bf16 parameters and
 activations. For each case: measured ms (benchmarks.harness.device_ms on the eager steps), speedup over bf16, the
 floor (12 * T * H * F flops of the six GEMMs / peak: bf16 788 TFLOP/s, FP8 1425 TFLOP/s, both
-measured on the H200 in DESIGN.md), the fraction of the floor reached, the peak memory of one step,
+measured on the H200: benchmarks/harness.py), the fraction of the floor reached, the peak memory of one step,
 and the output's relative error against the bf16 module (same weights). Then the same with FP8
 weights (quantized_model_init): memory against bf16. The peer is torchao's Float8Linear
 (tensorwise, torch.compile) when `import torchao` works. DESIGN.md measured bf16 eager at 67.8 ms.
@@ -21,7 +21,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from benchmarks.harness import PEAK_FLOPS, Result, argument_parser, device_ms, relative_error, report
+from benchmarks.harness import PEAK_FLOPS, Result, argument_parser, device_ms, report
+from bridge.numerics import relative_error
 from torchside.autocast import fp8_autocast, quantized_model_init
 from torchside.modules import LayerNormMLP
 from torchside.quantization import FALLBACK_CALLS

@@ -3,7 +3,7 @@
     PYTHONPATH=. python3 benchmarks/bench/bench_norm.py [--rows 16384] [--hidden 8192] [--no-compile] [--json PATH]
 
 bf16 in and out at 16384 x 8192 (the MLP benchmark's LayerNorm). A case's floor is the bytes it
-must move / 4.24 TB/s (DESIGN.md's copy bandwidth); the "bytes" column says what they are
+must move / 4.24 TB/s (benchmarks/harness.py's copy bandwidth); the "bytes" column says what they are
 (e = elements). Peers: torch eager F.layer_norm / F.rms_norm and their autograd backward; for
 FP8 outputs the unfused eager chain (norm, amax, scale, cast: what a module without fusion runs)
 and, unless --no-compile, the same chain under torch.compile. "rel. error" compares our output
@@ -16,7 +16,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from benchmarks.harness import COPY_BYTES_PER_S, Result, argument_parser, device_ms, relative_error, report
+from benchmarks.harness import COPY_BYTES_PER_S, Result, argument_parser, device_ms, report
+from bridge.numerics import relative_error
 from fp8kernels import norm, quantize
 from fp8kernels import reference as R
 from fp8kernels.norm_reference import FusedCast

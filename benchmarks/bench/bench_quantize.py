@@ -2,7 +2,7 @@
 
 For each scheme: the device time (benchmarks.harness.device_ms: CUDA graph replays, so Python
 never holds the GPU back), the host time a call costs, the floor (bytes that one pass must move
-/ 4.24 TB/s, the H200 copy bandwidth in DESIGN.md), the fraction of the floor reached, the floor
+/ 4.24 TB/s, the H200 copy bandwidth in benchmarks/harness.py), the fraction of the floor reached, the floor
 for the bytes the kernels really move (current scaling and NVFP4 read x twice: the global amax
 must be known before the first cast), and the peer measured in the same run: torch eager doing
 the same math (a plain amax + scale + cast + transpose for tensorwise, fp8kernels.reference

@@ -10,7 +10,7 @@ normalized tokens before fc1, reduce-scatter after fc2, and the reverse in backw
 - FP8, all-gather in bf16 (`ModuleConfig(fp8_all_gather=False)`): gather bf16, then cast everything.
 
 Printed per case: the slowest rank's median ms, the floor (the step's GEMM flops per GPU at the
-measured peak, plus the bytes its collectives move per GPU at DESIGN.md's ~250 GB/s NCCL
+measured peak, plus the bytes its collectives move per GPU at benchmarks/harness.py's ~250 GB/s NCCL
 all-gather rate), the fraction of it, and the output's relative error against the bf16 case
 (FP8 all-gather on and off must agree exactly: `equal`).
 
@@ -29,8 +29,9 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from benchmarks.harness import (
-    NCCL_ALL_GATHER_BYTES_PER_S, PEAK_FLOPS, Result, argument_parser, relative_error, report, slowest_rank, wall_ms,
+    NCCL_ALL_GATHER_BYTES_PER_S, PEAK_FLOPS, Result, argument_parser, report, slowest_rank, wall_ms,
 )  # fmt: skip
+from bridge.numerics import relative_error
 from torchside.autocast import fp8_autocast
 from torchside.modules import LayerNormMLP, ModuleConfig
 from torchside.quantization import FALLBACK_CALLS

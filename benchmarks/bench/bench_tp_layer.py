@@ -12,7 +12,7 @@ Cases (the bf16 case is the peer, measured in the same run):
 - Float8CurrentScaling, bf16 all-gather (`ModuleConfig(fp8_all_gather=False)`): gather bf16, then cast.
 
 Printed per case: the slowest rank's median ms, the floor (GEMM flops per GPU at the measured peak,
-attention's at the bf16 peak, plus the bytes the collectives bring to each GPU at DESIGN.md's
+attention's at the bf16 peak, plus the bytes the collectives bring to each GPU at benchmarks/harness.py's
 ~250 GB/s), the fraction of it, the speedup over bf16, and the output's relative error against bf16
 (the two FP8 cases must agree exactly: `equal`).
 
@@ -31,8 +31,9 @@ import torch
 import torch.distributed as dist
 
 from benchmarks.harness import (
-    NCCL_ALL_GATHER_BYTES_PER_S, PEAK_FLOPS, Result, argument_parser, relative_error, report, slowest_rank, wall_ms,
+    NCCL_ALL_GATHER_BYTES_PER_S, PEAK_FLOPS, Result, argument_parser, report, slowest_rank, wall_ms,
 )  # fmt: skip
+from bridge.numerics import relative_error
 from torchside.autocast import fp8_autocast
 from torchside.modules import ModuleConfig, TransformerConfig, TransformerLayer
 from torchside.modules.rotary import RotaryPositionEmbedding

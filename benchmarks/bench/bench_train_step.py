@@ -8,7 +8,7 @@ capture are before). Eager steps use train_step; graphed ones GraphedTrainStep (
 lr on the device, the whole step one graph replay).
 
 Floor: the GEMM flops only, 6 x parameters per token (forward + backward; attention's S^2 term and the
-embedding lookup left out) at the bf16 peak for bf16 and the FP8 peak for FP8 recipes (DESIGN.md's H200
+embedding lookup left out) at the bf16 peak for bf16 and the FP8 peak for FP8 recipes (benchmarks/harness.py's H200
 figures), so a launch-bound step shows as a small fraction. Peer: bf16 in the same mode (eager or graphed):
 "vs peer" is the FP8 speed-up. Extra columns: graphed / eager of the same recipe, and the final loss (mean of
 the last 50 steps; graphed and eager runs of a recipe train the same way, not to the bit: see

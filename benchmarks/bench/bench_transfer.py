@@ -8,7 +8,7 @@ stack (hidden 4096, ffn 16384: 8 x 134M = 1.07B fp32 parameters, 4.3 GB) and mov
   the device memory both frameworks report does not grow;
 - JAX -> torch: bridge.transfer.to_torch on those arrays, the same check;
 - peers measured in the same run: a copying exchange (DLPack, then a JAX copy of each shard: the
-  floor is its bytes read and written at DESIGN.md's 4.24 TB/s), and the gathering one many
+  floor is its bytes read and written at benchmarks/harness.py's 4.24 TB/s), and the gathering one many
   scripts use (`full_tensor()`, then `jax.device_put` of the whole tensor on every GPU).
 
 Printed on rank 0: the slowest rank's median ms per direction, the bytes a copy would move, the

@@ -4,7 +4,7 @@ Part 1 (issue 5: Float8CurrentScaling >= 1.2x FP8 off). Llama-3-8B's layer: hidd
 8 KV groups, ffn 14336, SwiGLU, RMSNorm, no bias, RoPE, causal; seq 4096 x batch 2, bf16 parameters
 and activations; one step = forward + backward. Floor: the four projections' GEMM flops
 (2 * T * in * out each, x3 for forward + backward) at the GEMM peak (bf16 788 TFLOP/s, FP8 1425, both
-measured on the H200 in DESIGN.md) plus attention's (4 * B * S^2 * N * H, halved by the causal mask,
+measured on the H200: benchmarks/harness.py) plus attention's (4 * B * S^2 * N * H, halved by the causal mask,
 x3; flash recomputes more) at the bf16 peak: attention stays bf16 in every case. Peers: the same block
 in plain torch (nn.Linear, nn.RMSNorm, SDPA; our apply_rotary_pos_emb) in bf16, and with torchao's
 Float8Linear (tensorwise, torch.compile) when `import torchao` works.

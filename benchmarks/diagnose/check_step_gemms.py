@@ -17,6 +17,7 @@ from collections import defaultdict
 import torch
 
 from benchmarks.harness import environment_line
+from bridge.numerics import relative_error
 import torchside.modules.functions as functions
 from fp8kernels import gemm, gemm_reference
 from torchside.corpus import SyntheticCorpus
@@ -54,7 +55,7 @@ def main() -> None:
                path)  # fmt: skip
         if key not in rows:
             order.append(key)
-        error = ((out.float() - spec).norm() / spec.norm().clamp_min(1e-30)).item()
+        error = relative_error(out, spec)
         row = rows[key]
         row[0] += 1
         row[1] += _nonfinite(out)

@@ -28,9 +28,10 @@ import os
 import torch
 
 from benchmarks.harness import environment_line
+from bridge.numerics import relative_error
 from fp8kernels.gemm_reference import gemm_operand
 from tests.torchside.fp8_capture import Gemm, on_cpu
-from tests.torchside.test_modules_numerics import RECIPES, QuantizedMath64, _relative_error
+from tests.torchside.quantized_math64 import RECIPES, QuantizedMath64
 from tests.torchside.test_transformer_layer import fp8_step, model_errors
 
 CASE = "rmsnorm-swiglu-gqa-separate-rotary-bshd"
@@ -86,7 +87,7 @@ def diagnose(recipe_name: str, device: str) -> None:
         print(f"{name:34s} {gemm.role:5s} {gemm.provider:11s} {k:>4d} "
               f"{relative:8.1e} {log2:>16s} {flips[0]:>10s} {flips[1]:>10s}")  # fmt: skip
     inputs = {
-        key: _relative_error(cast.x.cpu(), maths[key[0]].cast_inputs[key[1:]].double()) for key, cast in casts.items()
+        key: relative_error(cast.x, maths[key[0]].cast_inputs[key[1:]]) for key, cast in casts.items()
     }
     worst = max(inputs, key=inputs.get)
     print(f"cast inputs vs the following model: max relative error {inputs[worst]:.1e} at {' '.join(map(str, worst))}")

@@ -32,6 +32,7 @@ import numpy as np
 import torch
 
 from benchmarks.harness import environment_line
+from bridge.numerics import relative_error
 import jaxside.quantize as jq
 import fp8kernels.gemm
 from jaxside.modules import functions as jax_functions
@@ -118,7 +119,7 @@ def main() -> None:
                 continue
             out = run(a, b, a_j, b_j)
             error = (out - exact).abs()
-            relative = (error.norm() / exact.norm()).item()
+            relative = relative_error(out, exact)
             worst = (error / magnitude.clamp_min(1e-300)).max().item()
             flips = (_e4m3_codes(out) != exact_codes).float().mean().item()
             log2 = math.log2(worst) if worst > 0 else -math.inf

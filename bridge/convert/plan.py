@@ -109,12 +109,6 @@ class Plan:
                 totals[owner] += sum(math.prod(sizes) for _, sizes in boxes) * itemsize(entry.target.dtype)
         return totals
 
-    def largest_box_bytes(self) -> int:
-        """The largest single box any owner writes (what one read-transform-write step holds)."""
-        return max(
-            (math.prod(s) * itemsize(e.target.dtype) for e in self.entries for bs in e.boxes for _, s in bs), default=0
-        )
-
 
 @dataclass(frozen=True)
 class WriteJob:

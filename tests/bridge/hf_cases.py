@@ -86,11 +86,6 @@ def reference_logits(model: LlamaForCausalLM, tokens: torch.Tensor) -> np.ndarra
         return model(tokens).logits.numpy()
 
 
-def relative(ours: np.ndarray, reference: np.ndarray) -> float:
-    assert ours.shape == reference.shape and not np.isnan(ours).any()
-    return float(np.linalg.norm(ours - reference) / np.linalg.norm(reference))
-
-
 def torch_logits(model, tokens: torch.Tensor) -> np.ndarray:
     with torch.no_grad():
         logits = model(tokens)

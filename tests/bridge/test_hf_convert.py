@@ -22,6 +22,7 @@ from safetensors.torch import load_file, save_file
 from bridge import cli
 from bridge.convert import convert, hf, open_reader
 from bridge.convert.plan import make_plan
+from bridge.numerics import relative_error
 from jaxside.models import hf_llama
 from tests.bridge.hf_cases import (
     FP8_DEFECTS,
@@ -31,7 +32,6 @@ from tests.bridge.hf_cases import (
     hf_model,
     random_tokens,
     reference_logits,
-    relative,
     save,
     torch_logits,
 )
@@ -108,7 +108,7 @@ def test_hf_to_dcp_loads_into_our_llama_with_transformers_logits(sources, tmp_pa
 
     tokens = random_tokens(config.vocab_size)
     logits = torch_logits(model, tokens)
-    assert relative(logits, reference_logits(reference_model, tokens)) <= TOLERANCE
+    assert relative_error(logits, reference_logits(reference_model, tokens)) <= TOLERANCE
     assert (logits == torch_logits(torch_llama.load_hf(directory), tokens)).all()  # the same weights as load_hf's
 
 

@@ -148,3 +148,15 @@ def test_the_report_names_the_first_divergence_in_run_order():
     assert [c["name"] for c in data["checks"]][:2] == ["layers.0", "layers.1"]
     assert TensorCheck(0, "weight_grad", "layers.3.mlp.fc1_weight", 0, 0, False, Tolerance(1), True).layer == "layers.3"
     assert TensorCheck(0, "input_grad", "input", 0, 0, False, Tolerance(1), True).layer == "input"
+
+
+def test_relative_error_is_the_norm_of_the_difference_over_the_norm_of_the_reference():
+    expected = np.array([[3.0, 0.0], [0.0, 4.0]])  # norm 5
+    got = expected + np.array([[0.6, 0.0], [0.0, 0.8]])  # a difference of norm 1
+    assert numerics.relative_error(got, expected) == pytest.approx(0.2, rel=1e-15)
+    halves = torch.tensor([[3.0, 0.0], [0.0, 4.0]], dtype=torch.bfloat16)  # torch, in a dtype numpy lacks
+    assert numerics.relative_error(halves * 0.5, halves) == 0.5
+    assert numerics.relative_error(np.zeros(3), np.zeros(3)) == 0.0
+    assert numerics.relative_error(np.ones(3), np.zeros(3)) == math.inf
+    with pytest.raises(ValueError, match=r"got shape \(3,\), expected \(1, 3\)"):
+        numerics.relative_error(np.ones(3), np.ones((1, 3)))

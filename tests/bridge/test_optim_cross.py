@@ -17,6 +17,7 @@ import optax
 import pytest
 import torch
 
+from bridge.numerics import relative_error
 from jaxside import sharding as S
 from fp8kernels._backend import Backend, backend_for
 from jaxside.optim import fused_adam
@@ -37,11 +38,6 @@ CASES = {  # name -> (adam_w_mode, torch dtype, jax dtype, master_weights)
     "adamw-bf16-master": (True, torch.bfloat16, jnp.bfloat16, True),
     "adam-l2-bf16": (False, torch.bfloat16, jnp.bfloat16, False),
 }
-
-
-def _relative_error(got, expected) -> float:
-    got, expected = np.asarray(got, np.float64), np.asarray(expected, np.float64)
-    return float(np.linalg.norm(got - expected) / np.linalg.norm(expected))
 
 
 @pytest.mark.parametrize("case", sorted(CASES))
@@ -85,11 +81,11 @@ def test_twenty_steps_match_torch_fused_adam(case, monkeypatch):
         torch_state = optimizer.state[torch_param]
         for name in ("exp_avg", "exp_avg_sq") + (("master_param",) if master_weights else ()):
             expected = torch_state[name].float().numpy().T
-            error = _relative_error(getattr(state, name)[k], expected)
+            error = relative_error(getattr(state, name)[k], expected)
             assert error <= RELATIVE_TOLERANCE, f"{case}: {k} {name} relative error {error:.3g}"
         got, expected = np.asarray(params[k], np.float32), torch_param.detach().float().numpy().T
         if jax_dtype == jnp.float32:
-            error = _relative_error(got, expected)
+            error = relative_error(got, expected)
             assert error <= RELATIVE_TOLERANCE, f"{case}: {k} parameter relative error {error:.3g}"
         else:
             one_ulp = np.abs(expected) * 2.0**-7  # bf16 keeps 8 significant bits: an ulp is at most |x| 2^-7

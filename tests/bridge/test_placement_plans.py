@@ -56,7 +56,7 @@ EXPECTED_PLACEMENTS = {
 
 
 def _built_in_placements(name: str) -> tuple:
-    """DESIGN.md's table under FSDP2 on (dp_shard, tp), by what each Llama parameter is (not by the plan code)."""
+    """docs/design.md's table under FSDP2 on (dp_shard, tp), by what each Llama parameter is (not by the plan code)."""
     if "norm" in name.rsplit(".", 1)[-1] or name == "norm.weight":
         return Shard(0), Replicate()  # norm weights: replicated over tp
     if name.endswith(("proj.weight", "fc2_weight")):

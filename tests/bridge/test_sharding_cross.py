@@ -1,6 +1,6 @@
 """jaxside.sharding's rules against the torch placement table, as shard maps on 8 host devices.
 
-torch side: the table of DESIGN.md ("Parallelism"), written out here from the document, with FSDP2
+torch side: the table of docs/design.md ("Parallelism"), written out here from the document, with FSDP2
 on top (Shard(0) over dp_shard; `_StridedShard(0, sf=tp)` where TP already shards dim 0), turned
 into a shard map by bridge.layout (checked against live DTensors in test_layout_live.py). JAX side:
 what `devices_indices_map` reports for jaxside's NamedSharding. A torch weight [out, in] is the
@@ -20,7 +20,7 @@ from jaxside import sharding as S
 from torchside.parallel import mesh_axes
 from torchside.parallel._torch_compat import make_strided_shard
 
-# DESIGN.md: (parameter role, parallel mode) -> the TP placement of the torch parameter.
+# docs/design.md: (parameter role, parallel mode) -> the TP placement of the torch parameter.
 TORCH_TP_TABLE = {
     ("weight", "column"): Shard(0), ("weight", "row"): Shard(1), ("weight", None): Replicate(),
     ("bias", "column"): Shard(0), ("bias", "row"): Replicate(), ("bias", None): Replicate(),

@@ -1,7 +1,7 @@
 """bridge.transfer: which NamedSharding holds a DTensor's shards, what is refused, and that nothing is copied.
 
 Layout questions need no processes: a torch mesh described as a MeshSpec against a JAX mesh of this
-process's 8 host devices (device i stands for rank i), checked against the closed forms of DESIGN.md.
+process's 8 host devices (device i stands for rank i), checked against the closed forms of docs/design.md.
 Zero-copy is checked on a one-rank gloo world (its DTensor's local shard is the whole tensor): the
 jax.Array's buffer must be the torch storage, and back. Several processes: test_runtime.py.
 """
@@ -27,7 +27,7 @@ FSDP_TP = layout.MeshSpec((4, 2), ("dp_shard", "tp"))  # ranks 0..7 in row-major
 
 
 def test_fsdp_over_column_tp_is_tp_major_in_jax():
-    """FSDP2 over a column-parallel weight: rank (dp=i, tp=j) holds row 4j + i of 8 (DESIGN.md)."""
+    """FSDP2 over a column-parallel weight: rank (dp=i, tp=j) holds row 4j + i of 8 (docs/design.md)."""
     placements = (make_strided_shard(0, 2), Shard(0))
     sharding = transfer.sharding_for(FSDP_TP, placements, (8, 16), make_mesh(dp_shard=4, tp=2))
     assert sharding.spec == PartitionSpec(("tp", "dp_shard"), None)

@@ -14,6 +14,7 @@ import ml_dtypes
 import numpy as np
 
 import jaxside.quantize as Q
+from bridge.numerics import relative_error
 from jaxside.modules import LayerNorm, LayerNormLinear, Linear, RMSNorm
 from jaxside.recipe import (
     DelayedScaling,
@@ -189,8 +190,7 @@ def mismatches(got: dict, expected: dict, dtype, recipe, slack: float = 1.0) -> 
     for name, want in expected.items():
         have, want = to_float64(got[name]), to_float64(want)
         off = np.abs(have - want) > tolerance * (np.abs(want) + np.sqrt(np.mean(want**2)))
-        difference, size = np.linalg.norm(have - want), np.linalg.norm(want)
-        error = float(difference / size) if size else float(difference and np.inf)
+        error = relative_error(have, want)
         if not (np.isfinite(have).all() and off.mean() <= FLIPPED_FRACTION and error <= whole_tolerance):
             failed[name] = f"{off.sum()} of {off.size} elements off, relative error {error:.2e}"
     return failed

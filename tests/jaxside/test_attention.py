@@ -16,6 +16,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 
+from bridge.numerics import relative_error
 from jaxside.modules import DotProductAttention, RotaryPositionEmbedding, apply_rotary_pos_emb
 from tests.jaxside.attention64 import attention64, causal_keep, rotate64
 
@@ -48,9 +49,8 @@ def _masks(mask_type: str, rng) -> tuple:
 
 
 def _relative_error(got, want) -> float:
-    got = np.asarray(got).astype(np.float64)
-    assert np.isfinite(got).all(), "NaN or inf in the module's result"
-    return float(np.linalg.norm(got - want) / np.linalg.norm(want))
+    assert np.isfinite(np.asarray(got, np.float64)).all(), "NaN or inf in the module's result"
+    return relative_error(got, want)
 
 
 def check_attention(mask_type: str, groups: int, qkv_format: str, dtype) -> None:

@@ -20,7 +20,7 @@ import pytest
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
-from bridge.numerics import FP32_ORDER
+from bridge.numerics import FP32_ORDER, relative_error
 from jaxside import sharding as S
 from jaxside.modules import GRAD_FILTER, Linear, fp8_autocast, fp8_linear, place
 from jaxside.modules.tokens import batch_dim, data_parallel_groups
@@ -85,21 +85,16 @@ def _on_mesh(recipe, x, dy, kernel, bias, *, per_shard: bool):
     return step(model, jax.device_put(x, tokens), jax.device_put(dy, tokens))
 
 
-def _relative(got, expected) -> float:
-    got, expected = np.asarray(got, np.float64), np.asarray(expected, np.float64)
-    return float(np.linalg.norm(got - expected) / np.linalg.norm(expected))
-
-
 @pytest.mark.parametrize("recipe_name", RECIPES)
 def test_each_dp_shard_casts_its_own_tokens(recipe_name):
     recipe, inputs = RECIPES[recipe_name], _inputs()
     expected = _per_shard_reference(recipe, *inputs)
     names = ("y", "dx", "dkernel", "dbias")
     got = _on_mesh(recipe, *inputs, per_shard=True)
-    errors = {name: _relative(a, b) for name, a, b in zip(names, got, expected)}
+    errors = {name: relative_error(a, b) for name, a, b in zip(names, got, expected)}
     assert all(error <= ORDER_ONLY for error in errors.values()), f"{recipe_name}: {errors}"
     whole_batch = _on_mesh(recipe, *inputs, per_shard=False)  # the control: one cast over every shard's tokens
-    control = {name: _relative(a, b) for name, a, b in zip(names, whole_batch, expected)}
+    control = {name: relative_error(a, b) for name, a, b in zip(names, whole_batch, expected)}
     assert max(control[name] for name in ("y", "dkernel")) > 100 * ORDER_ONLY, f"{recipe_name}: {control}"
 
 
@@ -119,7 +114,7 @@ def test_one_device_told_the_dp_ranks_casts_as_they_do(recipe_name):
         return y, dx, dkernel, dbias
 
     got, expected = grouped_step(x, dy, kernel, bias), _per_shard_reference(recipe, x, dy, kernel, bias)
-    errors = {name: _relative(a, b) for name, a, b in zip(("y", "dx", "dkernel", "dbias"), got, expected)}
+    errors = {name: relative_error(a, b) for name, a, b in zip(("y", "dx", "dkernel", "dbias"), got, expected)}
     assert all(error <= ORDER_ONLY for error in errors.values()), f"{recipe_name}: {errors}"
 
 

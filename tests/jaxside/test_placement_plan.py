@@ -39,7 +39,7 @@ def placements(resolved) -> dict[str, tuple]:
 
 def test_the_default_plan_is_the_placement_table_with_fsdp_on_dim_0():
     resolved = DEFAULT_PLAN.resolve(UNITS, PARAMS, SIZES)
-    assert placements(resolved) == {  # DESIGN.md's table: column splits dim 0, row dim 1, norms replicate
+    assert placements(resolved) == {  # docs/design.md's table: column splits dim 0, row dim 1, norms replicate
         "embedding.weight": (0, 0),
         "layers.0.self_attention.layernorm_qkv.layer_norm_weight": (None, 0),
         "layers.0.self_attention.layernorm_qkv.weight": (0, 0),

@@ -1,6 +1,6 @@
 """The compiled FSDP x TP training step moves activations as torch's layout does: nothing is regathered.
 
-torch's FSDP2 x TP (DESIGN.md, "Parallelism"): an activation [S, B, D] keeps its batch split over the
+torch's FSDP2 x TP (docs/design.md, "Parallelism"): an activation [S, B, D] keeps its batch split over the
 data axes; FSDP all-gathers each parameter before use (over dp_shard) and reduce-scatters its grad; TP
 all-reduces, over tp, the output of a row-parallel GEMM and the input grad of a column-parallel one,
 both [S, B / dp, D]. Under FP8 each data-parallel rank casts its own tokens, so an FP8 GEMM needs no
@@ -43,7 +43,7 @@ _COLLECTIVE = re.compile(
 _SHAPE = re.compile(r"\w+\[([\d,]*)\]")
 
 
-# DESIGN.md's TP table once FSDP2 has unsharded a parameter (torch [out, in] read as the Flax kernel [in, out]):
+# docs/design.md's TP table once FSDP2 has unsharded a parameter (torch [out, in] read as the Flax kernel [in, out]):
 # (role, parallel mode, logical axes) -> the PartitionSpec a GEMM or norm reads it in
 TP_ONLY = {
     ("kernel", "column", ("embed", "mlp")): PartitionSpec(None, "tp"),  # weight Shard(0)

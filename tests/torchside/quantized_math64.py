@@ -7,6 +7,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from bridge import numerics
 from fp8kernels import reference as R
 from torchside.modules import LayerNormLinear, Linear, ModuleConfig
 from torchside.recipe import (
@@ -182,4 +183,4 @@ CONFIG = ModuleConfig(amax_history_len=8)
 
 def relative_error(actual: torch.Tensor, expected: torch.Tensor) -> float:
     assert torch.isfinite(actual).all(), "NaN or inf in the module's result"
-    return ((actual.double() - expected).norm() / expected.norm()).item()
+    return numerics.relative_error(actual, expected)

@@ -31,6 +31,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import Replicate, Shard
 
 from bridge.layout import ShardMap, compare, from_dtensor
+from bridge.numerics import relative_error
 from tests.distributed import run_processes, run_threads
 from tests.torchside.fsdp_tp_training import B, build_meshes, dp_coordinate, full_value, load_values, local, train
 from tests.torchside.tp_stack import (
@@ -42,7 +43,6 @@ from tests.torchside.tp_stack import (
     S,
     global_values,
     make_stack,
-    relative_error,
     seeded,
 )
 from torchside.autocast import fp8_autocast, quantized_model_init

@@ -7,6 +7,7 @@ Kernels run under the Triton interpreter on CPU (tests/conftest.py); `gpu` tests
 import pytest
 import torch
 
+from bridge.numerics import relative_error
 from fp8kernels.adam_reference import split_master
 from torchside.optim import FusedAdam
 
@@ -39,10 +40,6 @@ def _train(optimizer, params, steps, grad_dtype=None, seed=1):
         optimizer.step()
 
 
-def _relative(actual, expected):
-    return ((actual.double() - expected.double()).norm() / expected.double().norm()).item()
-
-
 @pytest.mark.parametrize("adam_w_mode", [True, False], ids=["adamw", "adam_l2"])
 def test_fp32_matches_torch_over_50_steps(adam_w_mode):
     ours, theirs = _params(), _params()
@@ -52,9 +49,9 @@ def test_fp32_matches_torch_over_50_steps(adam_w_mode):
     _train(optimizer, ours, 50)
     _train(reference, theirs, 50)
     for mine, torchs in zip(ours, theirs):
-        assert _relative(mine.detach(), torchs.detach()) < 1e-6
+        assert relative_error(mine.detach(), torchs.detach()) < 1e-6
         for name in ("exp_avg", "exp_avg_sq"):
-            assert _relative(optimizer.state[mine][name], reference.state[torchs][name]) < 1e-6
+            assert relative_error(optimizer.state[mine][name], reference.state[torchs][name]) < 1e-6
 
 
 def test_bf16_params_with_fp32_master_follow_fp32_adamw():
@@ -67,7 +64,7 @@ def test_bf16_params_with_fp32_master_follow_fp32_adamw():
     for mine, torchs in zip(ours, theirs):
         master = optimizer.state[mine]["master_param"]
         assert master.dtype == torch.float32
-        assert _relative(master, torchs.detach()) < 1e-6
+        assert relative_error(master, torchs.detach()) < 1e-6
         assert torch.equal(mine.detach(), master.bfloat16())
 
 
@@ -199,7 +196,7 @@ def test_parameters_that_miss_steps_keep_their_own_step_count():
         reference.step()
     assert optimizer.state[ours[1]]["step"].item() == 3
     for mine, torchs in zip(ours, theirs):
-        assert _relative(mine.detach(), torchs.detach()) < 1e-6
+        assert relative_error(mine.detach(), torchs.detach()) < 1e-6
 
 
 def test_zero_grad_and_after_step_hooks():
@@ -226,7 +223,7 @@ def test_reference_backend_matches_the_kernel(monkeypatch):
     monkeypatch.setenv("TRITON_INTERPRET", "0")
     _train(FusedAdam(_groups(reference_params), master_weights=True), reference_params, 5)
     for a, b in zip(kernel_params, reference_params):
-        assert _relative(a.detach(), b.detach()) < 1e-6
+        assert relative_error(a.detach(), b.detach()) < 1e-6
 
 
 def test_configuration_errors_name_the_fix():
@@ -261,7 +258,7 @@ def test_matches_torch_fused_adamw_on_cuda(adam_w_mode):
     _train(optimizer, ours, 50)
     _train(reference, theirs, 50)
     for mine, torchs in zip(ours, theirs):
-        assert _relative(mine.detach(), torchs.detach()) < 1e-6
+        assert relative_error(mine.detach(), torchs.detach()) < 1e-6
 
 
 @pytest.mark.gpu

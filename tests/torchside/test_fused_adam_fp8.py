@@ -19,6 +19,7 @@ import pytest
 import torch
 from torch import nn
 
+from bridge.numerics import relative_error
 from tests.distributed import run_threads
 from tests.torchside.fp8_adam_runs import (
     OPTIMIZER,
@@ -40,10 +41,6 @@ def same_bytes(a: QuantizedTensor, b: QuantizedTensor) -> bool:
     mine, theirs = a.quantized_storage.buffers(), b.quantized_storage.buffers()
     as_bytes = lambda t: t.contiguous().view(torch.uint8)  # noqa: E731
     return mine.keys() == theirs.keys() and all(torch.equal(as_bytes(mine[n]), as_bytes(theirs[n])) for n in mine)
-
-
-def relative(actual: torch.Tensor, expected: torch.Tensor) -> float:
-    return ((actual.double() - expected.double()).norm() / expected.double().norm()).item()
 
 
 # ---- one process: grads from a real FP8 forward and backward
@@ -71,8 +68,8 @@ def test_fp8_weight_is_the_reference_cast_of_an_adamw_master(recipe_name):
         optimizer.zero_grad()
         master = optimizer.state[weight]["master_param"]
         assert same_bytes(weight, reference_cast(recipe, master)), f"step {step}"
-    assert relative(master, reference_params[0].detach()) < 1e-6
-    assert relative(layer.bias.detach(), reference_params[1].detach()) < 1e-6
+    assert relative_error(master, reference_params[0].detach()) < 1e-6
+    assert relative_error(layer.bias.detach(), reference_params[1].detach()) < 1e-6
 
 
 def test_quantized_parameters_need_a_master_and_a_hook():

@@ -27,6 +27,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
 from torch.distributed.tensor import DTensor, Shard
 
+from bridge.numerics import relative_error
 from tests.distributed import run_processes
 from torchside.models.llama import LLAMA_CONFIGS, Llama, LlamaConfig
 from torchside.models.llama_parallel import (
@@ -122,12 +123,9 @@ def test_logits_and_gradients_match_float64_math():
     logits64 = reference_logits64(params64, batch[:, :-1], CONFIG)
     F.cross_entropy(logits64.flatten(0, 1), batch[:, 1:].flatten()).backward()
 
-    def relative(a, b):
-        return ((a.double() - b).norm() / b.norm()).item()
-
-    assert relative(logits_SBV.transpose(0, 1), logits64) < 1e-5
+    assert relative_error(logits_SBV.transpose(0, 1), logits64) < 1e-5
     # The embedding's gradient sums its two uses (lookup and head): the float64 twin uses one tensor for both.
-    errors = {name: relative(p.grad, params64[name].grad) for name, p in model.named_parameters()}
+    errors = {name: relative_error(p.grad, params64[name].grad) for name, p in model.named_parameters()}
     assert max(errors.values()) < 1e-4, errors
 
 

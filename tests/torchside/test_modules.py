@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from bridge.numerics import relative_error
 from torchside.autocast import fp8_autocast, fp8_model_init, quantized_model_init
 from torchside.modules import (
     ACTIVATIONS,
@@ -31,10 +32,6 @@ from torchside.quantization import FALLBACK_CALLS, QuantizedTensor
 from torchside.recipe import DelayedScaling, Float8BlockScaling, Float8CurrentScaling, MXFP8BlockScaling
 
 HIDDEN, FFN = 64, 96
-
-
-def relative_error(actual: torch.Tensor, expected: torch.Tensor) -> float:
-    return ((actual.double() - expected.double()).norm() / expected.double().norm()).item()
 
 
 # FP8 off, fp32: the norm kernel and torch both reduce H = 64 terms in fp32 in different orders,

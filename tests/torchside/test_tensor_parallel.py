@@ -32,6 +32,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
+from bridge.numerics import relative_error
 from tests.distributed import run_threads
 from tests.torchside.tp_stack import (
     FP32_ORDER,
@@ -47,7 +48,6 @@ from tests.torchside.tp_stack import (
     load_shards,
     make_stack,
     one_step,
-    relative_error,
     seeded,
 )
 from torchside.autocast import fp8_autocast
@@ -235,7 +235,7 @@ def test_a_tp_group_alone_gives_plain_shards_and_frozen_dtensor_weights_stay_fro
         assert result == {"frozen weight grad": None, "bias grad": ("DTensor", (Shard(0),)), "input grad": True}
 
 
-# (module, parameter) -> (placement on the TP mesh, global shape): DESIGN.md's table for Linear(8, 16) & co.
+# (module, parameter) -> (placement on the TP mesh, global shape): docs/design.md's table for Linear(8, 16) & co.
 EXPECTED_PLACEMENTS = {
     "column": {"weight": (Shard(0), (16, 8)), "bias": (Shard(0), (16,))},
     "row": {"weight": (Shard(1), (16, 8)), "bias": (Replicate(), (16,))},

@@ -38,6 +38,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from bridge.layout import from_dtensor
+from bridge.numerics import relative_error
 from tests.distributed import run_processes, run_threads
 from tests.torchside.fsdp_tp_training import dp_coordinate, load_values, train
 from tests.torchside.tp_stack import (
@@ -50,7 +51,6 @@ from tests.torchside.tp_stack import (
     global_values,
     load_shards,
     one_step,
-    relative_error,
     seeded,
 )
 from torchside.autocast import fp8_autocast, quantized_model_init

@@ -85,10 +85,6 @@ def seeded(shape, seed: int) -> torch.Tensor:
     return torch.randn(shape, generator=torch.Generator().manual_seed(seed))
 
 
-def relative_error(a: torch.Tensor, b: torch.Tensor) -> float:
-    return ((a.double() - b.double()).norm() / b.double().norm()).item()
-
-
 def one_step(model, x, dy, recipe, group=None) -> dict[str, torch.Tensor]:
     """Output, input grad and every parameter grad (full tensors) of one forward/backward."""
     x = x.clone().requires_grad_()
