@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 
 from torch import Tensor
 
-from jaxside.plan import UNIT_MODES
+from twinspec.placement import UNIT_MODES
 from torchside.modules.config import ModuleConfig
 from torchside.modules.layernorm_mlp import ACTIVATIONS
 from torchside.modules.normalization import NormSettings
