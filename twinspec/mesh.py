@@ -94,12 +94,14 @@ def mesh_from_table(table: object) -> MeshShape:
 
 def _mesh_shape(pairs: Iterable[tuple[str, object]], where: str) -> MeshShape:
     sizes: dict[str, int] = {}
+    spelled: dict[str, str] = {}  # axis -> the name it was given as
     for name, size in pairs:
         axis = AXIS_SPELLINGS.get(name)
         if axis is None:
             raise ValueError(f"{where} names an unknown axis {name!r}: {_AXES_HELP}")
-        if axis in sizes:
-            raise ValueError(f"{where} gives {axis} twice ({name!r} is another name for it); give each axis once")
+        if axis in spelled:
+            raise ValueError(f"{where} gives {axis} twice, as {spelled[axis]!r} and {name!r}; give each axis once")
+        spelled[axis] = name
         sizes[axis] = _check_size(where, name, size)
     return MeshShape(**sizes)
 

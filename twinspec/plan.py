@@ -316,7 +316,7 @@ DEFAULT_PLAN = Plan()
 
 def choose_mesh(mesh_text: str | None, plan: Plan | None = None) -> MeshShape:
     """The mesh a command runs on: its --mesh text, else the plan's [mesh], else DEFAULT_MESH (FSDP x TP, 2 x 2)."""
-    if mesh_text:
+    if mesh_text is not None:
         return parse_mesh(mesh_text)
     if plan is not None and plan.mesh is not None:
         return plan.mesh

@@ -134,7 +134,7 @@ def _price(options: PlanOptions, plan) -> PlanCost:
 
     from bridge.plan import build, cost
 
-    with build.fake_world(options.mesh.size), warnings.catch_warnings():
+    with build.fake_world(options.mesh.world_size), warnings.catch_warnings():
         # materializing on a CPU mesh warns that DTensor RNG support is partial
         warnings.filterwarnings("ignore", message="DTensor random operators")
         return cost.price(build.build(options, plan=plan))
