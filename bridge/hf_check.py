@@ -53,7 +53,9 @@ def check_forward_options(recipes: tuple[str, ...], mesh: MeshShape, batch_size:
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise ValueError(f"--{name} {value!r}: pass an integer >= 1")
     if batch_size % mesh.data_parallel_size:
-        raise ValueError(f"--batch-size {batch_size} must divide over the {mesh.data_parallel_size} data-parallel ranks")
+        raise ValueError(
+            f"--batch-size {batch_size} must divide over the {mesh.data_parallel_size} data-parallel ranks"
+        )
     if set(recipes) - {"off"} and seq_len % 32:
         raise ValueError(f"--seq-len {seq_len}: pass a multiple of 32 (MXFP8's and 1x128 blocks' tiles)")
 

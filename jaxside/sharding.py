@@ -117,7 +117,8 @@ def spec_for(logical_axes: Sequence[str], mode: str | None = None, role: str | N
     if role is None:
         return PartitionSpec(*(rules.activations[name] for name in axes))
     if role not in FLAX_ROLES:
-        raise ValueError(f"role={role!r} is not a parameter role: use one of {tuple(FLAX_ROLES)}, or None for activations")
+        roles = tuple(FLAX_ROLES)
+        raise ValueError(f"role={role!r} is not a parameter role: use one of {roles}, or None for activations")
     entries = rules.for_role(role)
     if len(axes) != len(entries) or any(name in ACTIVATION_AXES for name in axes):
         raise ValueError(

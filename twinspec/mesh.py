@@ -8,6 +8,7 @@ Users write sizes as `name=size,...` (`split_axis_sizes`: the spelling every mes
 and may write `rep` for dp_replicate and `dp` for dp_shard (`AXIS_SPELLINGS`). The same names and
 rules hold for `--mesh rep=2,dp=2` (`parse_mesh`) and for a placement plan's `[mesh]` table
 (`mesh_from_table`); a size is an integer >= 1, and no axis may be given twice under two names.
+A command runs on `DEFAULT_MESH` (FSDP x TP, 2 x 2) when neither names a mesh (twinspec.plan.choose_mesh).
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from dataclasses import dataclass
 DP_REPLICATE, DP_SHARD, TP = "dp_replicate", "dp_shard", "tp"
 MESH_AXES = (DP_REPLICATE, DP_SHARD, TP)  # outermost first: replicas (HSDP), FSDP shards, tensor parallelism
 
-# Every name a user may give an axis: its own, and the short ones (`dp` is FSDP's dp_shard, not dp_replicate x dp_shard).
+# Every name a user may give an axis: its own and a short one (`dp` is FSDP's dp_shard, not all data parallelism).
 AXIS_SPELLINGS: Mapping[str, str] = {
     "rep": DP_REPLICATE, DP_REPLICATE: DP_REPLICATE, "dp": DP_SHARD, DP_SHARD: DP_SHARD, TP: TP
 }  # fmt: skip

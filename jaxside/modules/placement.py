@@ -40,7 +40,7 @@ def _torch_view(path, variable: nnx.Variable) -> tuple[str, Param, bool] | None:
 
 
 def resolve_plan(model: nnx.Module, plan: Plan = DEFAULT_PLAN, mesh: MeshShape | None = None) -> Resolution:
-    """`plan` applied to `model` on `mesh` (twinspec.plan.Plan.resolve), by torch's names for its units and parameters."""
+    """`plan` applied to `model` on `mesh` (Plan.resolve), by torch's names for its units and parameters."""
     units = {
         ".".join(map(str, path)): node.tp_unit
         for path, node in nnx.iter_graph(model)

@@ -45,8 +45,10 @@ BAD = {  # --mesh text, the same [mesh] in TOML (None: TOML cannot say it), the 
     "a boolean": ("tp=true", "tp = true", "is not a size; pass an integer >= 1"),
     "zero": ("dp=0", "dp = 0", "dp = 0 is not a size; pass an integer >= 1"),
     "negative": ("tp=-2", "tp = -2", "is not a size; pass an integer >= 1"),
-    "an alias and its axis": ("dp=2,dp_shard=2", "dp = 2\ndp_shard = 2", "gives dp_shard twice, as 'dp' and 'dp_shard'"),
-    "rep and dp_replicate": ("dp_replicate=2,rep=2", "dp_replicate = 2\nrep = 2", "gives dp_replicate twice, as 'dp_replicate' and 'rep'"),
+    "alias and its axis": ("dp=2,dp_shard=2", "dp = 2\ndp_shard = 2", "gives dp_shard twice, as 'dp' and 'dp_shard'"),
+    "rep and dp_replicate": (
+        "dp_replicate=2,rep=2", "dp_replicate = 2\nrep = 2", "gives dp_replicate twice, as 'dp_replicate' and 'rep'"
+    ),
     "one name twice": ("dp=2,dp=2", None, "gives dp twice; give each axis once"),
     "no '='": ("dp2,tp=2", None, "'dp2' is not name=size; write axes as name=size"),
     "no axis": (",", None, "names no axis; write axes as name=size"),
