@@ -36,8 +36,8 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import Replicate, Shard
 
-import jaxside.recipe as jax_recipe  # framework-free: names and configs, no jax
-import torchside.recipe as torch_recipe
+import jaxside.recipe  # framework-free: names and configs, no jax
+import torchside.recipe
 from bridge import layout, params, transfer, twins
 from bridge.numerics import RECIPES, TensorCheck, VerifyReport, collect, tolerance
 from bridge.runtime import jax_mesh
@@ -86,7 +86,7 @@ class VerifyCase:
 def recipe_pair(name: str) -> tuple[Any, Any]:
     """(torchside recipe, jaxside recipe) of a recipe name, from each framework's registry; (None, None) for off."""
     options = {"amax_history_len": HISTORY} if name == "delayed" else {}
-    return torch_recipe.recipe_from_name(name, **options), jax_recipe.recipe_from_name(name, **options)
+    return torchside.recipe.recipe_from_name(name, **options), jaxside.recipe.recipe_from_name(name, **options)
 
 
 def verify(runtime, cases: Sequence[VerifyCase], rules: Iterable[params.Rule] = params.RULES) -> list[dict]:
