@@ -14,11 +14,16 @@ Runs inside co-located processes (bridge.runtime). Per case (model, mesh, recipe
    jaxside.optim.fused_adam steps; compared, in this order: each block's output, the input
    gradient, each weight gradient, each parameter and Adam moment after the step
    (bridge.numerics' tolerances, shard by shard).
+
+JAX, Flax and jaxside are imported inside the functions that use them: each worker imports this
+module when it unpickles `verify`, before bridge.runtime.initialize has chosen JAX's platform, and
+JAX reads JAX_PLATFORMS once, when it is imported.
 """
 
 from __future__ import annotations
 
-import dataclasses
+import ctypes
+import gc
 import math
 import sys
 import time
@@ -26,55 +31,27 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import Replicate, Shard
+
+import jaxside.recipe  # framework-free: names and configs, no jax
+import torchside.recipe
 from bridge import layout, params, transfer, twins
 from bridge.numerics import RECIPES, TensorCheck, VerifyReport, collect, tolerance
-from jaxside.plan import DEFAULT_PLAN, Plan
+from bridge.runtime import jax_mesh
+from torchside.autocast import fp8_autocast
+from torchside.models.llama_parallel import LlamaMeshes, sum_data_parallel_gradients
+from torchside.optim import FusedAdam
+from torchside.parallel import parallelize
+from twinspec.mesh import DP_REPLICATE, DP_SHARD, MESH_AXES, TP, MeshShape
+from twinspec.plan import DEFAULT_PLAN, Plan
 
-MESH_ALIASES = {"rep": "dp_replicate", "dp_replicate": "dp_replicate", "dp": "dp_shard", "dp_shard": "dp_shard",
-                "tp": "tp"}  # fmt: skip
 HISTORY = 4  # DelayedScaling amax history rows
 SEQUENCE, BATCH = 16, 8  # tokens per rank: SEQUENCE * BATCH / DP (a multiple of 32 for MXFP8's token blocks)
 LR = 1e-3
 ADAM_MOMENTS = ("exp_avg", "exp_avg_sq")  # compared, and handed to the JAX twin after each step
-
-
-@dataclass(frozen=True)
-class MeshShape:
-    """Sizes of the (dp_replicate, dp_shard, tp) mesh; 1 leaves an axis unused."""
-
-    dp_replicate: int = 1
-    dp_shard: int = 1
-    tp: int = 1
-
-    @property
-    def sizes(self) -> tuple[int, int, int]:  # in the order of the meshes' axes (torchside.parallel.MESH_AXES)
-        return self.dp_replicate, self.dp_shard, self.tp
-
-    @property
-    def size(self) -> int:
-        return math.prod(self.sizes)
-
-    @property
-    def dp(self) -> int:
-        return self.dp_replicate * self.dp_shard
-
-    def __str__(self) -> str:
-        named = zip((f.name for f in dataclasses.fields(self)), self.sizes)
-        return ",".join(f"{name}={size}" for name, size in named if size > 1) or "single"
-
-
-def parse_mesh(text: str) -> MeshShape:
-    """`dp=2,tp=2` (FSDP x TP), `rep=2,dp=2` (HSDP): axes rep|dp_replicate, dp|dp_shard, tp."""
-    sizes: dict[str, int] = {}
-    for item in filter(None, (part.strip() for part in text.split(","))):
-        name, _, value = item.partition("=")
-        axis = MESH_ALIASES.get(name.strip())
-        if axis is None or not value.strip().isdigit() or int(value) < 1:
-            raise ValueError(f"mesh {text!r}: write axes as name=size with names rep, dp, tp, e.g. dp=2,tp=2")
-        if axis in sizes:
-            raise ValueError(f"mesh {text!r} names {axis} twice")
-        sizes[axis] = int(value)
-    return MeshShape(**sizes)
 
 
 @dataclass(frozen=True)
@@ -87,7 +64,7 @@ class VerifyCase:
     mesh: MeshShape
     recipes: tuple[str, ...]
     steps: int
-    plan: Plan = DEFAULT_PLAN  # placement plan of both twins (jaxside.plan)
+    plan: Plan = DEFAULT_PLAN  # placement plan of both twins
 
     def __post_init__(self) -> None:
         unknown = [r for r in self.recipes if r not in RECIPES]
@@ -95,8 +72,10 @@ class VerifyCase:
             raise ValueError(f"recipes {list(self.recipes)}: use some of {', '.join(RECIPES)}")
         if self.steps < 1:
             raise ValueError(f"steps={self.steps}: run at least 1")
-        if BATCH % self.mesh.dp:
-            raise ValueError(f"mesh {self.mesh}: the batch of {BATCH} must divide over {self.mesh.dp} DP ranks")
+        if BATCH % self.mesh.data_parallel_size:
+            raise ValueError(
+                f"mesh {self.mesh}: the batch of {BATCH} must divide over {self.mesh.data_parallel_size} DP ranks"
+            )
         twins.check_spec(self.spec)
 
     @property
@@ -106,26 +85,20 @@ class VerifyCase:
 
 def recipe_pair(name: str) -> tuple[Any, Any]:
     """(torchside recipe, jaxside recipe) of a recipe name, from each framework's registry; (None, None) for off."""
-    import jaxside.recipe as jax_recipe
-    import torchside.recipe as torch_recipe
-
     options = {"amax_history_len": HISTORY} if name == "delayed" else {}
-    return torch_recipe.recipe_from_name(name, **options), jax_recipe.recipe_from_name(name, **options)
+    return torchside.recipe.recipe_from_name(name, **options), jaxside.recipe.recipe_from_name(name, **options)
 
 
 def verify(runtime, cases: Sequence[VerifyCase], rules: Iterable[params.Rule] = params.RULES) -> list[dict]:
     """Every case and recipe in these processes; the JSON reports (the same on every rank)."""
-    from torch.distributed.device_mesh import init_device_mesh
-
-    from bridge.runtime import jax_mesh
-    from torchside.parallel import MESH_AXES
-
     rules = tuple(rules)
     reports = []
     total = sum(len(case.recipes) for case in cases)
     for case in cases:
-        if case.mesh.size != runtime.world_size:
-            raise ValueError(f"mesh {case.mesh} needs {case.mesh.size} processes; {runtime.world_size} are running")
+        if case.mesh.world_size != runtime.world_size:
+            raise ValueError(
+                f"mesh {case.mesh} needs {case.mesh.world_size} processes; {runtime.world_size} are running"
+            )
         world = init_device_mesh(runtime.device_type, case.mesh.sizes, mesh_dim_names=MESH_AXES)
         mesh = jax_mesh(world)
         for recipe in case.recipes:
@@ -152,9 +125,6 @@ def _release_programs() -> None:
     grid of 12 cases was OOM-killed on a 23 GiB machine at its last case. Without the programs
     (CPU, dp=2, 7 cases) rank 0 grew 1.91 -> 1.95 GiB over the last five, 1.65 -> 2.13 with them kept.
     """
-    import ctypes
-    import gc
-
     import jax
 
     jax.clear_caches()
@@ -175,13 +145,9 @@ class _Twins:
 
 
 def _verify_recipe(runtime, world, mesh, case: VerifyCase, recipe: str, rules) -> VerifyReport:
-    import torch.distributed as dist
     from flax import nnx
 
     from jaxside.optim import fused_adam
-    from torchside.autocast import fp8_autocast
-    from torchside.models.llama_parallel import sum_data_parallel_gradients
-    from torchside.optim import FusedAdam
 
     report = VerifyReport(case.model, str(case.mesh), recipe, case.steps, runtime.torch_device.type)
     torch_recipe, jax_recipe = recipe_pair(recipe)
@@ -249,13 +215,9 @@ def _load_torch_parameters(models: _Twins, mesh) -> None:
 
 
 def _build_twins(runtime, world, mesh, case: VerifyCase, rules, report: VerifyReport) -> _Twins:
-    import torch.distributed as dist
     from flax import nnx
 
     import jaxside.modules as JM
-    from torchside.models.llama_parallel import LlamaMeshes
-    from torchside.parallel import parallelize
-    from torchside.parallel.mesh_axes import DP_REPLICATE, DP_SHARD, TP
 
     spec = case.spec
     dist.barrier()  # JAX's collectives below (placement) must not wait long for a late process
@@ -289,8 +251,6 @@ def _check_layouts(models: _Twins, mesh, report: VerifyReport) -> None:
 
 def _load_seeded_values(model) -> None:
     """Seeded global values (norm weights near 1), each rank copying its shard (by the shard map)."""
-    import torch
-
     generator = torch.Generator().manual_seed(5)
     with torch.no_grad():
         for name, param in model.named_parameters():
@@ -302,15 +262,11 @@ def _load_seeded_values(model) -> None:
 
 
 def _activation_placements() -> list:
-    from torch.distributed.tensor import Replicate, Shard
-
     return [Shard(1), Shard(1), Replicate()]  # batch over (dp_replicate, dp_shard), whole on every TP rank
 
 
 def _batch(meshes, step: int, hidden: int, device) -> tuple[Any, Any]:
     """This rank's batch columns of the step's seeded global x and dy [S, B, H]."""
-    import torch
-
     generator = torch.Generator().manual_seed(1000 + step)
     x, dy = (torch.randn(SEQUENCE, BATCH, hidden, generator=generator) for _ in range(2))
     columns = (t.chunk(meshes.data_parallel_size, dim=1)[meshes.data_parallel_rank()] for t in (x, dy))
@@ -330,8 +286,6 @@ def _activation_from_jax(array, world):
 
 
 def _replicas(dtensor) -> int:
-    from torch.distributed.tensor import Replicate
-
     mesh = dtensor.device_mesh
     return math.prod(mesh.size(d) for d, p in enumerate(dtensor.placements) if isinstance(p, Replicate))
 
@@ -368,7 +322,6 @@ def _jax_step(recipe):
     """
     import jax
     import jax.numpy as jnp
-    import torch.distributed as dist
     from flax import nnx
     from jax.sharding import NamedSharding, PartitionSpec
 
@@ -429,4 +382,4 @@ class _Placement:
         return hash(self._key)
 
 
-__all__ = ["HISTORY", "LR", "MeshShape", "VerifyCase", "parse_mesh", "recipe_pair", "verify"]
+__all__ = ["HISTORY", "LR", "VerifyCase", "recipe_pair", "verify"]

@@ -24,8 +24,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from bridge.crosscheck import MeshShape
 from bridge.numerics import RECIPES, TensorCheck, VerifyReport, tolerance
+from twinspec.mesh import MESH_AXES, MeshShape
 
 TOKEN_SEED = 0
 
@@ -52,8 +52,10 @@ def check_forward_options(recipes: tuple[str, ...], mesh: MeshShape, batch_size:
     for name, value in (("batch-size", batch_size), ("seq-len", seq_len)):
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise ValueError(f"--{name} {value!r}: pass an integer >= 1")
-    if batch_size % mesh.dp:
-        raise ValueError(f"--batch-size {batch_size} must divide over the {mesh.dp} data-parallel ranks")
+    if batch_size % mesh.data_parallel_size:
+        raise ValueError(
+            f"--batch-size {batch_size} must divide over the {mesh.data_parallel_size} data-parallel ranks"
+        )
     if set(recipes) - {"off"} and seq_len % 32:
         raise ValueError(f"--seq-len {seq_len}: pass a multiple of 32 (MXFP8's and 1x128 blocks' tiles)")
 
@@ -63,7 +65,6 @@ def check_input(case: HFCase) -> None:
     from jax.sharding import AbstractMesh
 
     from jaxside.models.hf_llama import Checkpoint
-    from jaxside.sharding import MESH_AXES
 
     path = Path(case.path)
     if not path.is_dir():

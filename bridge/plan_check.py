@@ -30,10 +30,10 @@ import sys
 import time
 from dataclasses import dataclass
 
-from bridge.crosscheck import MeshShape
 from bridge.hf_check import check_forward_options, logits_report, random_tokens
 from bridge.numerics import TensorCheck, tolerance
-from jaxside.plan import Plan
+from twinspec.mesh import DP_SHARD, MESH_AXES, MeshShape
+from twinspec.plan import Plan
 
 SEED = 0
 
@@ -59,10 +59,6 @@ def _config():
     return LLAMA_CONFIGS["tiny"]
 
 
-def _sizes(mesh: MeshShape) -> dict[str, int]:
-    return {"dp_replicate": mesh.dp_replicate, "dp_shard": mesh.dp_shard, "tp": mesh.tp}
-
-
 def _meta_model(case: PlanCase):
     from torchside.models.llama import Llama
     from torchside.modules import ModuleConfig
@@ -77,10 +73,9 @@ def check_input(case: PlanCase) -> None:
 
     from jaxside.models.llama import Llama
     from jaxside.modules.placement import shardings
-    from jaxside.sharding import MESH_AXES
     from torchside.parallel.plan import resolve
 
-    resolve(_meta_model(case), case.plan, _sizes(case.mesh))
+    resolve(_meta_model(case), case.plan, case.mesh)
     twin = nnx.eval_shape(lambda: Llama(_config(), plan=case.plan, rngs=nnx.Rngs(0)))
     shardings(twin, AbstractMesh(case.mesh.sizes, MESH_AXES), case.plan)
 
@@ -92,7 +87,6 @@ def verify_plan(runtime, case: PlanCase) -> list[dict]:
     from bridge.runtime import jax_mesh
     from torchside.models.llama import Llama
     from torchside.models.llama_parallel import build_meshes
-    from torchside.parallel.mesh_axes import DP_SHARD
 
     mesh = case.mesh
     meshes = build_meshes(runtime.device_type, dp=mesh.dp_shard, tp=mesh.tp, replicate=mesh.dp_replicate)

@@ -8,7 +8,7 @@ diverges. Blocks, by model name (H hidden, F = 4H ffn):
     mlp           x + mlp(x)                 mlp: LayerNormMLP H -> F -> H (fc1 column, fc2 row)
     transformer   TransformerLayer(x)        self_attention (fused LayerNorm-QKV, proj) + layernorm_mlp
 
-A placement plan (`TwinSpec.plan`, jaxside.plan) gives the mlp and transformer blocks their TP modes
+A placement plan (`TwinSpec.plan`, twinspec.plan) gives the mlp and transformer blocks their TP modes
 by name (`layers.N.mlp`, `layers.N.self_attention`, `layers.N.layernorm_mlp`), on both sides alike.
 
 Activations are [S, B, H] (sequence first); every parameter and activation is fp32. The JAX stack
@@ -22,7 +22,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from jaxside.plan import DEFAULT_PLAN, Plan
+from twinspec.plan import DEFAULT_PLAN, Plan
 
 HEAD_DIM = 32  # transformer: heads = hidden / HEAD_DIM
 

@@ -25,7 +25,7 @@ TP splits must be a name whose activations TP splits, else the layer's output wo
 as its kernel is. A module reads each parameter in its `gathered_spec` (the rules without dp_shard,
 applied by `constrain`): torch's FSDP2 all-gathers a parameter before use, and so must XLA.
 
-Where parameters are stored is a placement plan's choice (jaxside.plan; DEFAULT_PLAN gives the
+Where parameters are stored is a placement plan's choice (twinspec.plan; DEFAULT_PLAN gives the
 specs of the tables above, tests/jaxside/test_placement_plan.py checks it): `plan_spec` turns the
 torch dims a plan splits over tp and dp_shard into the PartitionSpec of the same shards, and
 jaxside.modules.placement places every parameter by it.
@@ -42,11 +42,11 @@ import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-# The mesh axes (outermost first, as torch's HSDP mesh) and placement plans: framework-free, shared with torch.
-from jaxside.plan import DP_REPLICATE, DP_SHARD, MESH_AXES, TP, PlannedParam, spec_entries
+# The mesh axes (outermost first, as torch's HSDP mesh), the placement table and plans: shared with torch.
+from twinspec.mesh import DP_REPLICATE, DP_SHARD, MESH_AXES, TP
+from twinspec.placement import FLAX_ROLES, PARALLEL_MODES
+from twinspec.plan import PlannedParam, spec_entries
 
-PARALLEL_MODES = ("column", "row", None)  # torchside's `parallel_mode`
-PARAM_ROLES = ("kernel", "bias", "norm")  # torch's rows: linear weight, linear bias, norm weight/bias
 FEATURE_AXES = ("embed", "mlp", "heads", "kv", "vocab")  # dims of parameters and activations
 ACTIVATION_AXES = ("batch", "seq")  # dims only activations have
 
@@ -116,8 +116,9 @@ def spec_for(logical_axes: Sequence[str], mode: str | None = None, role: str | N
     rules = RULES[mode]
     if role is None:
         return PartitionSpec(*(rules.activations[name] for name in axes))
-    if role not in PARAM_ROLES:
-        raise ValueError(f"role={role!r} is not a parameter role: use one of {PARAM_ROLES}, or None for activations")
+    if role not in FLAX_ROLES:
+        roles = tuple(FLAX_ROLES)
+        raise ValueError(f"role={role!r} is not a parameter role: use one of {roles}, or None for activations")
     entries = rules.for_role(role)
     if len(axes) != len(entries) or any(name in ACTIVATION_AXES for name in axes):
         raise ValueError(
@@ -134,7 +135,7 @@ def spec_for(logical_axes: Sequence[str], mode: str | None = None, role: str | N
 
 
 def plan_spec(planned: PlannedParam, *, transpose: bool) -> PartitionSpec:
-    """The PartitionSpec holding what torch holds of a parameter placed by a plan (jaxside.plan.Resolution).
+    """The PartitionSpec holding what torch holds of a parameter placed by a plan (twinspec.plan.Resolution).
 
     `planned` is in torch's dims; `transpose`: the JAX parameter is the torch one transposed (a Flax
     kernel [in, out] of a torch weight [out, in]). One axis on a dim is its name, two a tuple.

@@ -25,8 +25,7 @@ FORBIDDEN_IMPORTS = {
 # Framework-free modules both sides share (the Llama config and the Hugging Face name table): they live
 # in jaxside, whose package __init__s import nothing, so that the table exists once (docs/twins.md).
 # torchside may import these and nothing else of jaxside; they import neither framework.
-# jaxside.plan: placement plans (data, parsing, validation), read by torchside.parallel and jaxside.sharding.
-SHARED = {"jaxside.models.llama_config", "jaxside.models.hf_llama", "jaxside.plan"}
+SHARED = {"jaxside.models.llama_config", "jaxside.models.hf_llama"}
 SHARED_MAY_IMPORT = {
     "__future__", "json", "math", "dataclasses", "pathlib", "typing", "numpy", "safetensors",
     "collections", "fnmatch", "re", "tomllib",

@@ -18,11 +18,11 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
+from twinspec.mesh import DEFAULT_MESH
+
 if TYPE_CHECKING:
     from bridge.plan.build import PlanOptions
     from bridge.plan.cost import PlanCost
-
-DEFAULT_MESH = "dp=2,tp=2"
 
 
 def register(verbs) -> None:
@@ -116,10 +116,10 @@ def _read_plan(path: str | None):
 
 def _options(args: argparse.Namespace, mesh_text: str | None, plan) -> PlanOptions:
     """The build's options: the mesh from --mesh, else the plan's [mesh], else DEFAULT_MESH."""
-    from bridge.crosscheck import parse_mesh
-    from bridge.plan.build import PlanOptions, plan_mesh, plan_sequence_parallel
+    from bridge.plan.build import PlanOptions, plan_sequence_parallel
+    from twinspec.plan import choose_mesh
 
-    mesh = parse_mesh(mesh_text) if mesh_text else plan_mesh(plan) or parse_mesh(DEFAULT_MESH)
+    mesh = choose_mesh(mesh_text, plan)
     sequence_parallel = args.sequence_parallel or plan_sequence_parallel(plan)
     return PlanOptions(
         model=args.model, mesh=mesh, layers=args.layers, hidden=args.hidden, config=args.config,
@@ -134,7 +134,7 @@ def _price(options: PlanOptions, plan) -> PlanCost:
 
     from bridge.plan import build, cost
 
-    with build.fake_world(options.mesh.size), warnings.catch_warnings():
+    with build.fake_world(options.mesh.world_size), warnings.catch_warnings():
         # materializing on a CPU mesh warns that DTensor RNG support is partial
         warnings.filterwarnings("ignore", message="DTensor random operators")
         return cost.price(build.build(options, plan=plan))

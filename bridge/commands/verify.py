@@ -9,7 +9,7 @@ seeded random tokens are compared (FP8 off by default); with --model llama --pla
 tiny Llama under the plan is compared with its JAX twin and with the unsharded model. Exit codes: 0
 all within tolerance, 1 a divergence (the first one is named), 2 bad input.
 
---plan PLAN places both twins by a placement plan (a TOML file, jaxside.plan): its [mesh] is the
+--plan PLAN places both twins by a placement plan (a TOML file, twinspec.plan): its [mesh] is the
 default --mesh, and the plan is checked against the model before any process starts. Without --model,
 the model is the first of mlp, transformer and llama whose parameter names the plan's rules all match
 (one line says which; an explicit --model the plan does not match is an error naming the rule). With --model
@@ -98,13 +98,13 @@ def run(args: argparse.Namespace, console: Console) -> int:
     args.model, chosen = _model(args, plan)
     if args.model == "llama" and args.hf is None and plan is not None:
         case = _plan_case(args, plan)
-        work, processes, worker = case, case.mesh.size, plan_check.verify_plan
+        work, processes, worker = case, case.mesh.world_size, plan_check.verify_plan
     elif args.model == "llama" or args.hf is not None:
         case = _hf_case(args)
-        work, processes, worker = case, case.mesh.size, hf_check.verify_hf
+        work, processes, worker = case, case.mesh.world_size, hf_check.verify_hf
     else:
         cases = _cases(args, plan)
-        work, processes, worker = cases, cases[0].mesh.size, crosscheck.verify
+        work, processes, worker = cases, cases[0].mesh.world_size, crosscheck.verify
     if args.report:
         from bridge.cli import check_output_path
 
@@ -188,7 +188,7 @@ def _hf_case(args: argparse.Namespace):
             "--plan with --hf: a checkpoint loads by the built-in placement; verify a plan on the seeded tiny Llama "
             "(--model llama --plan PLAN, without --hf)"
         )
-    mesh = _llama_mesh(args, "--hf", None)
+    mesh = _llama_mesh(args, "--hf")
     case = HFCase(args.hf, mesh, _recipes(args.recipe or "off"), **_llama_options(args, "--hf"))
     check_input(case)
     return case
@@ -200,7 +200,7 @@ def _plan_case(args: argparse.Namespace, plan):
 
     from bridge.plan_check import PlanCase, check_input
 
-    mesh = _llama_mesh(args, "--model llama --plan", plan.mesh)
+    mesh = _llama_mesh(args, "--model llama --plan", plan)
     options = _llama_options(args, "--model llama --plan")
     case = PlanCase(plan, mesh, _recipes(args.recipe or "current"), name=Path(args.plan).stem, **options)
     check_input(case)
@@ -217,20 +217,18 @@ def _llama_options(args: argparse.Namespace, what: str) -> dict:
     }
 
 
-def _llama_mesh(args: argparse.Namespace, what: str, plan_mesh: dict | None):
+def _llama_mesh(args: argparse.Namespace, what: str, plan=None):
     """The one --mesh of a Llama check; without one, the plan's [mesh] or dp=2,tp=2."""
-    from bridge.crosscheck import MeshShape, parse_mesh
+    from twinspec.plan import choose_mesh
 
     if args.mesh and len(args.mesh) > 1:
         raise ValueError(f"{what} takes one --mesh, got {len(args.mesh)}: verify the meshes one by one")
-    if args.mesh:
-        return parse_mesh(args.mesh[0])
-    return parse_mesh("dp=2,tp=2") if plan_mesh is None else MeshShape(**plan_mesh)
+    return choose_mesh(args.mesh[0] if args.mesh else None, plan)
 
 
 def _cases(args: argparse.Namespace, plan) -> list:
-    from bridge.crosscheck import MeshShape, VerifyCase, parse_mesh
-    from jaxside.plan import DEFAULT_PLAN
+    from bridge.crosscheck import VerifyCase
+    from twinspec.plan import DEFAULT_PLAN, choose_mesh
 
     hf_only = [f"--{name.replace('_', '-')}" for name in HF_DEFAULTS if getattr(args, name) is not None]
     if hf_only:
@@ -240,11 +238,8 @@ def _cases(args: argparse.Namespace, plan) -> list:
         STACK_DEFAULTS[n] if getattr(args, n) is None else getattr(args, n) for n in STACK_DEFAULTS
     )
     plan = DEFAULT_PLAN if plan is None else plan
-    if args.mesh:
-        meshes = [parse_mesh(text) for text in args.mesh]
-    else:
-        meshes = [parse_mesh("dp=2,tp=2") if plan.mesh is None else MeshShape(**plan.mesh)]
-    if len({mesh.size for mesh in meshes}) > 1:
+    meshes = [choose_mesh(text, plan) for text in args.mesh or [None]]
+    if len({mesh.world_size for mesh in meshes}) > 1:
         raise ValueError(f"meshes {[str(m) for m in meshes]} need different process counts; verify them one by one")
     cases = [VerifyCase(args.model, layers, hidden, mesh, recipes, steps, plan) for mesh in meshes]
     for case in cases:
@@ -258,10 +253,7 @@ def _check_plan(case) -> None:
     from bridge.twins import build_torch
     from torchside.parallel.plan import resolve
 
-    mesh = case.mesh
-    resolve(
-        build_torch(case.spec), case.plan, {"dp_replicate": mesh.dp_replicate, "dp_shard": mesh.dp_shard, "tp": mesh.tp}
-    )
+    resolve(build_torch(case.spec), case.plan, case.mesh)
 
 
 def _check_tp_divides(case) -> None:

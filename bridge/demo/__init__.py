@@ -37,8 +37,8 @@ def check_input(options: DemoOptions) -> None:
     ValueError naming --dp/--tp and the fix.
     """
     from bridge import plan_check
-    from bridge.crosscheck import MeshShape
-    from jaxside.plan import DEFAULT_PLAN
+    from twinspec.mesh import MeshShape
+    from twinspec.plan import DEFAULT_PLAN
 
     mesh = MeshShape(dp_shard=options.dp, tp=options.tp)
     case = plan_check.PlanCase(

@@ -43,7 +43,7 @@ def jax_twin(model, plan=None):
     from flax import nnx
 
     from jaxside.models.llama import Llama
-    from jaxside.plan import DEFAULT_PLAN
+    from twinspec.plan import DEFAULT_PLAN
 
     # torch pads the vocabulary for its TP size; the twin pads to the same rows, so the two pair up.
     config = dataclasses.replace(model.config, vocab_multiple=model.padded_vocab_size)

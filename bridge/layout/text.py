@@ -14,6 +14,7 @@ import numpy as np
 
 from bridge import _torch_compat
 from bridge.layout import MeshSpec
+from twinspec.mesh import split_axis_sizes
 
 if TYPE_CHECKING:
     from jax.sharding import PartitionSpec
@@ -27,17 +28,13 @@ _REDUCE_OPS = ("sum", "avg", "max", "min")
 
 
 def parse_mesh(text: str) -> MeshSpec:
-    """`dp=4,tp=2` -> a rank-ordered MeshSpec."""
-    names, sizes = [], []
-    for item in filter(None, (part.strip() for part in text.split(","))):
-        name, equals, size = item.partition("=")
-        if not equals or not name.strip().isidentifier() or not size.strip().isdigit():
-            raise ValueError(f"mesh axis {item!r} is not NAME=SIZE; write the mesh like dp=4,tp=2")
-        names.append(name.strip())
-        sizes.append(int(size))
-    if not names:
-        raise ValueError(f"mesh {text!r} names no axis; write the mesh like dp=4,tp=2")
-    return MeshSpec(tuple(sizes), tuple(names))
+    """`dp=4,tp=2` -> a rank-ordered MeshSpec, its axes named and ordered as written.
+
+    Not twinspec.mesh.parse_mesh: a layout's mesh is any mesh (any names, any number of axes, in the
+    user's order, named as the PartitionSpec names them), not a run's three. It is spelled the same way.
+    """
+    names, sizes = zip(*split_axis_sizes(text))
+    return MeshSpec(sizes, names)
 
 
 def parse_shape(text: str) -> tuple[int, ...]:

@@ -1,7 +1,7 @@
 """The model a plan is priced on: torch as built on the mesh, and its JAX twin's parameter specs.
 
 `build` builds the model on the meta device and hands it to `place`, the one function that decides
-where parameters live: by a placement plan (`read_plan`: jaxside.plan.Plan, issue 33), or without
+where parameters live: by a placement plan (`read_plan`: twinspec.plan.Plan, issue 33), or without
 one by the built-in placement. The JAX twin's specs come from the same plan.
 `fake_world` gives a CLI process the ranks of a whole mesh without starting any: torch's fake
 process group, as rank 0, whose collectives do nothing. `parallelize` then materializes rank 0's
@@ -17,7 +17,8 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from bridge.crosscheck import MeshShape
+from twinspec.mesh import MESH_AXES, MeshShape
+from twinspec.plan import DEFAULT_PLAN, Plan
 
 if TYPE_CHECKING:
     from torch import nn
@@ -57,9 +58,10 @@ class PlanOptions:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name}={value!r}: pass an integer >= 1")
-        if self.batch % self.mesh.dp:
+        if self.batch % self.mesh.data_parallel_size:
             raise ValueError(
-                f"--batch {self.batch} must divide over the {self.mesh.dp} data-parallel ranks of {self.mesh}"
+                f"--batch {self.batch} must divide over the {self.mesh.data_parallel_size} data-parallel ranks of "
+                f"{self.mesh}"
             )
         if self.sequence_parallel and self.seq % self.mesh.tp:
             raise ValueError(f"sequence parallelism splits --seq {self.seq} over tp={self.mesh.tp}: pick a multiple")
@@ -130,7 +132,6 @@ class JaxSpec:
 def build(options: PlanOptions, device: str = "cpu", plan=None) -> BuiltModel:
     """The model placed on this process's ranks by `plan` (None: the default plan; a process group of the
     mesh's size must be up)."""
-    from jaxside.plan import DEFAULT_PLAN
     from torchside.models.llama_parallel import build_meshes
     from torchside.optim import FusedAdam, requantize_fp8_weights
 
@@ -150,7 +151,7 @@ def build(options: PlanOptions, device: str = "cpu", plan=None) -> BuiltModel:
 
 
 def place(options: PlanOptions, model: nn.Module, meshes: LlamaMeshes, device: str, plan) -> nn.Module:
-    """Where every parameter lives: by `plan` (jaxside.plan.Plan)."""
+    """Where every parameter lives: by `plan` (twinspec.plan.Plan)."""
     if options.model == "llama":
         from torchside.models.llama_parallel import parallelize_llama
 
@@ -201,7 +202,6 @@ def jax_specs(options: PlanOptions, torch_shapes: dict[str, tuple[int, ...]], pl
 
     import jaxside.modules as JM
     from bridge import params
-    from jaxside.sharding import MESH_AXES
 
     jax_model = nnx.eval_shape(lambda: _jax_model(options, plan))
     mesh = jax.sharding.AbstractMesh(options.mesh.sizes, MESH_AXES)
@@ -228,9 +228,7 @@ def _jax_model(options: PlanOptions, plan):
 
 
 def read_plan(path: str):
-    """The placement plan in a TOML file (jaxside.plan.Plan; ValueError naming the file, and the rule or what it is)."""
-    from jaxside.plan import Plan
-
+    """The placement plan in a TOML file (twinspec.plan.Plan; ValueError naming the file, and the rule or what it is)."""
     try:
         return Plan.from_toml(path)
     except OSError as error:  # missing, a folder, unreadable
@@ -241,13 +239,6 @@ def read_plan(path: str):
             f"{path}: not a text file (byte {error.object[error.start]:#04x} at {error.start} is not UTF-8); pass a "
             "TOML placement plan (examples/plans/)"
         ) from error
-
-
-def plan_mesh(plan) -> MeshShape | None:
-    """The mesh a plan names in its [mesh] table, None when it names none."""
-    if plan is None or plan.mesh is None:
-        return None
-    return MeshShape(**plan.mesh)
 
 
 def plan_sequence_parallel(plan) -> bool:
@@ -280,6 +271,5 @@ __all__ = [
     "fake_world",
     "jax_specs",
     "place",
-    "plan_mesh",
     "read_plan",
 ]

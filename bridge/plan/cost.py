@@ -39,6 +39,7 @@ from typing import TYPE_CHECKING, Any
 
 from bridge import layout
 from bridge.layout import MeshSpec, ShardMap
+from twinspec.mesh import DP_REPLICATE, DP_SHARD, TP
 
 if TYPE_CHECKING:
     import torch
@@ -217,7 +218,6 @@ def _fsdp_collectives(built: BuiltModel, result: Communication) -> None:
     from torch.distributed.fsdp import FSDPModule
 
     from bridge import _torch_compat
-    from torchside.parallel.mesh_axes import DP_REPLICATE, DP_SHARD
 
     mesh = built.options.mesh
     world = _world_spec(built)
@@ -248,7 +248,6 @@ def _fsdp_collectives(built: BuiltModel, result: Communication) -> None:
 
 def _fsdp_send_bytes(param, built: BuiltModel, high_precision: int) -> int:
     """What a rank sends to FSDP2's all-gather of `param`: an FP8 parameter's buffers as its hook sends them."""
-    from torchside.parallel.mesh_axes import DP_SHARD
     from torchside.parallel.module_mesh import local_tensor
 
     local = local_tensor(param)
@@ -260,13 +259,12 @@ def _fsdp_send_bytes(param, built: BuiltModel, high_precision: int) -> int:
 
 def _tp_collectives(built: BuiltModel, result: Communication) -> None:
     from torchside.parallel import TensorParallelMixin
-    from torchside.parallel.mesh_axes import TP
     from torchside.parallel.placements import grad_is_partial_over_tp
 
     options = built.options
     if options.mesh.tp == 1:
         return
-    tokens = options.seq * options.batch // options.mesh.dp  # whole sequences of this rank's batch
+    tokens = options.seq * options.batch // options.mesh.data_parallel_size  # whole sequences of this rank's batch
     itemsize = options.torch_dtype(options.dtype).itemsize
 
     def add(kind: str, phase: str, what: str, size: int) -> None:
@@ -301,7 +299,6 @@ def _vocab_parallel_collectives(built: BuiltModel, result: Communication) -> Non
     from torch.distributed.tensor import DTensor, Shard
 
     from bridge.layout import text
-    from torchside.parallel.mesh_axes import TP
 
     options = built.options
     if options.mesh.tp == 1:
@@ -313,7 +310,7 @@ def _vocab_parallel_collectives(built: BuiltModel, result: Communication) -> Non
         shown = "not split" if split is None else text.format_placements([split])
         result.not_priced.append(f"tp: the embedding ({shown} over tp, not by vocabulary rows), the head, the loss")
         return
-    tokens = options.seq * options.batch // options.mesh.dp
+    tokens = options.seq * options.batch // options.mesh.data_parallel_size
     hidden = tokens * built.model.config.hidden_size * weight.dtype.itemsize
 
     def add(kind: str, phase: str, what: str, size: int) -> None:
@@ -334,8 +331,6 @@ def _vocab_parallel_collectives(built: BuiltModel, result: Communication) -> Non
 def _tp_shape(param) -> tuple[int, ...]:
     """The shape of the TP shard a forward reads (FSDP2 gathers the data-parallel shards back into it)."""
     from torch.distributed.tensor import DTensor, Shard
-
-    from torchside.parallel.mesh_axes import TP
 
     shape = list(param.shape)
     if isinstance(param, DTensor):

@@ -39,8 +39,9 @@ from jaxside.modules import ModuleConfig, RMSNorm, RotaryPositionEmbedding, Tran
 from jaxside.modules.base import parameter
 from jaxside.modules.placement import gathered, shardings
 from jaxside.modules.tokens import batch_dim
-from jaxside.plan import DEFAULT_PLAN, Plan, torch_name
-from jaxside.sharding import DP_SHARD, TP, constrain, make_mesh, spec_for
+from jaxside.sharding import constrain, make_mesh, spec_for
+from twinspec.mesh import DP_SHARD, TP
+from twinspec.plan import DEFAULT_PLAN, Plan, torch_name
 
 
 def transformer_config(
@@ -65,7 +66,7 @@ def transformer_config(
 class VocabKernel(nnx.Module):
     """`kernel` [D, Vp]: the token embedding (`embed`) or an untied head (`logits`)."""
 
-    tp_unit = "embedding"  # the kind of unit whose TP mode a placement plan chooses (jaxside.plan)
+    tp_unit = "embedding"  # the kind of unit whose TP mode a placement plan chooses (twinspec.plan)
 
     def __init__(self, hidden_size: int, vocab_size: int, init, dtype, rngs: nnx.Rngs) -> None:
         self.kernel = parameter(rngs, init, (hidden_size, vocab_size), dtype, ("embed", "vocab"), "kernel", "column")

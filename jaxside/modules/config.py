@@ -11,7 +11,7 @@ from dataclasses import dataclass
 import jax.numpy as jnp
 import numpy as np
 
-from jaxside.sharding import PARALLEL_MODES
+from twinspec.placement import PARALLEL_MODES
 
 PARAMS_DTYPES = (np.dtype(jnp.float32), np.dtype(jnp.bfloat16))  # what the FP8 GEMM and the norms write
 

@@ -64,7 +64,8 @@ from jaxside.recipe import (
     Recipe,
 )
 from jaxside.modules.tokens import forced_data_parallel_groups
-from jaxside.sharding import DP_REPLICATE, DP_SHARD, constrain, data_parallel_size
+from jaxside.sharding import constrain, data_parallel_size
+from twinspec.mesh import DP_REPLICATE, DP_SHARD
 
 ACTIVATION_DTYPES = (np.dtype(jnp.float32), np.dtype(jnp.bfloat16))  # what the GEMMs and norms write
 

@@ -80,7 +80,7 @@ ACTIVATIONS: dict[str, Activation] = {
 class LayerNormMLP(FP8Module):
     """Norm + MLP with TransformerEngine's te.LayerNormMLP arguments (Flax's kernel layout and initializer names)."""
 
-    tp_unit = "mlp"  # the kind of unit whose TP mode a placement plan chooses (jaxside.plan)
+    tp_unit = "mlp"  # the kind of unit whose TP mode a placement plan chooses (twinspec.plan)
 
     def __init__(
         self,

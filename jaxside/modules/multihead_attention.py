@@ -67,7 +67,7 @@ def _head_dim(owner: str, hidden_size: int, num_attention_heads: int, config: Tr
 class MultiheadAttention(nnx.Module):
     """Self-attention with TransformerEngine's te.MultiheadAttention structure; see the module docstring."""
 
-    tp_unit = "attention"  # the kind of unit whose TP mode a placement plan chooses (jaxside.plan)
+    tp_unit = "attention"  # the kind of unit whose TP mode a placement plan chooses (twinspec.plan)
 
     def __init__(
         self,

@@ -2,7 +2,7 @@
 
 Each parameter carries its logical axes (`nnx.with_partitioning`) and, as metadata, its row of the
 placement table: `parallel_role` (kernel, bias or norm) and `parallel_mode` (None, "column" or
-"row"). `shardings` hands every parameter, by its torch name, role and mode, to a `jaxside.plan.Plan`
+"row"). `shardings` hands every parameter, by its torch name, role and mode, to a `twinspec.plan.Plan`
 (DEFAULT_PLAN: the built-in placement, torch's table with FSDP on dim 0), which decides the dims
 tp and dp_shard split, as it does for the torch model; dims the mesh does not divide are refused.
 Modules with a `tp_unit` class attribute (embedding, attention, mlp) are the units whose TP mode a
@@ -17,10 +17,10 @@ import jax
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from jaxside.plan import DEFAULT_PLAN, Param, Plan, Resolution, torch_name
-from jaxside.sharding import MESH_AXES, _check_divisible, constrain, gathered_spec, plan_spec
-
-_TORCH_ROLES = {"kernel": "linear_weight", "bias": "linear_bias", "norm": "norm"}
+from jaxside.sharding import _check_divisible, constrain, gathered_spec, plan_spec
+from twinspec.mesh import MESH_AXES, MeshShape
+from twinspec.placement import FLAX_ROLES
+from twinspec.plan import DEFAULT_PLAN, Param, Plan, Resolution, torch_name
 
 
 def _torch_view(path, variable: nnx.Variable) -> tuple[str, Param, bool] | None:
@@ -34,13 +34,13 @@ def _torch_view(path, variable: nnx.Variable) -> tuple[str, Param, bool] | None:
     name = torch_name(".".join(map(str, path)), len(shape))
     return (
         name,
-        Param(shape[::-1] if transpose else shape, _TORCH_ROLES[role], metadata.get("parallel_mode")),
+        Param(shape[::-1] if transpose else shape, FLAX_ROLES[role], metadata.get("parallel_mode")),
         transpose,
     )
 
 
-def resolve_plan(model: nnx.Module, plan: Plan = DEFAULT_PLAN, sizes=None) -> Resolution:
-    """`plan` applied to `model` (jaxside.plan.Plan.resolve), by torch's names for its units and parameters."""
+def resolve_plan(model: nnx.Module, plan: Plan = DEFAULT_PLAN, mesh: MeshShape | None = None) -> Resolution:
+    """`plan` applied to `model` on `mesh` (Plan.resolve), by torch's names for its units and parameters."""
     units = {
         ".".join(map(str, path)): node.tp_unit
         for path, node in nnx.iter_graph(model)
@@ -48,7 +48,7 @@ def resolve_plan(model: nnx.Module, plan: Plan = DEFAULT_PLAN, sizes=None) -> Re
     }
     flat = nnx.to_flat_state(nnx.state(model))
     params = dict(view[:2] for path, variable in flat if (view := _torch_view(path, variable)) is not None)
-    return plan.resolve(units, params, sizes)
+    return plan.resolve(units, params, mesh)
 
 
 def shardings(model: nnx.Module, mesh: Mesh, plan: Plan = DEFAULT_PLAN) -> nnx.State:
@@ -57,7 +57,7 @@ def shardings(model: nnx.Module, mesh: Mesh, plan: Plan = DEFAULT_PLAN) -> nnx.S
         raise ValueError(f"mesh axes {tuple(mesh.axis_names)} are not {MESH_AXES}: build the mesh with make_mesh")
     state = nnx.state(model)
     logical_specs = dict(nnx.to_flat_state(nnx.get_partition_spec(state)))
-    resolution = resolve_plan(model, plan, dict(mesh.shape))
+    resolution = resolve_plan(model, plan, MeshShape(**mesh.shape))
 
     def sharding_of(path, variable: nnx.Variable) -> nnx.Variable:
         view = _torch_view(path, variable)

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from jaxside.modules.config import ModuleConfig
 from jaxside.modules.layernorm_mlp import ACTIVATIONS
 from jaxside.modules.normalization import NormSettings
-from jaxside.plan import UNIT_MODES
+from twinspec.placement import UNIT_MODES
 
 MASK_TYPES = ("no_mask", "causal", "padding", "padding_causal", "arbitrary")
 QKV_FORMATS = ("sbhd", "bshd")
@@ -65,7 +65,7 @@ class TransformerConfig:
     qkv_format: str = "sbhd"  # layout of hidden states and q/k/v: [S, B, ...] or [B, S, ...]
     softmax_scale: float | None = None  # None: 1 / sqrt(head dim)
     module_config: ModuleConfig = field(default_factory=ModuleConfig)
-    # A placement plan's TP modes (jaxside.plan.UNIT_MODES): "split" over the mesh's tp, or "replicate".
+    # A placement plan's TP modes (twinspec.placement.UNIT_MODES): "split" over the mesh's tp, or "replicate".
     attention_tp: str = "split"
     mlp_tp: str = "split"
 

@@ -332,8 +332,8 @@ def test_json_round_trips():
 @pytest.mark.parametrize(
     "build, message",
     [
-        (lambda: parse_mesh("dp4,tp=2"), "NAME=SIZE"),
-        (lambda: parse_mesh("dp=4,dp=2"), "repeat"),
+        (lambda: parse_mesh("dp4,tp=2"), "is not name=size"),
+        (lambda: parse_mesh("dp=4,dp=2"), "gives dp twice"),
         (lambda: parse_shape("8,x"), "positive sizes"),
         (lambda: parse_placements("Shard(0), Bogus(1)"), "'Bogus\\(1\\)'.*not a placement"),
         (lambda: parse_placements("Shard(0"), "do not parse"),

@@ -115,7 +115,7 @@ def test_layout_finds_the_jax_equivalent_torch_chunk_makes(stdout):
         (["--mesh", "dp=4,tp=2", "--shape", "8,16", "--placements", "Shard(0),Sharp(1)"], "not a placement"),
         (["--mesh", "dp=4,tp=2", "--shape", "8,16", "--pspec", "(('tp','dp')"], "write it like"),
         (["--mesh", "dp=4,tp=2", "--shape", "6,16", "--pspec", "('dp',None)"], "JAX rejects"),
-        (["--mesh", "dp=four", "--shape", "8,16", "--placements", "Shard(0)"], "NAME=SIZE"),
+        (["--mesh", "dp=four", "--shape", "8,16", "--placements", "Shard(0)"], "dp = 'four' is not a size"),
         (["--mesh", "dp=4", "--shape", "8", "--placements", "Shard(0)", "--transpose"], "2-D weight"),
     ],
 )

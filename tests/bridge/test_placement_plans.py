@@ -24,15 +24,16 @@ import pytest
 from torch.distributed.tensor import Replicate, Shard
 
 from bridge import layout, params
-from jaxside.plan import DEFAULT_PLAN, DP_REPLICATE, DP_SHARD, MESH_AXES, TP, Plan
 from tests.distributed import run_processes, run_threads
 from torchside.parallel._torch_compat import make_strided_shard
+from twinspec.mesh import DP_REPLICATE, DP_SHARD, MESH_AXES, TP, MeshShape
+from twinspec.plan import DEFAULT_PLAN, Plan, torch_name
 
 pytestmark = pytest.mark.usefixtures("reference_kernels")  # tests/conftest.py: what threaded ranks run
 
 PLANS_DIR = Path(__file__).parents[2] / "examples" / "plans"
 EXAMPLES = sorted(path.stem for path in PLANS_DIR.glob("*.toml"))
-DEFAULT_MESH = {DP_SHARD: 2, TP: 2}  # the default plan names no mesh: FSDP2 x TP 2 x 2
+DEFAULT_MESH = MeshShape(dp_shard=2, tp=2)  # the default plan names no mesh: FSDP2 x TP 2 x 2
 
 # Written out from the plans' meaning, on the (dp_shard, tp) or (dp_replicate, dp_shard, tp) mesh.
 STRIDED_0, STRIDED_1 = make_strided_shard(0, 2), make_strided_shard(1, 2)
@@ -69,8 +70,7 @@ def _plan(name: str) -> Plan:
 
 
 def _sizes(plan: Plan) -> dict[str, int]:
-    mesh = DEFAULT_MESH if plan.mesh is None else plan.mesh
-    return {axis: mesh.get(axis, 1) for axis in MESH_AXES}
+    return (DEFAULT_MESH if plan.mesh is None else plan.mesh).axis_sizes
 
 
 def _jax_side(plan: Plan, sizes: dict[str, int]):
@@ -210,8 +210,6 @@ def _check_plan_builds(plan_name: str, run) -> None:
 
 def _global_shapes(jax_shapes):
     """The torch shapes of the JAX parameters: a 2-D kernel is its torch weight transposed."""
-    from jaxside.plan import torch_name
-
     return {
         torch_name(params.dotted(path), len(shape)): tuple(shape[::-1]) if len(shape) == 2 else tuple(shape)
         for path, shape in jax_shapes.items()

@@ -10,8 +10,8 @@ from __future__ import annotations
 import pytest
 
 from bridge import plan_check
-from bridge.crosscheck import MeshShape
-from jaxside.plan import Plan
+from twinspec.mesh import MeshShape
+from twinspec.plan import Plan
 
 # The embedding split by hidden columns: on one rank a no-op split, but the plan's code path on both sides.
 PLAN = Plan.from_dict({"rule": [{"match": "embedding", "tp": "hidden"}]})

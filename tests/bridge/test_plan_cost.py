@@ -20,9 +20,9 @@ import pytest
 import torch
 from torch.testing._internal.distributed.multi_threaded_pg import ProcessLocalGroup
 
-from bridge.crosscheck import parse_mesh
 from bridge.plan import build, cost
 from tests.distributed import run_threads
+from twinspec.mesh import parse_mesh
 
 pytestmark = pytest.mark.usefixtures("reference_kernels")  # tests/conftest.py: what threaded ranks run
 
@@ -139,7 +139,7 @@ def _forward_backward(built: build.BuiltModel) -> None:
         shape = (options.seq, options.batch, options.hidden)
         x, dy = (torch.randn(shape, generator=generator) for _ in range(2))
         dp_rank = meshes.data_parallel_rank() if meshes.world is not None else 0
-        x, dy = (t.chunk(options.mesh.dp, dim=1)[dp_rank] for t in (x, dy))
+        x, dy = (t.chunk(options.mesh.data_parallel_size, dim=1)[dp_rank] for t in (x, dy))
         if options.sequence_parallel:  # this TP rank's tokens
             tp_rank = meshes.world.get_coordinate()[2]
             x, dy = (t.chunk(options.mesh.tp, dim=0)[tp_rank] for t in (x, dy))
@@ -182,7 +182,7 @@ def _by_axis(calls, axis_of) -> dict[tuple[str, str], tuple[int, int]]:
 
 def _run(options: build.PlanOptions, plan=None):
     with CollectiveCounter() as counter:
-        results = run_threads(_measure, options.mesh.size, options, counter, plan)
+        results = run_threads(_measure, options.mesh.world_size, options, counter, plan)
     return results[0][0], *([r[i] for r in results] for i in (1, 2, 3))
 
 
@@ -258,13 +258,13 @@ def _check_collectives(options) -> None:
     for rank, ran in enumerate(sent):
         assert ran == expected, f"rank {rank}"
     if options.fp8_params is None:  # FusedAdam works on local shards; FP8 weights all-reduce amaxes (not priced)
-        assert stepped == [{}] * options.mesh.size
+        assert stepped == [{}] * options.mesh.world_size
 
 
 def test_a_plan_is_priced_as_it_places_and_communicates():
     """Attention replicated over tp, FSDP on dim 1 of the MLP's down projection, blocks kept gathered after
     forward: bytes and collectives."""
-    from jaxside.plan import Plan
+    from twinspec.plan import Plan
 
     plan = Plan.from_dict(
         {
@@ -283,6 +283,6 @@ def test_a_plan_is_priced_as_it_places_and_communicates():
     assert expected[("dp_shard", "all_gather")][0] == 2  # forward only: no block reshards after it
     assert expected[("tp", "all_reduce")][0] == 2 * 2  # the MLP's two GEMMs per block; attention is not split
     memory = predicted.memory()
-    for rank in range(options.mesh.size):
+    for rank in range(options.mesh.world_size):
         assert {kind: memory[kind][rank] for kind in cost.MEMORY_KINDS} == held[rank], f"rank {rank}"
         assert sent[rank] == expected, f"rank {rank}"

@@ -86,7 +86,7 @@ def test_png(tmp_path, stdout):
 @pytest.mark.parametrize(
     ("argv", "message"),
     [
-        (["--mesh", "dp=two"], "write axes as name=size"),
+        (["--mesh", "dp=two"], "mesh 'dp=two': dp = 'two' is not a size"),
         (["--model", "gpt"], "model 'gpt': use one of transformer, llama"),
         (["--mesh", "dp=3", "--batch", "4"], "--batch 4 must divide over the 3 data-parallel ranks"),
         (["--mesh", "tp=3"], "tp=3 must divide the heads and ffn"),
@@ -99,7 +99,7 @@ def test_bad_input_exits_2_with_one_error_line(capsys, argv, message):
     assert len(errors) == 1 and errors[0].startswith("error:") and message in errors[0], errors
 
 
-# ---- placement plans (jaxside.plan; examples/plans)
+# ---- placement plans (twinspec.plan; examples/plans)
 
 PLANS = Path(__file__).parents[2] / "examples" / "plans"
 
@@ -147,3 +147,26 @@ def test_a_bad_plan_exits_2_naming_the_rule(tmp_path, capsys):
     assert cli.main(["plan", "show", str(plan), *SMALL]) == 2
     errors = capsys.readouterr().err.strip().splitlines()
     assert len(errors) == 1 and "rule 0 (match 'layers.*.no_such_module') matches no parameter" in errors[0], errors
+
+
+@pytest.mark.parametrize(
+    "mesh_from",
+    [
+        lambda tmp_path: ["--mesh", "rep=2,dp=2"],
+        lambda tmp_path: [_plan_file(tmp_path, "[mesh]\nrep = 2\ndp = 2\n")],
+        lambda tmp_path: [_plan_file(tmp_path, "[mesh]\ndp_replicate = 2\ndp_shard = 2\n")],
+    ],
+    ids=["--mesh rep=2,dp=2", "[mesh] rep = 2, dp = 2", "[mesh] dp_replicate = 2, dp_shard = 2"],
+)
+def test_the_cli_and_a_plans_mesh_take_the_same_spellings(tmp_path, stdout, mesh_from):
+    """Issue 43: `rep = 2` in a plan's [mesh] was refused while `--mesh rep=2,dp=2` worked."""
+    assert cli.main(["plan", "show", *mesh_from(tmp_path), *SMALL, "--json"]) == 0
+    result = json.loads(stdout.getvalue())
+    assert result["mesh_axes"] == {"dp_replicate": 2, "dp_shard": 2, "tp": 1}  # HSDP: 2 replicas of 2 shards
+    assert result["mesh"] == "dp_replicate=2,dp_shard=2"
+
+
+def _plan_file(folder: Path, text: str) -> str:
+    path = folder / "plan.toml"
+    path.write_text(text)
+    return str(path)

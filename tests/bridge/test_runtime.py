@@ -25,6 +25,7 @@ import numpy as np
 import pytest
 
 from bridge import crosscheck, params, runtime
+from twinspec.mesh import MeshShape
 
 pytestmark = pytest.mark.multiprocess
 
@@ -143,7 +144,7 @@ def _scenario(rt) -> dict:
     import os
 
     os.environ["TRITON_INTERPRET"] = "0"  # torchside's kernels through the pure-torch reference
-    fsdp_tp, hsdp = crosscheck.parse_mesh("dp=2,tp=2"), crosscheck.parse_mesh("rep=2,dp=2")
+    fsdp_tp, hsdp = MeshShape(dp_shard=2, tp=2), MeshShape(dp_replicate=2, dp_shard=2)
     return {
         "layouts": _mesh_and_transfer(rt),
         "round trip": _round_trip(rt),
@@ -214,7 +215,7 @@ def test_a_broken_mapping_is_caught_and_named(results):
 
 
 def _gpu_scenario(rt) -> dict:
-    dp, tp = crosscheck.parse_mesh(f"dp={rt.world_size}"), crosscheck.parse_mesh(f"tp={rt.world_size}")
+    dp, tp = MeshShape(dp_shard=rt.world_size), MeshShape(tp=rt.world_size)
     return {
         "verify": crosscheck.verify(rt, [crosscheck.VerifyCase("mlp", 2, 64, dp, ("off", "delayed"), 2)]),
         "broken": crosscheck.verify(rt, [crosscheck.VerifyCase("mlp", 2, 64, tp, ("off",), 1)], BROKEN_RULES),

@@ -17,7 +17,7 @@ from torch.distributed.tensor import Replicate, Shard
 from bridge import layout
 from bridge.layout import MeshSpec
 from jaxside import sharding as S
-from torchside.parallel import mesh_axes
+from torchside.parallel import MESH_AXES as TORCH_MESH_AXES
 from torchside.parallel._torch_compat import make_strided_shard
 
 # docs/design.md: (parameter role, parallel mode) -> the TP placement of the torch parameter.
@@ -45,8 +45,7 @@ LAYOUTS = {  # (dp_replicate, dp_shard, tp)
 
 def test_torch_and_jax_name_the_mesh_axes_alike():
     """The bridge maps a torch mesh onto the JAX mesh of the same devices by axis name (bridge.transfer)."""
-    assert mesh_axes.MESH_AXES == S.MESH_AXES == ("dp_replicate", "dp_shard", "tp")
-    assert (mesh_axes.DP_REPLICATE, mesh_axes.DP_SHARD, mesh_axes.TP) == (S.DP_REPLICATE, S.DP_SHARD, S.TP)
+    assert TORCH_MESH_AXES == S.make_mesh(1, 1, 1).axis_names == ("dp_replicate", "dp_shard", "tp")
 
 
 def torch_placements(role: str, mode: str | None, tp_size: int) -> tuple:

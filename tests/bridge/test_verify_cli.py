@@ -28,8 +28,8 @@ PLANS = Path(__file__).parents[2] / "examples" / "plans"
 @pytest.mark.parametrize(
     "arguments, message",
     [
-        (["--mesh", "dp=2,tp=x"], "write axes as name=size"),
-        (["--mesh", "dp=2,dp=2"], "names dp_shard twice"),
+        (["--mesh", "dp=2,tp=x"], "tp = 'x' is not a size"),
+        (["--mesh", "dp=2,dp=2"], "gives dp twice"),
         (["--recipe", "fp16"], "use some of off, current"),
         (["--mesh", "dp=2", "--mesh", "dp=2,tp=2"], "need different process counts"),
         (["--model", "cnn"], "use one of linear, mlp, transformer"),

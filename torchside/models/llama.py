@@ -36,8 +36,8 @@ from torch import Tensor, nn
 
 # Framework-free (no jax): the config and the HF table are shared with jaxside.models.llama.
 from jaxside.models.llama_config import LLAMA_CONFIGS, LlamaConfig, RopeScaling
-from jaxside.plan import DEFAULT_PLAN, Plan
 from torchside.modules import ModuleConfig, RMSNorm, RotaryPositionEmbedding, TransformerConfig, TransformerLayer
+from twinspec.plan import DEFAULT_PLAN, Plan
 
 
 def transformer_config(
@@ -62,7 +62,7 @@ def transformer_config(
 class TokenEmbedding(nn.Embedding):
     """nn.Embedding initialized N(0, init_std) (torch's default is N(0, 1)), also by materialize after meta."""
 
-    tp_unit = "embedding"  # the kind of unit whose TP mode a placement plan chooses (jaxside.plan)
+    tp_unit = "embedding"  # the kind of unit whose TP mode a placement plan chooses (twinspec.plan)
 
     def __init__(self, vocab_size: int, hidden_size: int, init_std: float, **factory) -> None:
         self.init_std = init_std  # read by reset_parameters, which nn.Embedding.__init__ calls
@@ -75,7 +75,7 @@ class TokenEmbedding(nn.Embedding):
 class LMHead(nn.Module):
     """logits = h @ weight.T: its own weight [Vp, D] when untied, else the embedding's, passed in by Llama."""
 
-    tp_unit = "embedding"  # untied: split as the embedding (jaxside.plan); tied, it holds no parameter
+    tp_unit = "embedding"  # untied: split as the embedding (twinspec.plan); tied, it holds no parameter
 
     def __init__(self, vocab_size: int | None = None, hidden_size: int = 0, init_std: float = 0.02, **factory) -> None:
         super().__init__()

@@ -46,8 +46,8 @@ from torch.distributed.tensor.parallel import ColwiseParallel, PrepareModuleInpu
 
 from torchside.models.llama import Llama
 from torchside.parallel import parallelize
-from torchside.parallel.mesh_axes import DP_REPLICATE, DP_SHARD, MESH_AXES, TP
-from torchside.parallel.plan import DEFAULT_PLAN, Plan, mesh_sizes, resolve
+from torchside.parallel.plan import DEFAULT_PLAN, Plan, mesh_shape, resolve
+from twinspec.mesh import DP_REPLICATE, DP_SHARD, MESH_AXES, TP
 
 
 @dataclass(frozen=True)
@@ -125,7 +125,7 @@ def parallelize_llama(
     sequence_parallel = model.norm.sequence_parallel
     _check_fits(model, tp, sequence_parallel)
     plan = DEFAULT_PLAN if plan is None else plan
-    resolution = resolve(model, plan, mesh_sizes(meshes.data, meshes.tp))
+    resolution = resolve(model, plan, mesh_shape(meshes.data, meshes.tp))
     if meshes.tp is not None:
         hidden_layout = Shard(0) if sequence_parallel else Replicate()  # of [S, B, D]
         by_vocab = resolution.tp_modes["embedding"] == "vocab"

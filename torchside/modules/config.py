@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from torchside.parallel.placements import PARALLEL_MODES
+from twinspec.placement import PARALLEL_MODES
 
 PARAMS_DTYPES = (torch.float32, torch.bfloat16)  # what the FP8 GEMM and the norm kernels write
 

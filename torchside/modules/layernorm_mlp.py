@@ -87,7 +87,7 @@ def check_glu_interleave(owner: str, glu_interleave: object, ffn_hidden_size: in
 class LayerNormMLP(FP8Module):
     """Norm + MLP with TransformerEngine's te.LayerNormMLP arguments; TP settings come from `config`."""
 
-    tp_unit = "mlp"  # the kind of unit whose TP mode a placement plan chooses (jaxside.plan)
+    tp_unit = "mlp"  # the kind of unit whose TP mode a placement plan chooses (twinspec.plan)
 
     def __init__(
         self,

@@ -91,7 +91,7 @@ def reset_fp8_submodules(module: nn.Module) -> None:
 class MultiheadAttention(TensorParallelMixin, nn.Module):
     """Self-attention with TransformerEngine's te.MultiheadAttention structure; see the module docstring."""
 
-    tp_unit = "attention"  # the kind of unit whose TP mode a placement plan chooses (jaxside.plan)
+    tp_unit = "attention"  # the kind of unit whose TP mode a placement plan chooses (twinspec.plan)
 
     def __init__(
         self,

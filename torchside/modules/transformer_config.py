@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 
 from torch import Tensor
 
-from jaxside.plan import UNIT_MODES
+from twinspec.placement import UNIT_MODES
 from torchside.modules.config import ModuleConfig
 from torchside.modules.layernorm_mlp import ACTIVATIONS
 from torchside.modules.normalization import NormSettings
@@ -90,7 +90,7 @@ class TransformerConfig:
     qkv_format: str = "sbhd"  # layout of hidden states and q/k/v: [S, B, ...] or [B, S, ...]
     softmax_scale: float | None = None  # None: 1 / sqrt(head dim)
     module_config: ModuleConfig = field(default_factory=ModuleConfig)
-    # A placement plan's TP modes (jaxside.plan.UNIT_MODES): "split" over tp_size, or "replicate".
+    # A placement plan's TP modes (twinspec.placement.UNIT_MODES): "split" over tp_size, or "replicate".
     attention_tp: str = "split"
     mlp_tp: str = "split"
 

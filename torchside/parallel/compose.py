@@ -31,7 +31,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
 from torchside.parallel.module_mesh import TensorParallelMixin, local_tensor
-from torchside.parallel.plan import DEFAULT_PLAN, Plan, fsdp_placement_fn, mesh_sizes, resolve
+from torchside.parallel.plan import DEFAULT_PLAN, Plan, fsdp_placement_fn, mesh_shape, resolve
 from torchside.quantization import QuantizedTensor
 
 
@@ -143,7 +143,7 @@ def parallelize(
             f"parallelize(mesh=...) got a {mesh.ndim}-D mesh: pass the data-parallel part only (1-D for FSDP, 2-D "
             "(dp_replicate, dp_shard) for HSDP) and the TP part as tp_mesh"
         )
-    resolution = resolve(model, DEFAULT_PLAN if plan is None else plan, mesh_sizes(mesh, tp_mesh))
+    resolution = resolve(model, DEFAULT_PLAN if plan is None else plan, mesh_shape(mesh, tp_mesh))
     _check_sequence_parallel(model, resolution.sequence_parallel)
     tp_modules = outermost_tp_modules(model)
     for module in tp_modules:

@@ -1,4 +1,4 @@
-"""The one placement table (kept in jaxside.plan, framework-free): where a tensor-parallel module's parameters live on the TP mesh.
+"""The one placement table (twinspec.placement, framework-free): where a tensor-parallel module's parameters live on the TP mesh.
 
 Keyed by (parameter role, parallel mode); a module declares each parameter's role, its own mode
 and the parameter's global shape, and everything else follows from this table:
@@ -29,9 +29,8 @@ from __future__ import annotations
 
 from torch.distributed.tensor import Placement, Replicate, Shard
 
-# The table itself is framework-free, shared with the JAX twin through placement plans (jaxside.plan).
-from jaxside.plan import PARALLEL_MODES, ROLES, tp_shard_dim
 from torchside.recipe import Float8BlockScaling, MXFP8BlockScaling, NVFP4BlockScaling, Recipe
+from twinspec.placement import tp_shard_dim  # the table itself, shared with the JAX twin
 
 # Recipes whose quantized buffers tile each GEMM operand exactly: a TP shard must keep whole tiles.
 _RECIPE_TILE: dict[type, int] = {MXFP8BlockScaling: 32, NVFP4BlockScaling: 16}
@@ -102,8 +101,6 @@ def check_fp8_weight_fits_shard(
 
 
 __all__ = [
-    "PARALLEL_MODES",
-    "ROLES",
     "check_fp8_weight_fits_shard",
     "check_recipe_fits_shard",
     "grad_is_partial_over_tp",

@@ -1,10 +1,10 @@
-"""Placement plans in torch: `Plan` (jaxside.plan, framework-free) applied to a torch model.
+"""Placement plans in torch: `Plan` (twinspec.plan, framework-free) applied to a torch model.
 
-- `resolve(model, plan, sizes)`: the plan checked against the model's units and parameters, by
+- `resolve(model, plan, mesh)`: the plan checked against the model's units and parameters, by
   their torch names (`Resolution`: each unit's TP mode, each parameter's tp and FSDP dims);
 - `fsdp_placement_fn(model, resolution)`: FSDP2's `shard_placement_fn` giving each parameter the
   dim the plan shards (None, FSDP2's default Shard(0), for dim 0);
-- `mesh_sizes(mesh, tp_mesh)`: the axis sizes of a data-parallel mesh and a TP mesh.
+- `mesh_shape(mesh, tp_mesh)`: the MeshShape of a data-parallel mesh and a TP mesh.
 
 A module with a `tp_unit` class attribute is a unit whose TP mode a plan chooses (an untied head
 only while it holds a weight). A parameter's role and mode come from its module's `_param_specs`
@@ -14,13 +14,14 @@ rows split); any other parameter is replicated over TP.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 
 from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Shard
 
-from jaxside.plan import DEFAULT_PLAN, DP_REPLICATE, DP_SHARD, TP, Param, Plan, PlannedParam, Resolution, Rule
+from twinspec.mesh import MeshShape
+from twinspec.plan import DEFAULT_PLAN, Param, Plan, Resolution
 
 
 def model_units(model: nn.Module) -> dict[str, str]:
@@ -50,20 +51,19 @@ def model_params(model: nn.Module) -> dict[str, Param]:
     return params
 
 
-def resolve(model: nn.Module, plan: Plan = DEFAULT_PLAN, sizes: Mapping[str, int] | None = None) -> Resolution:
-    """`plan` checked against `model` (ValueError naming the rule) and applied to its units and parameters."""
+def resolve(model: nn.Module, plan: Plan = DEFAULT_PLAN, mesh: MeshShape | None = None) -> Resolution:
+    """`plan` checked against `model` on `mesh` (ValueError naming the rule) and applied to its units and parameters."""
     if not isinstance(plan, Plan):
         raise TypeError(f"plan={plan!r}: pass a Plan (Plan.from_toml(path), Plan.from_dict(d) or DEFAULT_PLAN)")
-    return plan.resolve(model_units(model), model_params(model), sizes)
+    return plan.resolve(model_units(model), model_params(model), mesh)
 
 
-def mesh_sizes(mesh: DeviceMesh | None, tp_mesh: DeviceMesh | None) -> dict[str, int]:
-    """The axis sizes of a data-parallel mesh (1-D FSDP, 2-D HSDP) and a TP mesh."""
-    sizes = {DP_REPLICATE: 1, DP_SHARD: 1, TP: 1 if tp_mesh is None else tp_mesh.size()}
-    if mesh is not None:
-        sizes[DP_SHARD] = mesh.size(mesh.ndim - 1)
-        sizes[DP_REPLICATE] = mesh.size(0) if mesh.ndim == 2 else 1
-    return sizes
+def mesh_shape(mesh: DeviceMesh | None, tp_mesh: DeviceMesh | None) -> MeshShape:
+    """The sizes of a data-parallel mesh (1-D FSDP, 2-D HSDP) and a TP mesh."""
+    tp = 1 if tp_mesh is None else tp_mesh.size()
+    if mesh is None:
+        return MeshShape(tp=tp)
+    return MeshShape(dp_replicate=mesh.size(0) if mesh.ndim == 2 else 1, dp_shard=mesh.size(mesh.ndim - 1), tp=tp)
 
 
 def fsdp_placement_fn(model: nn.Module, resolution: Resolution) -> Callable[[Tensor], Shard | None] | None:
@@ -83,11 +83,9 @@ __all__ = [
     "DEFAULT_PLAN",
     "Param",
     "Plan",
-    "PlannedParam",
     "Resolution",
-    "Rule",
     "fsdp_placement_fn",
-    "mesh_sizes",
+    "mesh_shape",
     "model_params",
     "model_units",
     "resolve",

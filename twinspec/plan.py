@@ -21,10 +21,10 @@ placed, and raises ValueError naming the rule (index and pattern) for an axis th
 exist, a dim that does not divide, a mode the module does not support, a rule that matches
 nothing, or two rules that contradict.
 
-What a TP mode means for a parameter is the one table `TP_SHARD_DIM` (parameter role, parallel
-mode) -> the torch dim split over tp; torchside.parallel.placements places by it, and
-jaxside.sharding.plan_spec turns (tp dim, fsdp dim) into the PartitionSpec of the same shards.
-Mesh axes are named `MESH_AXES`; a plan may write `dp` for `dp_shard`.
+What a TP mode does to a parameter is the placement table (twinspec.placement). Mesh axes and
+their spellings are twinspec.mesh's: `[mesh]` sizes read as `--mesh` text does (`dp` for dp_shard,
+`rep` for dp_replicate). `choose_mesh` is the one rule for the mesh a command runs on: its `--mesh`,
+else the plan's `[mesh]`, else DEFAULT_MESH.
 """
 
 from __future__ import annotations
@@ -36,34 +36,9 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
-DP_REPLICATE, DP_SHARD, TP = "dp_replicate", "dp_shard", "tp"
-MESH_AXES = (DP_REPLICATE, DP_SHARD, TP)  # outermost first: replicas (HSDP), FSDP shards, tensor parallelism
-AXIS_ALIASES = {"dp": DP_SHARD}
+from twinspec.mesh import DEFAULT_MESH, DP_SHARD, TP, MeshShape, mesh_from_table, parse_mesh
+from twinspec.placement import DECLARED, UNIT_MODES, tp_shard_dim
 
-ROLES = ("linear_weight", "linear_bias", "norm")
-PARALLEL_MODES = (None, "column", "row")
-
-# (role, parallel mode) -> the tensor dim split over the TP group, or None for replicated.
-TP_SHARD_DIM: Mapping[tuple[str, str | None], int | None] = {
-    ("linear_weight", "column"): 0,
-    ("linear_weight", "row"): 1,
-    ("linear_weight", None): None,
-    ("linear_bias", "column"): 0,
-    ("linear_bias", "row"): None,
-    ("linear_bias", None): None,
-    ("norm", "column"): None,
-    ("norm", "row"): None,
-    ("norm", None): None,
-}
-
-# Unit kind -> the TP modes a plan may give it (the first is the default) and, per mode, the
-# parallel mode of its parameters: DECLARED keeps the one each was declared with.
-DECLARED = "declared"
-UNIT_MODES: Mapping[str, Mapping[str, str | None]] = {
-    "embedding": {"vocab": DECLARED, "hidden": "row"},  # weight [V, D]: declared "column" (rows split)
-    "attention": {"split": DECLARED, "replicate": None},  # a replicated unit is built unsplit (mode None)
-    "mlp": {"split": DECLARED, "replicate": None},
-}
 RULE_FIELDS = ("match", "tp", "sequence_parallel", "fsdp_dim", "reshard_after_forward")
 FSDP_DIMS = (0, 1)
 
@@ -126,9 +101,9 @@ class Resolution:
 
 @dataclass(frozen=True)
 class Plan:
-    """Mesh sizes by axis name (None: any mesh) and ordered rules (module docstring)."""
+    """The mesh's sizes (None: any mesh) and ordered rules (module docstring)."""
 
-    mesh: Mapping[str, int] | None = None
+    mesh: MeshShape | None = None
     rules: tuple[Rule, ...] = field(default_factory=tuple)
 
     @classmethod
@@ -152,7 +127,7 @@ class Plan:
         unknown = sorted(set(data) - {"mesh", "rule"})
         if unknown:
             raise ValueError(f"unknown plan keys {unknown}: a plan has a [mesh] table and [[rule]] tables")
-        mesh = None if "mesh" not in data else _parse_mesh(data["mesh"])
+        mesh = None if "mesh" not in data else mesh_from_table(data["mesh"])
         rules = data.get("rule", [])
         if not isinstance(rules, list):
             raise TypeError("'rule' must be a list of tables ([[rule]] in TOML)")
@@ -160,14 +135,6 @@ class Plan:
 
     def __post_init__(self) -> None:
         _check_same_pattern_contradictions(self.rules)
-
-    def __hash__(self) -> int:  # the mesh is a dict: hash its items
-        return hash((tuple(sorted((self.mesh or {}).items())), self.rules))
-
-    def mesh_size(self, axis: str, sizes: Mapping[str, int] | None = None) -> int:
-        """The size of `axis`: from `sizes` when given, else the plan's mesh, else 1."""
-        source = sizes if sizes is not None else self.mesh or {}
-        return source.get(axis, 1)
 
     def setting(self, name: str, setting: str, default):
         """(value, the rule's label or None) of `setting` for `name`: the first rule matching it that sets it."""
@@ -177,26 +144,25 @@ class Plan:
                 return value, rule.label
         return default, None
 
-    def check_mesh(self, sizes: Mapping[str, int]) -> None:
+    def check_mesh(self, mesh: MeshShape) -> None:
         """ValueError when the plan names mesh sizes that differ from the mesh a model is placed on."""
-        if self.mesh is None:
-            return
-        wanted = {axis: self.mesh.get(axis, 1) for axis in MESH_AXES}
-        got = {axis: sizes.get(axis, 1) for axis in MESH_AXES}
-        if wanted != got:
-            raise ValueError(f"the plan's [mesh] is {wanted} but the model is placed on a mesh of {got}: use one mesh")
+        if self.mesh is not None and self.mesh != mesh:
+            raise ValueError(
+                f"the plan's [mesh] is {self.mesh.axis_sizes} but the model is placed on a mesh of {mesh.axis_sizes}: "
+                "use one mesh"
+            )
 
     def resolve(
-        self, units: Mapping[str, str], params: Mapping[str, Param], sizes: Mapping[str, int] | None = None
+        self, units: Mapping[str, str], params: Mapping[str, Param], mesh: MeshShape | None = None
     ) -> Resolution:
-        """Apply the plan to a model's units (name -> kind) and parameters, checking it (module docstring)."""
-        if sizes is not None:
-            self.check_mesh(sizes)
+        """Apply the plan to a model's units (name -> kind) and parameters on `mesh`, checking it (module docstring)."""
+        if mesh is not None:
+            self.check_mesh(mesh)
         tp_modes = {name: self.tp_mode(name, kind) for name, kind in units.items()}
         sequence_parallel = self._sequence_parallel(units)
         self._check_replicated_without_sequence_parallel(tp_modes, sequence_parallel)
         # Checked in name order, so that both frameworks (their own parameter orders) name the same first misfit.
-        placed = {name: self._place(name, params[name], units, tp_modes, sizes) for name in sorted(params)}
+        placed = {name: self._place(name, params[name], units, tp_modes, mesh) for name in sorted(params)}
         planned = {name: placed[name] for name in params}
         self._check_every_rule_matches(units, params)
         return Resolution(tp_modes, sequence_parallel, planned, self)
@@ -237,7 +203,11 @@ class Plan:
                 "whole sequence, but sequence parallelism splits it: set sequence_parallel = false, or split it"
             )
 
-    def _place(self, name, param: Param, units, tp_modes, sizes) -> PlannedParam:
+    def _axis_size(self, axis: str, mesh: MeshShape | None = None) -> int:
+        """The size of `axis`: on `mesh` when given, else on the plan's mesh, else 1."""
+        return (mesh or self.mesh or MeshShape()).axis_sizes[axis]
+
+    def _place(self, name, param: Param, units, tp_modes, mesh) -> PlannedParam:
         unit = _owning_unit(name, units)
         mode = param.mode
         if unit is not None:
@@ -258,7 +228,7 @@ class Plan:
                 f"match only parameters with a dim {fsdp_dim} (e.g. '*_weight')"
             )
         if rule is not None:  # the default keeps torch's uneven FSDP shards; a rule's choice must divide
-            parts = self.mesh_size(DP_SHARD, sizes) * (self.mesh_size(TP, sizes) if tp_dim == fsdp_dim else 1)
+            parts = self._axis_size(DP_SHARD, mesh) * (self._axis_size(TP, mesh) if tp_dim == fsdp_dim else 1)
             if shape[fsdp_dim] % parts:
                 raise ValueError(
                     f"{rule} shards dim {fsdp_dim} of {name} {list(shape)} over {parts} ranks, which does not "
@@ -278,17 +248,6 @@ class Plan:
                     f"{rule.label} matches no parameter or module it could set: check the pattern (names are "
                     f"torch's, e.g. 'layers.*.layernorm_mlp.fc2_weight'; units with a tp mode: {kinds})"
                 )
-
-
-def tp_shard_dim(role: str, parallel_mode: str | None) -> int | None:
-    """The dim the TP group splits for this (role, mode), None when the parameter is replicated."""
-    key = (role, parallel_mode)
-    if key not in TP_SHARD_DIM:
-        raise ValueError(
-            f"no placement for parameter role {role!r} in parallel mode {parallel_mode!r}: roles are {ROLES}, "
-            f"modes {PARALLEL_MODES}"
-        )
-    return TP_SHARD_DIM[key]
 
 
 def spec_entries(planned: PlannedParam) -> tuple[tuple[str, ...], ...]:
@@ -311,22 +270,6 @@ def _owning_unit(name: str, units: Mapping[str, str]) -> str | None:
         if prefix in units:
             return prefix
     return None
-
-
-def _parse_mesh(mesh: object) -> dict[str, int]:
-    if not isinstance(mesh, Mapping):
-        raise TypeError(f"[mesh] must be a table of axis sizes, e.g. dp_shard = 2, tp = 2; got {mesh!r}")
-    sizes = {}
-    for axis, size in mesh.items():
-        name = AXIS_ALIASES.get(axis, axis)
-        if name not in MESH_AXES:
-            raise ValueError(f"[mesh] names an unknown axis {axis!r}: the axes are {MESH_AXES} (and 'dp' for dp_shard)")
-        if name in sizes:
-            raise ValueError(f"[mesh] gives {name} twice ({axis!r} is another name for it)")
-        if isinstance(size, bool) or not isinstance(size, int) or size < 1:
-            raise ValueError(f"[mesh] {axis} = {size!r}: pass an integer >= 1")
-        sizes[name] = size
-    return sizes
 
 
 _RULE_TYPES = {"tp": str, "sequence_parallel": bool, "reshard_after_forward": bool}
@@ -370,23 +313,24 @@ def _check_same_pattern_contradictions(rules: tuple[Rule, ...]) -> None:
 
 DEFAULT_PLAN = Plan()
 
+
+def choose_mesh(mesh_text: str | None, plan: Plan | None = None) -> MeshShape:
+    """The mesh a command runs on: its --mesh text, else the plan's [mesh], else DEFAULT_MESH (FSDP x TP, 2 x 2)."""
+    if mesh_text is not None:
+        return parse_mesh(mesh_text)
+    if plan is not None and plan.mesh is not None:
+        return plan.mesh
+    return DEFAULT_MESH
+
+
 __all__ = [
-    "DECLARED",
     "DEFAULT_PLAN",
-    "DP_REPLICATE",
-    "DP_SHARD",
-    "MESH_AXES",
-    "PARALLEL_MODES",
-    "ROLES",
-    "TP",
-    "TP_SHARD_DIM",
-    "UNIT_MODES",
     "Param",
     "Plan",
     "PlannedParam",
     "Resolution",
     "Rule",
+    "choose_mesh",
     "spec_entries",
     "torch_name",
-    "tp_shard_dim",
 ]
