@@ -12,6 +12,9 @@ written copy; nothing is committed), 2 bad input, 130 interrupted (nothing left 
 from __future__ import annotations
 
 import argparse
+import os
+import tempfile
+from pathlib import Path
 
 from rich.console import Console
 from rich.markup import escape
@@ -19,6 +22,7 @@ from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeR
 from rich.table import Table
 
 FORMATS = ("dcp", "orbax", "safetensors", "hf")
+SOURCE_KINDS = {"dcp": "directory", "orbax": "directory", "safetensors": "file", "hf": "directory"}
 
 
 def register(verbs) -> None:
@@ -45,6 +49,7 @@ def register(verbs) -> None:
 
 
 def run(args: argparse.Namespace, console: Console) -> int:
+    check_paths(args)  # before torch and jax load (seconds): a mistyped path is answered at once
     from bridge.convert import convert
 
     stderr = Console(stderr=True, soft_wrap=True)
@@ -82,8 +87,36 @@ def run(args: argparse.Namespace, console: Console) -> int:
         console.print(
             f"source not verifiable: {escape(args.source)} has no recorded checksums (not written by shardbridge)", soft_wrap=True
         )
+    if result.source_read.absolute() != Path(args.source).absolute():
+        console.print(f"read {escape(str(result.source_read))} (the latest committed step in {escape(args.source)})", soft_wrap=True)
     console.print(f"wrote {escape(args.target)}", soft_wrap=True)
     return 0
+
+
+def check_paths(args: argparse.Namespace) -> None:
+    """The source (exists, file or directory as its format wants), the target (new, its folder writable) and
+    --config (exists), checked without torch or jax: ValueError naming the path and the fix."""
+    source, kind = Path(args.source), SOURCE_KINDS[args.source_format]
+    if not source.exists():
+        raise ValueError(f"source {args.source} does not exist; pass a {args.source_format} checkpoint ({kind})")
+    if source.is_dir() != (kind == "directory"):
+        found = "a directory" if source.is_dir() else "not a directory"
+        raise ValueError(f"source {args.source} is {found}, but --from {args.source_format} reads a {kind}; check the path and --from")
+    target = Path(args.target)
+    if os.path.lexists(target):
+        raise ValueError(f"target {args.target} exists; pass a new path (it is never overwritten)")
+    folder = target.absolute().parent
+    while not os.path.lexists(folder):  # missing folders are created: the nearest existing one must take them
+        folder = folder.parent
+    try:
+        with tempfile.TemporaryFile(dir=folder):  # the real test: root passes os.access on read-only mounts
+            pass
+    except OSError as error:
+        raise ValueError(
+            f"cannot create target {args.target} ({folder}: {error.strerror}): write it into a directory you can write to"
+        ) from error
+    if args.config is not None and not Path(args.config).exists():
+        raise ValueError(f"--config {args.config} does not exist; pass the model's HF config.json or its directory")
 
 
 def _print_plan(plan, console: Console) -> None:
