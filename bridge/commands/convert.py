@@ -2,8 +2,9 @@
 
 Names and orientation follow the architecture's parameter rules (a torch `weight` [out, in] is a
 Flax `kernel` [in, out]; a Hugging Face Llama directory's q/k/v and gate/up become our fused rows
-and back; `--to hf` needs the model's HF config.json as `--config`); FP8 parameters travel as their
-bytes and scales, never upcast. Every written box is read back before the target is committed and a per-tensor CRC32 table is printed.
+and back; `--to hf` writes the HF config.json a checkpoint converted from HF carries, or `--config`);
+FP8 parameters travel as their bytes and scales, never upcast. Every written box is read back before
+the target is committed and a per-tensor CRC32 table is printed.
 A source we wrote is checked against the checksums recorded with it. Under torchrun, each rank writes
 its own blocks of a DCP or safetensors target. Exit codes: 0 done, 1 a checksum differs (source or
 written copy; nothing is committed), 2 bad input, 130 interrupted (nothing left behind).
@@ -32,13 +33,17 @@ def register(verbs) -> None:
         description=__doc__.split("\n\n")[1],
     )
     parser.add_argument(
-        "source", help="a DCP directory, an Orbax step directory, a .safetensors file or an HF model directory"
+        "source", help="a DCP or Orbax checkpoint (a step, or their root: its latest step), a .safetensors file or an HF model directory"
     )
     parser.add_argument("target", help="where to write (must not exist; written in full or not at all)")
     parser.add_argument("--from", dest="source_format", required=True, choices=FORMATS)
     parser.add_argument("--to", dest="target_format", required=True, choices=FORMATS)
     parser.add_argument("--arch", default="shardbridge", help="the parameter rule table (default: shardbridge)")
-    parser.add_argument("--config", help="--to hf: the model's HF config.json (or its directory), copied into the target")
+    parser.add_argument(
+        "--config",
+        help="--to hf: the model's HF config.json (or its directory), copied into the target "
+        "(default: the one carried by a checkpoint converted from HF)",
+    )
     parser.add_argument(
         "--max-shard-size", default="5GB", help="--to hf: largest safetensors file, bytes or e.g. 5GB, 500MiB (default 5GB)"
     )
@@ -61,6 +66,7 @@ def run(args: argparse.Namespace, console: Console) -> int:
         TimeRemainingColumn(),
         console=stderr,
         transient=True,
+        disable=not stderr.is_terminal,  # (else a pipe or log file gets an empty line)
     )
     task = None
 
