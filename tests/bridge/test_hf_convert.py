@@ -20,7 +20,7 @@ import torch.distributed.checkpoint as dcp
 from safetensors.torch import load_file, save_file
 
 from bridge import cli
-from bridge.convert import convert, hf, open_reader
+from bridge.convert import convert, facts, hf, open_reader
 from bridge.convert.plan import make_plan
 from jaxside.models import hf_llama
 from tests.bridge.hf_cases import (
@@ -316,6 +316,7 @@ def test_to_hf_needs_a_config_that_fits(sources, tmp_path, capsys, monkeypatch):
     monkeypatch.delenv("COLUMNS", raising=False)  # the plan printed to a pipe (pytest-xdist's workers set 80)
     directory, _ = sources["fp32_single"]
     assert convert(directory, "hf", tmp_path / "dcp", "dcp").ok
+    (tmp_path / "dcp" / facts.FACTS_FILE).unlink()  # a checkpoint that carries no config.json (a torchside save's)
     argv = ["convert", str(tmp_path / "dcp"), str(tmp_path / "out"), "--from", "dcp", "--to", "hf"]
     assert cli.main(argv) == 2
     assert "--config" in capsys.readouterr().err
