@@ -74,16 +74,20 @@ def _written_bytes(directory: Path) -> int:
     return total
 
 
-def interrupt_while_writing(source: Path, fmt: str, share: float) -> tuple[int, str, Path]:
-    """Run `shardbridge convert` from `source` to `fmt`; SIGINT once staging holds `share` of the source's bytes.
-    (exit code, stderr, target)."""
-    target = source.parent / TARGETS[fmt]
+def _default_sigint() -> None:
+    signal.signal(signal.SIGINT, signal.SIG_DFL)  # (a shell's background job would hand down SIGINT ignored)
+
+
+def interrupt_while_writing(source: Path, fmt: str, share: float, folder: Path) -> tuple[int, str, Path]:
+    """Run `shardbridge convert` from `source` to `fmt` in `folder`; SIGINT once staging holds `share` of the
+    source's bytes. (exit code, stderr, target)."""
+    target = folder / TARGETS[fmt]
     staging = target.with_name(f".{target.name}.partial")
     size = sum(p.stat().st_size for p in source.glob("*.safetensors"))
     argv = [sys.executable, "-m", "bridge", "convert", str(source), str(target), "--from", "hf", "--to", fmt]
     env = {**os.environ, "PYTHONPATH": str(REPO)}
     process = subprocess.Popen(argv, cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
-                               start_new_session=True)  # fmt: skip
+                               start_new_session=True, preexec_fn=_default_sigint)  # fmt: skip
     sent = False
     try:
         deadline = time.monotonic() + 240
@@ -101,22 +105,22 @@ def interrupt_while_writing(source: Path, fmt: str, share: float) -> tuple[int, 
     return process.returncode, stderr, target
 
 
-def check_left_nothing(source: Path, fmt: str, share: float) -> None:
+def check_left_nothing(source: Path, fmt: str, share: float, folder: Path) -> None:
     before = {**_digests(source), **_digests(source.parent / "earlier")}
-    code, stderr, target = interrupt_while_writing(source, fmt, share)
+    code, stderr, target = interrupt_while_writing(source, fmt, share, folder)
     assert (code, stderr.splitlines()) == (130, ["error: interrupted"]), stderr
-    assert sorted(p.name for p in source.parent.iterdir()) == ["earlier", "hf"]
-    assert not os.path.lexists(target)
+    assert not os.path.lexists(target) and os.listdir(folder) == []  # no target, no staging directory
     assert {**_digests(source), **_digests(source.parent / "earlier")} == before
+    assert sorted(p.name for p in source.parent.iterdir()) == ["earlier", "hf"]
 
 
 @pytest.mark.parametrize("fmt", TARGETS)
-def test_ctrl_c_while_writing_leaves_nothing(source, fmt):
-    check_left_nothing(source, fmt, 0.3)
+def test_ctrl_c_while_writing_leaves_nothing(source, fmt, tmp_path):
+    check_left_nothing(source, fmt, 0.3, tmp_path)
 
 
 @pytest.mark.grid
 @pytest.mark.parametrize("share", [0.0, 0.1, 0.5, 0.9])
 @pytest.mark.parametrize("fmt", TARGETS)
-def test_ctrl_c_at_any_point_of_the_write_leaves_nothing(source, fmt, share):
-    check_left_nothing(source, fmt, share)
+def test_ctrl_c_at_any_point_of_the_write_leaves_nothing(source, fmt, share, tmp_path):
+    check_left_nothing(source, fmt, share, tmp_path)
