@@ -33,7 +33,8 @@ def register(verbs) -> None:
         description=__doc__.split("\n\n")[1],
     )
     parser.add_argument(
-        "source", help="a DCP or Orbax checkpoint (a step, or their root: its latest step), a .safetensors file or an HF model directory"
+        "source",
+        help="a DCP or Orbax checkpoint (a step, or their root: its latest step), a .safetensors file or an HF model directory",
     )
     parser.add_argument("target", help="where to write (must not exist; written in full or not at all)")
     parser.add_argument("--from", dest="source_format", required=True, choices=FORMATS)
@@ -54,6 +55,8 @@ def register(verbs) -> None:
 
 
 def run(args: argparse.Namespace, console: Console) -> int:
+    if args.config and args.target_format != "hf":
+        raise ValueError(f"--config is for --to hf (the target's config.json), not --to {args.target_format}; drop it")
     check_paths(args)  # before torch and jax load (seconds): a mistyped path is answered at once
     from bridge.convert import convert
 
@@ -73,15 +76,15 @@ def run(args: argparse.Namespace, console: Console) -> int:
     def on_box(key: str, nbytes: int) -> None:
         progress.update(task, advance=nbytes, description=f"writing {escape(key)}")
 
-    if args.config and args.target_format != "hf":
-        raise ValueError(f"--config is for --to hf (the target's config.json), not --to {args.target_format}; drop it")
     target_options = {"config": args.config, "max_shard_size": args.max_shard_size}
     options = dict(
         with_optimizer=args.with_optimizer, architecture=args.arch, verify=not args.no_verify, target_options=target_options
     )
-    plan = convert(args.source, args.source_format, args.target, args.target_format, dry_run=True, **options).plan
+    checked = convert(args.source, args.source_format, args.target, args.target_format, dry_run=True, **options)
+    plan = checked.plan
     if args.dry_run:
         _print_plan(plan, console)
+        _say_which_step(checked.source_read, args.source, console)
         return 0
     with progress:
         task = progress.add_task("converting", total=sum(plan.bytes_per_owner()))
@@ -93,10 +96,15 @@ def run(args: argparse.Namespace, console: Console) -> int:
         console.print(
             f"source not verifiable: {escape(args.source)} has no recorded checksums (not written by shardbridge)", soft_wrap=True
         )
-    if result.source_read.absolute() != Path(args.source).absolute():
-        console.print(f"read {escape(str(result.source_read))} (the latest committed step in {escape(args.source)})", soft_wrap=True)
+    _say_which_step(result.source_read, args.source, console)
     console.print(f"wrote {escape(args.target)}", soft_wrap=True)
     return 0
+
+
+def _say_which_step(read: Path, source: str, console: Console) -> None:
+    """A root of saves was given: which of its steps is read."""
+    if read.absolute() != Path(source).absolute():
+        console.print(f"read {escape(str(read))} (the latest committed step in {escape(source)})", soft_wrap=True)
 
 
 def check_paths(args: argparse.Namespace) -> None:
@@ -107,7 +115,9 @@ def check_paths(args: argparse.Namespace) -> None:
         raise ValueError(f"source {args.source} does not exist; pass a {args.source_format} checkpoint ({kind})")
     if source.is_dir() != (kind == "directory"):
         found = "a directory" if source.is_dir() else "not a directory"
-        raise ValueError(f"source {args.source} is {found}, but --from {args.source_format} reads a {kind}; check the path and --from")
+        raise ValueError(
+            f"source {args.source} is {found}, but --from {args.source_format} reads a {kind}; check the path and --from"
+        )
     target = Path(args.target)
     if os.path.lexists(target):
         raise ValueError(f"target {args.target} exists; pass a new path (it is never overwritten)")

@@ -154,7 +154,9 @@ def convert(
         devices = _devices(target_format, world)
         reader = open_reader(source_format, source)
         owners = len(devices) if devices is not None else world
-        plan = make_plan(reader.tensors, source_format, target_format, owners, with_optimizer=with_optimizer, architecture=architecture)
+        plan = make_plan(
+            reader.tensors, source_format, target_format, owners, with_optimizer=with_optimizer, architecture=architecture
+        )
         if expected is not None:
             check_against(plan, expected)
         target_facts = _target_facts(plan, reader.facts)

@@ -77,7 +77,7 @@ class HfReader:
             raise ValueError(f"{self.path} is not a directory; pass a Hugging Face model directory")
         self.checkpoint = hf_llama.Checkpoint(self.path, glu_interleave)
         self.tensors: dict[str, TensorInfo] = {}
-        self.facts: dict = {"hf_files": _carried_files(self.path)}  # bridge.convert.facts (+ an FP8 checkpoint's format and fc1 layout)
+        self.facts: dict = {"hf_files": _carried_files(self.path)}  # bridge.convert.facts (+ FP8 format, fc1 layout)
         for ours, source in self.checkpoint.sources.items():
             infos = [self.checkpoint.tensors[name] for name in source.hf_names]
             dtypes = {info.dtype for info in infos}
@@ -246,8 +246,7 @@ def _no_place_for(extra: list[str], target: _Target) -> str:
             "holds, or set tie_word_embeddings to false in it"
         )
     listed = ", ".join(extra[:5]) + (f" and {len(extra) - 5} more" if len(extra) > 5 else "")
-    fp8_buffers = [key for key in extra if key.rpartition(".")[2] in FP8_BUFFERS]
-    if fp8_buffers and target.fp8:
+    if target.fp8 and any(key.rpartition(".")[2] in FP8_BUFFERS for key in extra):
         return (
             f"{listed}: an FP8 HF checkpoint holds the rowwise FP8 buffers of the projection weights only "
             "(torchside's Float8BlockScaling weights, docs/hf.md); these have no place in it"

@@ -77,7 +77,9 @@ class OrbaxReader:
 
         self.path = Path(path).absolute()
         if not self.path.is_dir():
-            raise ValueError(f"{self.path} is not an Orbax checkpoint (not a directory); pass a step directory (step-<N>) or their root")
+            raise ValueError(
+                f"{self.path} is not an Orbax checkpoint (not a directory); pass a step directory (step-<N>) or their root"
+            )
         steps = checkpoint.committed_steps(self.path)
         if steps:  # a root of jaxside.checkpoint saves: its latest committed step
             self.path = checkpoint.step_path(self.path, steps[-1])
