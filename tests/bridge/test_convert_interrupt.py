@@ -26,6 +26,12 @@ from bridge.convert import convert
 from jaxside.models import hf_llama
 
 REPO = Path(__file__).resolve().parents[2]
+# `python -m bridge ARGS`, with Ctrl-C raising KeyboardInterrupt even where this test was started with SIGINT
+# ignored (a shell's background job hands that down, and Python then keeps it ignored)
+CLI = (
+    "import runpy, signal; signal.signal(signal.SIGINT, signal.default_int_handler); "
+    "runpy.run_module('bridge', run_name='__main__', alter_sys=True)"
+)
 TARGETS = {"dcp": "out-dcp", "orbax": "step-7", "safetensors": "out.safetensors", "hf": "out-hf"}
 HF_CONFIG = {
     "architectures": ["LlamaForCausalLM"],
@@ -74,20 +80,16 @@ def _written_bytes(directory: Path) -> int:
     return total
 
 
-def _default_sigint() -> None:
-    signal.signal(signal.SIGINT, signal.SIG_DFL)  # (a shell's background job would hand down SIGINT ignored)
-
-
 def interrupt_while_writing(source: Path, fmt: str, share: float, folder: Path) -> tuple[int, str, Path]:
     """Run `shardbridge convert` from `source` to `fmt` in `folder`; SIGINT once staging holds `share` of the
     source's bytes. (exit code, stderr, target)."""
     target = folder / TARGETS[fmt]
     staging = target.with_name(f".{target.name}.partial")
     size = sum(p.stat().st_size for p in source.glob("*.safetensors"))
-    argv = [sys.executable, "-m", "bridge", "convert", str(source), str(target), "--from", "hf", "--to", fmt]
+    argv = [sys.executable, "-c", CLI, "convert", str(source), str(target), "--from", "hf", "--to", fmt]
     env = {**os.environ, "PYTHONPATH": str(REPO)}
     process = subprocess.Popen(argv, cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
-                               start_new_session=True, preexec_fn=_default_sigint)  # fmt: skip
+                               start_new_session=True)  # fmt: skip
     sent = False
     try:
         deadline = time.monotonic() + 240
