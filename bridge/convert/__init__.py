@@ -14,6 +14,8 @@
               in dim-0 blocks (the HF writer does): the blocks' CRC32s join into the tensor's
     commit    only then is the staging copy renamed to the target: a failed, refused or interrupted
               conversion leaves no target and no temporary files
+    Ctrl-C    SIGINT is held back until one of the points where stopping is safe (before each box,
+              between write, read-back and commit; bridge.convert.interrupts), then the staging is removed
 
 Processes: with torch.distributed initialized, each rank writes its own boxes of a DCP or safetensors
 target (owners = ranks). An Orbax target is written by one process over its JAX devices (owners =
@@ -42,7 +44,8 @@ from torchside.checkpoint import commit
 from torchside.checkpoint.checksums import crc32_combine, tensor_crc32
 
 # One row per format: how to read a box of a source, how to write a target. A reader is built as
-# reader(path, check=...) and has `tensors`, `skipped`, `verifiable`, `facts` (bridge.convert.facts)
+# reader(path, check=...) and has `path` (what it reads: a root's latest step), `tensors`, `skipped`,
+# `verifiable`, `facts` (bridge.convert.facts)
 # and `read(key, box)`; a writer is writer(job: WriteJob) and records its format's checksums and the facts.
 READERS = {
     "dcp": dcp.DcpReader,

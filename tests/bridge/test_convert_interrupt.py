@@ -5,6 +5,7 @@ on stderr, no target, no staging directory, and the source and an earlier target
 
 The source is an HF Llama directory written here (random weights, about 60 MB), so one source
 serves every target format, the HF one included (its config.json is carried, no --config).
+The grid (-m grid) interrupts each format at 0, 10, 50 and 90 % of the bytes written.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ import torch
 from safetensors.torch import save_file
 
 from bridge.convert import convert
+from bridge.convert.interrupts import deferred_interrupts
 from jaxside.models import hf_llama
 
 REPO = Path(__file__).resolve().parents[2]
@@ -126,3 +128,18 @@ def test_ctrl_c_while_writing_leaves_nothing(source, fmt, tmp_path):
 @pytest.mark.parametrize("fmt", TARGETS)
 def test_ctrl_c_at_any_point_of_the_write_leaves_nothing(source, fmt, share, tmp_path):
     check_left_nothing(source, fmt, share, tmp_path)
+
+
+def test_a_deferred_sigint_is_raised_at_the_next_check_or_at_the_end():
+    steps = []
+    with pytest.raises(KeyboardInterrupt):
+        with deferred_interrupts() as interrupts:
+            signal.raise_signal(signal.SIGINT)
+            steps.append("went on")  # not interrupted here
+            interrupts.check()
+            steps.append("after the check")
+    assert steps == ["went on"]
+    with pytest.raises(KeyboardInterrupt):
+        with deferred_interrupts():
+            signal.raise_signal(signal.SIGINT)  # after the last check: raised when the context ends
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
