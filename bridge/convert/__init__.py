@@ -14,6 +14,8 @@
               in dim-0 blocks (the HF writer does): the blocks' CRC32s join into the tensor's
     commit    only then is the staging copy renamed to the target: a failed, refused or interrupted
               conversion leaves no target and no temporary files
+    Ctrl-C    SIGINT is held back until one of the points where stopping is safe (before each box,
+              between write, read-back and commit; bridge.convert.interrupts), then the staging is removed
 
 Processes: with torch.distributed initialized, each rank writes its own boxes of a DCP or safetensors
 target (owners = ranks). An Orbax target is written by one process over its JAX devices (owners =
@@ -35,13 +37,15 @@ import torch
 import torch.distributed as dist
 
 from bridge.convert import dcp, facts, hf, orbax, safetensors
+from bridge.convert.interrupts import Interrupts, deferred_interrupts
 from bridge.convert.plan import Box, Plan, PlanEntry, WriteJob, check_against, itemsize, make_plan
 from bridge.errors import CheckFailed
 from torchside.checkpoint import commit
 from torchside.checkpoint.checksums import crc32_combine, tensor_crc32
 
 # One row per format: how to read a box of a source, how to write a target. A reader is built as
-# reader(path, check=...) and has `tensors`, `skipped`, `verifiable`, `facts` (bridge.convert.facts)
+# reader(path, check=...) and has `path` (what it reads: a root's latest step), `tensors`, `skipped`,
+# `verifiable`, `facts` (bridge.convert.facts)
 # and `read(key, box)`; a writer is writer(job: WriteJob) and records its format's checksums and the facts.
 READERS = {
     "dcp": dcp.DcpReader,
@@ -82,6 +86,7 @@ class ConvertResult:
     skipped: tuple[tuple[str, str], ...]  # (source key, reason): the plan's, plus non-tensor entries
     checksums: tuple[TensorChecksum, ...]  # empty for a dry run
     source_verified: bool  # False: the source has no recorded checksums (written elsewhere)
+    source_read: Path  # the source itself, or for a root of DCP or Orbax saves the step that was read (its latest)
 
     @property
     def ok(self) -> bool:
@@ -141,57 +146,65 @@ def convert(
     """Convert a checkpoint (see the module docstring); ValueError before anything is written if it cannot.
 
     target_options: the target format's own (an HF target: `config`, `max_shard_size`; bridge.convert.hf).
+    Ctrl-C (SIGINT) stops it only where that is safe (bridge.convert.interrupts): KeyboardInterrupt, nothing left.
     """
-    target_options = dict(target_options or {})
-    target = Path(target).absolute()
-    if target_format not in WRITERS:
-        raise ValueError(f"unknown checkpoint format {target_format!r}: use one of {', '.join(WRITERS)}")
-    rank, world = _process()
-    devices = _devices(target_format, world)
-    reader = open_reader(source_format, source)
-    owners = len(devices) if devices is not None else world
-    plan = make_plan(reader.tensors, source_format, target_format, owners, with_optimizer=with_optimizer, architecture=architecture)
-    if expected is not None:
-        check_against(plan, expected)
-    target_facts = _target_facts(plan, reader.facts)
-    if target_format in TARGET_CHECKS:
-        TARGET_CHECKS[target_format](plan, target_options, target_facts)
-    skipped = plan.skipped + tuple(reader.skipped)
-    if dry_run:
-        return ConvertResult(plan, skipped, (), reader.verifiable)
-    produced: dict[tuple[str, Box], int] = {}
-    by_target = {e.target.key: e for e in plan.entries}
+    with deferred_interrupts() as interrupts:
+        target_options = dict(target_options or {})
+        target = Path(target).absolute()
+        if target_format not in WRITERS:
+            raise ValueError(f"unknown checkpoint format {target_format!r}: use one of {', '.join(WRITERS)}")
+        rank, world = _process()
+        devices = _devices(target_format, world)
+        reader = open_reader(source_format, source)
+        owners = len(devices) if devices is not None else world
+        plan = make_plan(
+            reader.tensors, source_format, target_format, owners, with_optimizer=with_optimizer, architecture=architecture
+        )
+        if expected is not None:
+            check_against(plan, expected)
+        target_facts = _target_facts(plan, reader.facts)
+        if target_format in TARGET_CHECKS:
+            TARGET_CHECKS[target_format](plan, target_options, target_facts)
+        skipped = plan.skipped + tuple(reader.skipped)
+        if dry_run:
+            return ConvertResult(plan, skipped, (), reader.verifiable, Path(reader.path))
+        produced: dict[tuple[str, Box], int] = {}
+        by_target = {e.target.key: e for e in plan.entries}
 
-    def produce(key: str, box: Box) -> torch.Tensor:
-        entry = by_target[key]
-        values = reader.read(entry.source.key, entry.source_box(box))
-        values = values.t().contiguous() if entry.transpose else values
-        produced[(key, box)] = tensor_crc32(values)
-        if on_box is not None:
-            on_box(key, values.nbytes)
-        return values
+        def produce(key: str, box: Box) -> torch.Tensor:
+            interrupts.check()
+            entry = by_target[key]
+            values = reader.read(entry.source.key, entry.source_box(box))
+            values = values.t().contiguous() if entry.transpose else values
+            produced[(key, box)] = tensor_crc32(values)
+            if on_box is not None:
+                on_box(key, values.nbytes)
+            return values
 
-    written_path = _on_rank0(lambda: commit.stage(target))
-    try:
-        def tensor_crcs() -> dict[str, int]:
-            return _tensor_crcs(plan.entries, produced)
+        interrupts.check()
+        written_path = _on_rank0(lambda: commit.stage(target))
+        try:
+            def tensor_crcs() -> dict[str, int]:
+                return _tensor_crcs(plan.entries, produced)
 
-        job = WriteJob(written_path, plan, rank, devices, produce, tensor_crcs, _barrier, target_options, target_facts)
-        WRITERS[target_format](job)
-        _barrier()
-        written = _read_back(written_path, target_format, produced, target_facts) if verify else {}
-        checksums = _checksums(plan.entries, produced, written)
-        differ = [c for c in checksums if not c.ok]
-        if differ:
-            listed = "; ".join(f"{c.key}: produced {c.produced:08x}, read back {c.written:08x}" for c in differ)
-            raise CheckFailed(f"{target}: the written copy differs from what was produced ({listed}); nothing was committed")
-        _barrier()
-        _on_rank0(lambda: commit.publish_staged(written_path, target))
-    except BaseException:
-        if rank == 0:
-            commit.discard(target)
-        raise
-    return ConvertResult(plan, skipped, checksums, reader.verifiable)
+            job = WriteJob(written_path, plan, rank, devices, produce, tensor_crcs, _barrier, target_options, target_facts)
+            WRITERS[target_format](job)
+            interrupts.check()
+            _barrier()
+            written = _read_back(written_path, target_format, produced, target_facts, interrupts) if verify else {}
+            checksums = _checksums(plan.entries, produced, written)
+            differ = [c for c in checksums if not c.ok]
+            if differ:
+                listed = "; ".join(f"{c.key}: produced {c.produced:08x}, read back {c.written:08x}" for c in differ)
+                raise CheckFailed(f"{target}: the written copy differs from what was produced ({listed}); nothing was committed")
+            interrupts.check()
+            _barrier()
+            _on_rank0(lambda: commit.publish_staged(written_path, target))
+        except BaseException:
+            if rank == 0:
+                commit.discard(target)  # SIGINT is still deferred: the removal runs to its end
+            raise
+        return ConvertResult(plan, skipped, checksums, reader.verifiable, Path(reader.path))
 
 
 def _target_facts(plan: Plan, source_facts: Mapping) -> dict:
@@ -216,11 +229,17 @@ def _devices(target_format: str, world: int):
     return tuple(jax.local_devices())
 
 
-def _read_back(path: Path, target_format: str, produced: Mapping[tuple[str, Box], int], target_facts: Mapping) -> dict[tuple[str, Box], int]:
+def _read_back(
+    path: Path, target_format: str, produced: Mapping[tuple[str, Box], int], target_facts: Mapping, interrupts: Interrupts
+) -> dict[tuple[str, Box], int]:
     # An HF directory does not record our fc1 layout: read it back in the one it was written from.
     layout = {"glu_interleave": facts.glu_interleave(target_facts)} if target_format == "hf" else {}
     reader = READERS[target_format](path, check=False, **layout)  # compared with what was produced instead
-    return {(key, box): tensor_crc32(reader.read(key, box)) for key, box in produced}
+    crcs = {}
+    for key, box in produced:
+        interrupts.check()
+        crcs[(key, box)] = tensor_crc32(reader.read(key, box))
+    return crcs
 
 
 def _gather(crcs: dict[tuple[str, Box], int]) -> dict[tuple[str, Box], int]:

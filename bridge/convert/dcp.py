@@ -21,9 +21,10 @@ holding each rank's exception; `first_failure` gives the original back (a Ctrl-C
 
 from __future__ import annotations
 
+import contextlib
 import os
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import torch
@@ -101,8 +102,7 @@ class DcpReader:
         for name in files:
             self._check_file(name, key)
         out = torch.empty(box[1], dtype=getattr(torch, self.tensors[key].dtype))
-        with warnings.catch_warnings():  # DCP warns that no_dist=True loads in one process: that is the point
-            warnings.filterwarnings("ignore", "torch.distributed is disabled", UserWarning)
+        with _one_process_is_intended():
             planner = _BoxLoadPlanner(key, box)
             try:
                 dcp.load({key: out}, storage_reader=FileSystemReader(self.path), planner=planner, no_dist=True)
@@ -160,6 +160,14 @@ def _facts(directory: Path) -> dict:
     return facts.read_file(directory)
 
 
+@contextlib.contextmanager
+def _one_process_is_intended() -> Iterator[None]:
+    """DCP warns that no_dist=True reads or writes in one process: that is the point, so that warning is dropped."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", "torch.distributed is disabled", UserWarning)
+        yield
+
+
 def first_failure(error: CheckpointException) -> BaseException:
     """The original exception inside DCP's CheckpointException (this rank's if it failed, else the first rank's)."""
     failures = error.failures
@@ -203,7 +211,8 @@ def write(job: WriteJob) -> None:
     items = [_write_item(info, box) for info, box in job.boxes()]
     writer = checksums.ChecksummedWriter(os.fspath(job.path), thread_count=1)
     try:
-        dcp.save({}, storage_writer=writer, planner=_BoxSavePlanner(items, job.produce), no_dist=not dist.is_initialized())
+        with _one_process_is_intended():
+            dcp.save({}, storage_writer=writer, planner=_BoxSavePlanner(items, job.produce), no_dist=not dist.is_initialized())
     except CheckpointException as error:
         raise first_failure(error) from None
     if job.owner == 0:

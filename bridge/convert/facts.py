@@ -7,10 +7,13 @@ The tensors alone do not say how to read some of them:
   hadamard, shape, dtype, buffers): the buffers are raw uint8 bytes and fp32 scales;
 - `glu_interleave`: the run length w of a gated fc1's gate and up rows (LlamaConfig.glu_interleave);
   absent means 1, the layout every checkpoint had before it existed.
+- `hf_files`: {file name: its text} of a Hugging Face source's `config.json` and, when it has one,
+  `generation_config.json` (bridge.convert.hf.CARRIED_FILES), so that `--to hf` writes them back
+  without `--config` (which still wins).
 
 A reader has `facts` (from a torchside save's shardbridge.json, a converted DCP or Orbax directory's
 FACTS_FILE, a converted safetensors file's header under FACTS_KEY, or an HF directory's own
-quantization); the converter hands them, renamed for the target, to the writer, which records them
+quantization and config files); the converter hands them, renamed for the target, to the writer, which records them
 the same way. A writer that needs one (an HF target: w and the FP8 format) refuses what does not fit.
 """
 

@@ -13,11 +13,12 @@ An FP8 block-scaled directory's projection weights read as torchside's FP8 buffe
 unverified. Files this writer wrote carry torchside's `shardbridge.crc32` table: each HF tensor is
 checked against it before the first box made of it is read (CheckFailed on a mismatch).
 
-Writing: HF holds no record of the Llama config, and neither does a DCP, Orbax or safetensors
-checkpoint of our model (a head count or rope_theta cannot be read off the shapes), so an HF target
-needs the HF `config.json` to write (`target_options["config"]`: the file or its directory; the CLI's
-`--config`). It is copied as it is; the plan's tensors are checked against it before anything is
-written. FP8 buffers go back to F8_E4M3 `weight` + `weight_scale_inv` (with quantization_config,
+Writing: the shapes do not say the Llama config (a head count or rope_theta cannot be read off
+them), so an HF target needs the HF `config.json`: the one an HF source carried along (its
+`config.json` and `generation_config.json` ride in the checkpoint's facts as `hf_files`,
+bridge.convert.facts), or `target_options["config"]` (the file or its directory; the CLI's
+`--config`), which wins. It is written as it is; the plan's tensors are checked against it before
+anything is written. FP8 buffers go back to F8_E4M3 `weight` + `weight_scale_inv` (with quantization_config,
 added to config.json if it lacks one), when the checkpoint's facts say fc1 is in runs of 128 and
 the buffers are block128x128/e4m3 (ValueError otherwise); a high-precision fc1 splits by its
 recorded glu_interleave. Files: `model.safetensors`, or `model-0000k-of-0000n.safetensors` plus
@@ -36,7 +37,6 @@ import json
 import math
 import os
 import re
-import shutil
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -45,7 +45,7 @@ from typing import Any
 import torch
 
 from bridge.convert import facts
-from bridge.convert.plan import Box, Plan, PlanEntry, TensorInfo, WriteJob, check_against, itemsize
+from bridge.convert.plan import FP8_BUFFERS, Box, Plan, PlanEntry, TensorInfo, WriteJob, check_against, itemsize
 from bridge.errors import CheckFailed
 from jaxside.models import hf_llama
 from torchside.checkpoint import safetensors_file
@@ -53,6 +53,8 @@ from torchside.checkpoint import safetensors_file
 TORCH_DTYPES = {"F32": "float32", "BF16": "bfloat16", "F16": "float16"}
 FP8_SCHEME = "block128x128"  # torchside's name of Float8BlockScaling's 128x128 weight blocks
 DEFAULT_MAX_SHARD_SIZE = "5GB"
+GENERATION_CONFIG_FILE = "generation_config.json"
+CARRIED_FILES = (hf_llama.CONFIG_FILE, GENERATION_CONFIG_FILE)  # an HF source's, carried to an HF target
 _UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12}
 _UNITS |= {"KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
 
@@ -75,7 +77,7 @@ class HfReader:
             raise ValueError(f"{self.path} is not a directory; pass a Hugging Face model directory")
         self.checkpoint = hf_llama.Checkpoint(self.path, glu_interleave)
         self.tensors: dict[str, TensorInfo] = {}
-        self.facts: dict = {}  # bridge.convert.facts: an FP8 checkpoint's format and fc1 layout
+        self.facts: dict = {"hf_files": _carried_files(self.path)}  # bridge.convert.facts (+ FP8 format, fc1 layout)
         for ours, source in self.checkpoint.sources.items():
             infos = [self.checkpoint.tensors[name] for name in source.hf_names]
             dtypes = {info.dtype for info in infos}
@@ -144,25 +146,50 @@ class HfReader:
         self._checked.add(name)
 
 
+def _carried_files(directory: Path) -> dict[str, str]:
+    """The text of the directory's CARRIED_FILES that exist."""
+    return {name: (directory / name).read_bytes().decode() for name in CARRIED_FILES if (directory / name).is_file()}
+
+
 @dataclass(frozen=True)
 class _Target:
-    """The HF model to write: its config.json, our config (with the checkpoint's fc1 layout), FP8 or not."""
+    """The HF model to write: its config.json (and generation_config.json), our config (with the checkpoint's
+    fc1 layout), FP8 or not."""
 
-    config_file: Path
+    files: Mapping[str, str]  # CARRIED_FILES' text, as they are to be written (config.json always)
+    origin: str  # where config.json came from (named in errors)
     config: hf_llama.LlamaConfig
     fp8: bool  # projection weights as F8_E4M3 `weight` + `weight_scale_inv`
     add_quantization: bool  # FP8 buffers but a config.json without quantization_config: write it in
 
 
+def _config_files(options: Mapping[str, Any], source_facts: Mapping[str, Any]) -> tuple[dict[str, str], str]:
+    """(CARRIED_FILES' text, where config.json came from): `--config` (its directory's generation_config.json
+    too) over the files carried from an HF source."""
+    files = dict(source_facts.get("hf_files", {}))
+    if options.get("config"):
+        given = Path(options["config"])
+        path = hf_llama.read_config_file(given)[0]  # (ValueError naming the file if it is no Llama config)
+        files = {**files, **(_carried_files(given) if given.is_dir() else {hf_llama.CONFIG_FILE: path.read_bytes().decode()})}
+        return files, str(path)
+    if hf_llama.CONFIG_FILE not in files:
+        raise ValueError(
+            "an HF target needs the model's config.json: pass --config PATH (the file or its directory); "
+            "checkpoints converted from an HF directory carry theirs, this one does not"
+        )
+    return files, f"the {hf_llama.CONFIG_FILE} carried from the HF source"
+
+
 def _target(options: Mapping[str, Any], source_facts: Mapping[str, Any]) -> _Target:
     """ValueError unless the checkpoint (its facts: bridge.convert.facts) writes exactly as the HF config says."""
-    if not options.get("config"):
-        raise ValueError("an HF target needs the model's config.json: pass --config PATH (the file or its directory)")
-    path, config, quantized = hf_llama.read_config_file(options["config"])
+    files, origin = _config_files(options, source_facts)
+    path = Path(origin)  # (named in parse_config's errors)
+    config, quantization = hf_llama.parse_config(json.loads(files[hf_llama.CONFIG_FILE]), path)
+    quantized = quantization is not None
     fp8_params, w = source_facts.get("fp8_params", {}), facts.glu_interleave(source_facts)
     fp8 = quantized or bool(fp8_params)
     if not fp8:  # high precision: any fc1 layout maps to gate and up rows
-        return _Target(path, dataclasses.replace(config, glu_interleave=w), False, False)
+        return _Target(files, origin, dataclasses.replace(config, glu_interleave=w), False, False)
     config = config if quantized else hf_llama.fp8_config(config, hf_llama.FP8_QUANTIZATION, path)
     if w != config.glu_interleave:
         raise ValueError(
@@ -180,7 +207,7 @@ def _target(options: Mapping[str, Any], source_facts: Mapping[str, Any]) -> _Tar
                 f"model.{ours} is {what} in the checkpoint, but an FP8 HF checkpoint ({path}) holds every projection "
                 f"weight as {FP8_SCHEME}/e4m3 bytes and scales (Float8BlockScaling's weights): {fix}"
             )
-    return _Target(path, config, True, not quantized)
+    return _Target(files, origin, config, True, not quantized)
 
 
 def _expected(target: _Target) -> dict[str, tuple[int, ...]]:
@@ -202,12 +229,32 @@ def check_target(plan: Plan, options: Mapping[str, Any], source_facts: Mapping[s
         raise ValueError("an HF target is written by one process; run without torch.distributed")
     target = _target(options, source_facts or {})
     expected = _expected(target)
-    extra = [e.source.key for e in plan.entries if e.target.key not in expected]
+    extra = [e.target.key for e in plan.entries if e.target.key not in expected]
     if extra:
-        raise ValueError(f"{', '.join(extra[:5])}: not part of a {hf_llama.ARCHITECTURE} of config {options['config']} "
-                         "(an FP8 HF target holds rowwise FP8 buffers of the projection weights only; docs/hf.md)")  # fmt: skip
+        raise ValueError(_no_place_for(extra, target))
     check_against(plan, expected)
     parse_size(options.get("max_shard_size") or DEFAULT_MAX_SHARD_SIZE)
+
+
+def _no_place_for(extra: list[str], target: _Target) -> str:
+    """What is wrong when the checkpoint holds tensors (`extra`, our keys) the config's model has no place for."""
+    head = "model.lm_head.weight"  # an untied model's own output head
+    if head in extra and target.config.tie_word_embeddings:
+        return (
+            f"the checkpoint has its own output head ({head}), but {target.origin} says tie_word_embeddings: true "
+            "(the head is the embedding, and HF stores no lm_head): pass the config.json of the model this checkpoint "
+            "holds, or set tie_word_embeddings to false in it"
+        )
+    listed = ", ".join(extra[:5]) + (f" and {len(extra) - 5} more" if len(extra) > 5 else "")
+    if target.fp8 and any(key.rpartition(".")[2] in FP8_BUFFERS for key in extra):
+        return (
+            f"{listed}: an FP8 HF checkpoint holds the rowwise FP8 buffers of the projection weights only "
+            "(torchside's Float8BlockScaling weights, docs/hf.md); these have no place in it"
+        )
+    return (
+        f"{listed}: the {hf_llama.ARCHITECTURE} of {target.origin} has no such tensor: pass the config.json of the "
+        "model this checkpoint holds"
+    )
 
 
 def _nbytes(spec: safetensors_file.TensorSpec) -> int:
@@ -282,11 +329,12 @@ def write(job: WriteJob) -> None:
         metadata = {"total_parameters": parameters, "total_size": sum(map(_nbytes, specs))}
         index = {"metadata": metadata, "weight_map": {name: where[name] for name, _, _ in specs}}
         (job.path / hf_llama.INDEX_FILE).write_text(json.dumps(index, indent=2) + "\n")
+    files = dict(target.files)
     if target.add_quantization:  # the model's config, saying how its weights are stored now
-        hf_config = json.loads(target.config_file.read_text()) | {"quantization_config": hf_llama.FP8_QUANTIZATION}
-        (job.path / hf_llama.CONFIG_FILE).write_text(json.dumps(hf_config, indent=2) + "\n")
-    else:
-        shutil.copyfile(target.config_file, job.path / hf_llama.CONFIG_FILE)
+        hf_config = json.loads(files[hf_llama.CONFIG_FILE]) | {"quantization_config": hf_llama.FP8_QUANTIZATION}
+        files[hf_llama.CONFIG_FILE] = json.dumps(hf_config, indent=2) + "\n"
+    for name, text in files.items():
+        (job.path / name).write_bytes(text.encode())
 
 
 def _row_blocks(job: WriteJob, entry: PlanEntry, source: hf_llama.Source, config, pieces, shapes):

@@ -15,14 +15,18 @@ the tree, jaxside.checkpoint's checksum file (each array's CRC32) is written bes
 Source checks: a step directory with that checksum file (jaxside.checkpoint saves, our targets) is
 verifiable: each array is read whole once, in slabs of rows, and checked against its recorded CRC32
 before the first box is read from it (CheckFailed on a mismatch). Without the file it converts
-unverified. An Orbax temporary directory (an unfinished save) is refused as `load` refuses one.
+unverified. An Orbax temporary directory (an unfinished save) is refused as `load` refuses one; a root
+of jaxside.checkpoint saves (step-<N> directories) means its latest committed step (`path` says which).
+Orbax's absl log lines are kept off (`quiet_absl`): its failures reach the caller as exceptions.
 """
 
 from __future__ import annotations
 
+import contextlib
+import logging
 import os
 import zlib
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 
 import numpy as np
@@ -34,6 +38,18 @@ from bridge.errors import CheckFailed
 from torchside.checkpoint import commit
 
 _SLAB_BYTES = 16 << 20  # what a checksum pass holds at a time
+
+
+@contextlib.contextmanager
+def quiet_absl() -> Iterator[None]:
+    """Orbax's absl log lines off: what goes wrong reaches the caller as an exception (one `error:` line in the CLI)."""
+    logger = logging.getLogger("absl")
+    level = logger.level
+    logger.setLevel(logging.CRITICAL + 1)
+    try:
+        yield
+    finally:
+        logger.setLevel(level)
 
 
 def to_numpy(tensor: torch.Tensor) -> np.ndarray:
@@ -51,7 +67,7 @@ def from_numpy(array: np.ndarray, dtype: str) -> torch.Tensor:
 
 
 class OrbaxReader:
-    """The arrays of an Orbax checkpoint (a committed step directory), read a box at a time."""
+    """The arrays of an Orbax checkpoint (a committed step directory, or a root: its latest), read a box at a time."""
 
     def __init__(self, path: str | os.PathLike, *, check: bool = True) -> None:
         import jax
@@ -61,11 +77,16 @@ class OrbaxReader:
 
         self.path = Path(path).absolute()
         if not self.path.is_dir():
-            raise ValueError(f"{self.path} is not an Orbax checkpoint (not a directory); pass a step directory (step-<N>)")
+            raise ValueError(
+                f"{self.path} is not an Orbax checkpoint (not a directory); pass a step directory (step-<N>) or their root"
+            )
+        steps = checkpoint.committed_steps(self.path)
+        if steps:  # a root of jaxside.checkpoint saves: its latest committed step
+            self.path = checkpoint.step_path(self.path, steps[-1])
         if not ocp.step.is_path_finalized(self.path):
             commit.refuse_unfinished(self.path)
         try:
-            with ocp.StandardCheckpointer() as checkpointer:
+            with quiet_absl(), ocp.StandardCheckpointer() as checkpointer:
                 tree = checkpointer.metadata(self.path).item_metadata.tree
         except Exception as error:  # no Orbax metadata: another format, or a damaged checkpoint
             raise ValueError(
@@ -131,6 +152,9 @@ def _slabs(info: TensorInfo) -> list[Box]:
 def _hint(path: Path) -> str:
     if (path / ".metadata").is_file():
         return "it is a DCP checkpoint: pass --from dcp"
+    unfinished = sorted(p.name for p in path.glob("step-*") if p.is_dir())
+    if unfinished:  # (committed steps were taken before this)
+        return f"it holds no committed step, only unfinished saves ({', '.join(unfinished)}); pass a committed step"
     return "pass a committed Orbax step directory (step-<N>) written by jaxside.checkpoint or Orbax"
 
 
@@ -165,7 +189,7 @@ def write(job: WriteJob) -> None:
 
     with jax.enable_x64(True):  # int64/float64 stay 64-bit (JAX would truncate them to 32 bits)
         arrays = {info.key: _array(info, job.produce, job.devices) for info in job.tensors()}
-        with ocp.StandardCheckpointer() as checkpointer:
+        with quiet_absl(), ocp.StandardCheckpointer() as checkpointer:
             checkpointer.save(Path(job.path).absolute(), nest(arrays))
             checkpointer.wait_until_finished()
     checkpoint.write_checksums(job.path, job.tensor_crcs())

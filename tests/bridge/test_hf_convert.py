@@ -20,7 +20,7 @@ import torch.distributed.checkpoint as dcp
 from safetensors.torch import load_file, save_file
 
 from bridge import cli
-from bridge.convert import convert, hf, open_reader
+from bridge.convert import convert, facts, hf, open_reader
 from bridge.convert.plan import make_plan
 from bridge.numerics import relative_error
 from jaxside.models import hf_llama
@@ -316,6 +316,7 @@ def test_to_hf_needs_a_config_that_fits(sources, tmp_path, capsys, monkeypatch):
     monkeypatch.delenv("COLUMNS", raising=False)  # the plan printed to a pipe (pytest-xdist's workers set 80)
     directory, _ = sources["fp32_single"]
     assert convert(directory, "hf", tmp_path / "dcp", "dcp").ok
+    (tmp_path / "dcp" / facts.FACTS_FILE).unlink()  # a checkpoint that carries no config.json (a torchside save's)
     argv = ["convert", str(tmp_path / "dcp"), str(tmp_path / "out"), "--from", "dcp", "--to", "hf"]
     assert cli.main(argv) == 2
     assert "--config" in capsys.readouterr().err
@@ -325,6 +326,41 @@ def test_to_hf_needs_a_config_that_fits(sources, tmp_path, capsys, monkeypatch):
     assert cli.main([*argv, "--config", str(directory), "--dry-run"]) == 0
     assert "model.layers.0.layernorm_mlp.fc1_weight" in capsys.readouterr().out
     assert sorted(p.name for p in tmp_path.iterdir()) == ["dcp"]
+
+
+@pytest.mark.parametrize("via", ["dcp", "orbax"])
+def test_the_hf_config_files_travel_with_the_checkpoint(sources, tmp_path, via):
+    """HF -> DCP / Orbax -> HF with no --config gives back config.json and generation_config.json byte for byte."""
+    directory, _ = sources["bf16_sharded"]
+    assert (directory / hf.GENERATION_CONFIG_FILE).is_file()  # (transformers writes one)
+    assert cli.main(["convert", str(directory), str(tmp_path / via), "--from", "hf", "--to", via]) == 0
+    back = ["convert", str(tmp_path / via), str(tmp_path / "back"), "--from", via, "--to", "hf", "--max-shard-size", SHARD]
+    assert cli.main(back) == 0
+    assert_same_checkpoint(tmp_path / "back", directory)
+    generation = (tmp_path / "back" / hf.GENERATION_CONFIG_FILE).read_bytes()
+    assert generation == (directory / hf.GENERATION_CONFIG_FILE).read_bytes()
+
+
+def test_config_overrides_the_carried_config(sources, tmp_path):
+    directory, _ = sources["fp32_single"]
+    assert convert(directory, "hf", tmp_path / "dcp", "dcp").ok
+    edited = json.loads((directory / "config.json").read_text()) | {"max_position_embeddings": 77}
+    (tmp_path / "edited.json").write_text(json.dumps(edited))
+    assert convert(tmp_path / "dcp", "dcp", tmp_path / "hf", "hf", target_options={"config": tmp_path / "edited.json"}).ok
+    assert (tmp_path / "hf" / "config.json").read_bytes() == (tmp_path / "edited.json").read_bytes()
+
+
+def test_a_tied_config_for_an_untied_checkpoint_says_what_is_wrong(sources, tmp_path, capsys):
+    directory, _ = sources["bf16_sharded"]  # untied: it has its own lm_head
+    assert convert(directory, "hf", tmp_path / "dcp", "dcp").ok
+    tied = json.loads((directory / "config.json").read_text()) | {"tie_word_embeddings": True}
+    (tmp_path / "tied.json").write_text(json.dumps(tied))
+    argv = ["convert", str(tmp_path / "dcp"), str(tmp_path / "hf"), "--from", "dcp", "--to", "hf"]
+    assert cli.main([*argv, "--config", str(tmp_path / "tied.json")]) == 2
+    (line,) = capsys.readouterr().err.strip().splitlines()
+    assert all(word in line for word in ("model.lm_head.weight", "tie_word_embeddings", str(tmp_path / "tied.json"))), line
+    assert "FP8" not in line
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["dcp", "tied.json"]
 
 
 def test_an_hf_target_is_refused_for_several_writers(sources):
