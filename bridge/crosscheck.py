@@ -29,6 +29,7 @@ from typing import Any
 from bridge import layout, params, transfer, twins
 from bridge.numerics import RECIPES, TensorCheck, VerifyReport, collect, tolerance
 from jaxside.plan import DEFAULT_PLAN, Plan
+from twinspec.recipe import Recipe, recipe_from_name
 
 MESH_ALIASES = {"rep": "dp_replicate", "dp_replicate": "dp_replicate", "dp": "dp_shard", "dp_shard": "dp_shard",
                 "tp": "tp"}  # fmt: skip
@@ -104,13 +105,10 @@ class VerifyCase:
         return twins.TwinSpec(self.model, self.layers, self.hidden, self.mesh.tp, HISTORY, self.plan)
 
 
-def recipe_pair(name: str) -> tuple[Any, Any]:
-    """(torchside recipe, jaxside recipe) of a recipe name, from each framework's registry; (None, None) for off."""
-    import jaxside.recipe as jax_recipe
-    import torchside.recipe as torch_recipe
-
+def case_recipe(name: str) -> Recipe | None:
+    """The recipe object both frameworks run for a recipe name (delayed: verify's history length); None for off."""
     options = {"amax_history_len": HISTORY} if name == "delayed" else {}
-    return torch_recipe.recipe_from_name(name, **options), jax_recipe.recipe_from_name(name, **options)
+    return recipe_from_name(name, **options)
 
 
 def verify(runtime, cases: Sequence[VerifyCase], rules: Iterable[params.Rule] = params.RULES) -> list[dict]:
@@ -184,15 +182,15 @@ def _verify_recipe(runtime, world, mesh, case: VerifyCase, recipe: str, rules) -
     from torchside.optim import FusedAdam
 
     report = VerifyReport(case.model, str(case.mesh), recipe, case.steps, runtime.torch_device.type)
-    torch_recipe, jax_recipe = recipe_pair(recipe)
+    fp8_recipe = case_recipe(recipe)
     models = _build_twins(runtime, world, mesh, case, rules, report)
     torch_optimizer = FusedAdam(models.torch_model.parameters(), lr=LR)
     jax_optimizer = nnx.Optimizer(models.jax_model, fused_adam(LR), wrt=nnx.Param)
-    jax_step = _jax_step(jax_recipe)
+    jax_step = _jax_step(fp8_recipe)
     for step in range(case.steps):
         x_local, dy_local = _batch(models.meshes, step, case.hidden, runtime.torch_device)
         x = x_local.clone().requires_grad_()
-        with fp8_autocast(enabled=torch_recipe is not None, recipe=torch_recipe, amax_reduction_group=dist.group.WORLD):
+        with fp8_autocast(enabled=fp8_recipe is not None, recipe=fp8_recipe, amax_reduction_group=dist.group.WORLD):
             y, torch_outputs = models.torch_model(x)
         y.backward(dy_local)
         sum_data_parallel_gradients(models.torch_model, models.meshes)  # as JAX's: the full batch's sum
@@ -429,4 +427,4 @@ class _Placement:
         return hash(self._key)
 
 
-__all__ = ["HISTORY", "LR", "MeshShape", "VerifyCase", "parse_mesh", "recipe_pair", "verify"]
+__all__ = ["HISTORY", "LR", "MeshShape", "VerifyCase", "case_recipe", "parse_mesh", "verify"]

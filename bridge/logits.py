@@ -68,7 +68,7 @@ def _jax_logits(recipe_name: str, twin, tokens):
     from flax import nnx
 
     import jaxside.modules as JM
-    from jaxside.recipe import recipe_from_name
+    from twinspec.recipe import recipe_from_name
 
     recipe = recipe_from_name(recipe_name)
     graphdef, state = nnx.split(twin)

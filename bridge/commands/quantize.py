@@ -16,7 +16,7 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
-from jaxside.recipe import recipe_names
+from twinspec.recipe import recipe_names
 
 DTYPES = {"fp32": "float32", "fp16": "float16", "bf16": "bfloat16"}
 NPY_MAGIC = b"\x93NUMPY"

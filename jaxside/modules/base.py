@@ -33,7 +33,7 @@ from jaxside.modules import autocast, functions
 from jaxside.modules.tokens import current_batch_dim
 from jaxside.modules.config import ModuleConfig
 from jaxside.quantize import delayed_scaling_update
-from jaxside.recipe import RECIPE_CLASSES, DelayedScaling, NVFP4BlockScaling, Recipe
+from twinspec.recipe import RECIPE_CLASSES, DelayedScaling, NVFP4BlockScaling, Recipe
 from jaxside.sharding import spec_for
 
 Initializer = Callable[[Array, tuple[int, ...], jnp.dtype], Array]
@@ -174,7 +174,7 @@ def finish_backward(model: nnx.Module, grads: nnx.State, recipe: Recipe | None) 
     `recipe` is the step's fp8_autocast recipe (None when FP8 was off: nothing to update).
     """
     if recipe is not None and not isinstance(recipe, RECIPE_CLASSES):
-        raise TypeError(f"finish_backward(recipe={recipe!r}): pass the step's jaxside.recipe recipe, or None")
+        raise TypeError(f"finish_backward(recipe={recipe!r}): pass the step's twinspec.recipe recipe, or None")
     grad_amaxes, param_grads = nnx.split_state(grads, FP8GradAmax, ...)
     if isinstance(recipe, DelayedScaling):
         modules = [node for _, node in nnx.iter_graph(model) if isinstance(node, FP8Module) and node.num_gemms]

@@ -55,7 +55,7 @@ from jaxside.quantize import (
     quantize_nvfp4,
     quantize_tensorwise,
 )
-from jaxside.recipe import (
+from twinspec.recipe import (
     DelayedScaling,
     Float8BlockScaling,
     Float8CurrentScaling,
@@ -96,7 +96,7 @@ def quantize_operand(x2d, recipe: Recipe, role: str, *, scale=None, seed=None, c
         return quantize_blockwise(x2d, fmt, recipe.block_for(role), power_2_scale=recipe.power_2_scale, **usage)
     if isinstance(recipe, MXFP8BlockScaling):
         return quantize_mxfp8(x2d, fmt, scale_rounding=recipe.scale_rounding, **usage)
-    raise TypeError(f"recipe={recipe!r} is not a jaxside.recipe recipe")
+    raise TypeError(f"recipe={recipe!r} is not a twinspec.recipe recipe")
 
 
 def _values(q: Quantized, columnwise: bool = False) -> Array:

@@ -32,7 +32,7 @@ from jaxside.modules import (
     shardings,
 )
 from jaxside.quantize import delayed_scaling_update, tensor_amax
-from jaxside.recipe import DelayedScaling, Float8CurrentScaling, NVFP4BlockScaling
+from twinspec.recipe import DelayedScaling, Float8CurrentScaling, NVFP4BlockScaling
 from tests.jaxside.quantized_math64 import mismatches
 
 HISTORY = 4
@@ -219,7 +219,7 @@ def test_fsdp_x_tp_execution_equals_single_device():
         (lambda: LayerNormMLP(4, 4, activation="tanh", rngs=nnx.Rngs(0)), ValueError, r"use one of gelu"),
         (lambda: LayerNormMLP(4, 4, config=ROW, rngs=nnx.Rngs(0)), ValueError, r"row-parallel.*leave it None"),
         (lambda: LayerNormLinear(4, 4, normalization="BatchNorm", rngs=nnx.Rngs(0)), ValueError, r"'LayerNorm'"),
-        (lambda: fp8_autocast(recipe="delayed").__enter__(), TypeError, r"jaxside.recipe"),
+        (lambda: fp8_autocast(recipe="delayed").__enter__(), TypeError, r"twinspec.recipe"),
     ],
 )
 def test_mistakes_raise_errors_that_say_what_to_do(make, error, message):
