@@ -26,7 +26,7 @@ from benchmarks.harness import environment_line, host_us
 from benchmarks.profile.launch_cost import linear_host_us
 from fp8kernels import quantize as kq
 from fp8kernels._casts import format_constants
-from fp8kernels.formats import FORMATS
+from fp8kernels.formats import FORMATS, TORCH_DTYPES
 from torchside.modules import Linear
 
 
@@ -71,7 +71,7 @@ class LeanCast:
         else:
             self.amax_runner(*amax_args, *self.amax_constants)
             self.cast_runner(*cast_args, *self.cast_constants)
-        dtype = FORMATS[self.fmt].torch_dtype
+        dtype = TORCH_DTYPES[self.fmt]
         return data.view(dtype), columnwise.view(dtype), scale_inv
 
     @staticmethod

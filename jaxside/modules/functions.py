@@ -46,7 +46,7 @@ import numpy as np
 from jax import Array, lax
 from jax.sharding import PartitionSpec
 
-from jaxside.formats import FORMATS
+from jaxside.formats import DTYPES
 from jaxside.quantize import (
     Quantized,
     dequantize,
@@ -124,7 +124,7 @@ def _gemm_operand(q: Quantized, columnwise: bool) -> tuple[Array, Array | None]:
     """(operand [rows, K], scale_inv or None): FP8 codes and their scale_inv for a per-tensor copy, else fp32 values."""
     if q.scheme == "tensorwise":
         data, scale_inv = (q.columnwise_data, q.columnwise_scale_inv) if columnwise else (q.data, q.scale_inv)
-        return lax.bitcast_convert_type(data, FORMATS[q.fmt].dtype), scale_inv
+        return lax.bitcast_convert_type(data, DTYPES[q.fmt]), scale_inv
     values = _values(q, columnwise)  # the logical layout: a columnwise copy's K is its first dim
     return (values.T if columnwise else values), None
 
