@@ -1,6 +1,6 @@
 """Argument checks shared by the reference quantizers and the Triton launchers (same errors in both).
 
-The checks that need no tensor are twinspec.checks' (re-exported here), shared with jaxside._checks.
+The checks that need no tensor are twinspec.checks', shared with jaxside._checks.
 """
 
 from __future__ import annotations
@@ -8,14 +8,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from twinspec.checks import (
-    check_block,
-    check_divisible,
-    check_global_amax_unrotated,
-    check_roles,
-    check_scale_or_amax_given,
-    element_format,
-)
+from twinspec.checks import check_global_amax_unrotated, check_scale_or_amax_given
 
 INPUT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 

@@ -2,8 +2,8 @@
 
 The building blocks of `fp8kernels.reference` (the spec): torch's dtype of each format, element
 casts, fp32 and e8m0 block scales, FP4 packing, the stochastic-rounding hash and the random Hadamard
-transform. The format table and the other constants are twinspec.formats' (re-exported here);
-`fp8kernels._casts` holds the Triton twins; docs/quantization.md states the rules.
+transform (the format table and the other constants are in twinspec.formats). `fp8kernels._casts`
+holds the Triton twins; docs/quantization.md states the rules.
 """
 
 from __future__ import annotations
@@ -13,23 +13,8 @@ import math
 import torch
 from torch import Tensor
 
-from twinspec.formats import (
-    E2M1_MAGNITUDES,
-    E8M0_INF_CODE,
-    E8M0_UP_ZERO_BITS,
-    FORMATS,
-    FP8_FORMATS,
-    FP32_MAX,
-    HADAMARD_SIGN_BITS,
-    HADAMARD_SIZE,
-    HASH_MULTIPLIERS,
-    HASH_SHIFTS,
-    MASK32,
-    NVFP4_GLOBAL_MAX,
-    ONE_BITS,
-    SCHEME_BLOCKS,
-    FloatFormat,
-)
+from twinspec.formats import E2M1_MAGNITUDES, E8M0_INF_CODE, E8M0_UP_ZERO_BITS, FORMATS, FP32_MAX, ONE_BITS
+from twinspec.formats import HADAMARD_SIGN_BITS, HADAMARD_SIZE, HASH_MULTIPLIERS, HASH_SHIFTS, MASK32
 
 # torch's dtype of each format it casts to (e2m1 has none: it is packed by hand)
 TORCH_DTYPES = {"e4m3": torch.float8_e4m3fn, "e5m2": torch.float8_e5m2, "e8m0": torch.float8_e8m0fnu}

@@ -43,7 +43,8 @@ from fp8kernels import gemm_reference
 from fp8kernels._backend import Backend, backend_for, interpreting
 from fp8kernels._casts import code_to_f32, e4m3_code_to_f32, f32_to_bf16_bits, format_constants, scale_from_amax
 from fp8kernels._launch import Launcher
-from fp8kernels.formats import NVFP4_GLOBAL_MAX, SCHEME_BLOCKS, TORCH_DTYPES
+from fp8kernels.formats import TORCH_DTYPES
+from twinspec.formats import NVFP4_GLOBAL_MAX, SCHEME_BLOCKS
 from fp8kernels.gemm_reference import GemmOperand, check_gemm, gemm_operand
 from fp8kernels.reference import Quantized
 

@@ -1,6 +1,6 @@
 """Argument checks of the jaxside quantizers: the same errors, with the same fixes, as fp8kernels/_checks.py.
 
-The checks that need no array are twinspec.checks' (re-exported here), shared with fp8kernels._checks.
+The checks that need no array are twinspec.checks', shared with fp8kernels._checks.
 """
 
 from __future__ import annotations
@@ -14,14 +14,7 @@ import numpy as np
 from jax import Array
 
 from jaxside.formats import seed_as_uint32
-from twinspec.checks import (
-    check_block,
-    check_divisible,
-    check_global_amax_unrotated,
-    check_roles,
-    check_scale_or_amax_given,
-    element_format,
-)
+from twinspec.checks import check_global_amax_unrotated, check_scale_or_amax_given
 
 INPUT_DTYPES = (np.dtype(np.float32), np.dtype(ml_dtypes.bfloat16), np.dtype(np.float16))
 

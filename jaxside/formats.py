@@ -1,6 +1,6 @@
 """Number formats and the element-level pieces of quantization, in jnp: the twin of fp8kernels/formats.py.
 
-The dtype of each format (the format table and the other constants are twinspec.formats'), element
+The dtype of each format (the format table and the other constants are in twinspec.formats), element
 casts, fp32 and e8m0 block scales, FP4 packing, the stochastic-rounding hash and the random
 Hadamard transform, each returning the same bytes as the torch spec (docs/quantization.md states the rules). Two JAX differences are handled
 here: JAX's fp8 casts do not saturate and write e5m2 NaN as 0x7E, so values are clipped to +-max
@@ -37,22 +37,8 @@ from jaxside._fp32 import (
     scale_down_by_power_of_two,
     to_bits,
 )
-from twinspec.formats import (
-    E2M1_MAGNITUDES,
-    E8M0_INF_CODE,
-    E8M0_UP_ZERO_BITS,
-    FORMATS,
-    FP8_FORMATS,
-    FP32_MAX,
-    HADAMARD_SIGN_BITS,
-    HADAMARD_SIZE,
-    HASH_MULTIPLIERS,
-    HASH_SHIFTS,
-    MASK32,
-    NVFP4_GLOBAL_MAX,
-    SCHEME_BLOCKS,
-    FloatFormat,
-)
+from twinspec.formats import E2M1_MAGNITUDES, E8M0_INF_CODE, E8M0_UP_ZERO_BITS, FORMATS, FP32_MAX
+from twinspec.formats import HADAMARD_SIGN_BITS, HADAMARD_SIZE, HASH_MULTIPLIERS, HASH_SHIFTS, MASK32
 
 # The jnp/ml_dtypes dtype of each format JAX casts to (e2m1 has none: it is packed by hand)
 DTYPES = {

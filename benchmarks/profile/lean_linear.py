@@ -26,7 +26,8 @@ from benchmarks.harness import environment_line, host_us
 from benchmarks.profile.launch_cost import linear_host_us
 from fp8kernels import quantize as kq
 from fp8kernels._casts import format_constants
-from fp8kernels.formats import FORMATS, TORCH_DTYPES
+from fp8kernels.formats import TORCH_DTYPES
+from twinspec.formats import FORMATS
 from torchside.modules import Linear
 
 

@@ -182,7 +182,7 @@ def _npz_arrays(fields: dict, fmt: str) -> dict:
     """The .npz arrays of one quantizer result (numpy, on the host); amaxes become NVFP4 global scale_invs."""
     import numpy as np
 
-    from fp8kernels.formats import NVFP4_GLOBAL_MAX
+    from twinspec.formats import NVFP4_GLOBAL_MAX
 
     arrays = {}
     for key, field in NPZ_KEYS.items():

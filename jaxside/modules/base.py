@@ -28,13 +28,14 @@ import jax.numpy as jnp
 from flax import nnx
 from jax import Array
 
-from jaxside.formats import FORMATS, seed_as_uint32
+from jaxside.formats import seed_as_uint32
 from jaxside.modules import autocast, functions
 from jaxside.modules.tokens import current_batch_dim
 from jaxside.modules.config import ModuleConfig
 from jaxside.quantize import delayed_scaling_update
-from twinspec.recipe import RECIPE_CLASSES, DelayedScaling, NVFP4BlockScaling, Recipe
 from jaxside.sharding import spec_for
+from twinspec.formats import FORMATS
+from twinspec.recipe import RECIPE_CLASSES, DelayedScaling, NVFP4BlockScaling, Recipe
 
 Initializer = Callable[[Array, tuple[int, ...], jnp.dtype], Array]
 

@@ -25,6 +25,7 @@ from fp8kernels import reference as R
 from tests.bridge.byte_compare import as_jax, assert_same_bytes, byte_view
 from tests.fp8kernels.format_models import edge_values
 from tests.selection import in_ci
+from twinspec.formats import FORMATS
 
 SHAPES = ((64, 160), (3, 32, 64))  # partial 128-blocks; 3-D; every dim tiles 32 (MXFP8) and 16 (NVFP4)
 # The second shape runs for one configuration per scheme (a jit compile each): shape handling is per scheme.
@@ -81,7 +82,7 @@ def edge_inputs(fmt: str, shape) -> dict[str, np.ndarray]:
     """fp32 edge tensors of `shape` for element format `fmt` (named cases)."""
     rows, cols = int(np.prod(shape[:-1])), shape[-1]
     grid = edge_values(fmt).numpy()
-    fmax = np.float32(TF.FORMATS[fmt].max)
+    fmax = np.float32(FORMATS[fmt].max)
     finite = grid[np.isfinite(grid) & (np.abs(grid) <= fmax)]
     anchored = _tile(finite, (rows, cols))
     anchored[:, ::16] = np.where(np.arange(rows)[:, None] % 2, -fmax, fmax)  # every block's amax is fmax: scale 1
@@ -201,12 +202,11 @@ def test_empty_input_matches():
 
 
 def test_both_frameworks_cast_each_format_to_the_same_dtype_with_the_one_table():
-    assert TF.FORMATS is JF.FORMATS  # twinspec.formats', with each framework's dtype beside it
     assert {name: str(dtype).removeprefix("torch.") for name, dtype in TF.TORCH_DTYPES.items()} == {
         name: dtype.name for name, dtype in JF.DTYPES.items()
     }
     for name, dtype in TF.TORCH_DTYPES.items():  # the table's max is each dtype's own
-        assert TF.FORMATS[name].max == torch.finfo(dtype).max == float(ml_dtypes.finfo(JF.DTYPES[name]).max), name
+        assert FORMATS[name].max == torch.finfo(dtype).max == float(ml_dtypes.finfo(JF.DTYPES[name]).max), name
 
 
 def test_stochastic_rounding_bits_match():

@@ -30,7 +30,7 @@ from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
-from fp8kernels.formats import FORMATS
+from twinspec.formats import FORMATS
 from torchside import autocast
 from torchside.modules.config import ModuleConfig, check_params_dtype
 from torchside.modules.functions import BackwardHook, GemmQuantizers, gathers_fp8
