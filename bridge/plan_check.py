@@ -54,7 +54,7 @@ class PlanCase:
 
 
 def _config():
-    from jaxside.models.llama_config import LLAMA_CONFIGS
+    from twinspec.llama import LLAMA_CONFIGS
 
     return LLAMA_CONFIGS["tiny"]
 

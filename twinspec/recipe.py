@@ -59,13 +59,19 @@ def _check_int(owner: str, name: str, value: object, minimum: int) -> None:
         raise ValueError(f"{owner}({name}={value!r}): pass an integer >= {minimum}")
 
 
+def check_amax_history_len(owner: str, value: object) -> None:
+    """A DelayedScaling amax history length (of a recipe or a module config): an integer >= 1."""
+    _check_int(owner, "amax_history_len", value, 1)
+
+
 @dataclass(frozen=True)
 class DelayedScaling:
     """Per-tensor FP8 with the scale taken from a history of past amaxes.
 
     `scale = (fmax / amax) / 2**margin`, amax = max of the last `amax_history_len` amaxes
     ("max") or the latest one ("most_recent"); with `reduce_amax` the amaxes of an
-    autocast region are all-reduced (MAX) over its amax group before the update.
+    autocast region are all-reduced (MAX) over its amax group before the update. A module's
+    history takes `amax_history_len` rows unless its ModuleConfig sets another length.
     """
 
     margin: int = 0
@@ -76,7 +82,7 @@ class DelayedScaling:
 
     def __post_init__(self) -> None:
         _check_int("DelayedScaling", "margin", self.margin, 0)
-        _check_int("DelayedScaling", "amax_history_len", self.amax_history_len, 1)
+        check_amax_history_len("DelayedScaling", self.amax_history_len)
         _check_choice("DelayedScaling", "amax_compute_algo", self.amax_compute_algo, ("max", "most_recent"))
         _check_bool("DelayedScaling", "reduce_amax", self.reduce_amax)
         _check_format("DelayedScaling", self.fp8_format)
@@ -232,6 +238,7 @@ __all__ = [
     "MXFP8BlockScaling",
     "NVFP4BlockScaling",
     "Recipe",
+    "check_amax_history_len",
     "check_role",
     "recipe_from_name",
     "recipe_names",

@@ -22,7 +22,7 @@ from safetensors.torch import load_file, save_file
 from bridge import cli
 from bridge.convert import convert, hf, open_reader
 from bridge.convert.plan import make_plan
-from jaxside.models import hf_llama
+from twinspec import hf_llama
 from tests.bridge.hf_cases import (
     FP8_DEFECTS,
     TOLERANCE,
