@@ -1,9 +1,11 @@
-"""Dependency direction (docs/design.md): fp8kernels <- torchside <- bridge -> jaxside, torch and JAX apart; tests apart.
+"""Dependency direction (docs/design.md): twinspec <- fp8kernels <- torchside <- bridge -> jaxside -> twinspec.
 
 Two checks: at run time, importing a package and all its submodules loads no module of the other
 framework; statically, no import statement anywhere in a package (lazy ones inside functions
-included) names a package it must not use. And no file under tests/ imports a test module: shared
-helpers live in conftest.py files and helper modules (names without the `test_` prefix).
+included) names a package it must not use (twinspec imports no framework and none of our packages;
+torch and JAX stay apart). And no file under tests/ or the script folders (benchmarks/, examples/)
+imports a test module: shared helpers live in conftest.py files and helper modules (names without the
+`test_` prefix); the scripts import only names that exist.
 """
 
 import ast
@@ -14,6 +16,7 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
+OUR_TOP_LEVEL = ("twinspec", "fp8kernels", "torchside", "jaxside", "bridge")
 FORBIDDEN = {"torchside": "jax", "fp8kernels": "jax", "jaxside": "torch", "twinspec": "torch"}
 # package -> top-level modules no import in it may name
 FORBIDDEN_IMPORTS = {
@@ -22,16 +25,11 @@ FORBIDDEN_IMPORTS = {
     "jaxside": {"torch", "torchside", "fp8kernels", "bridge"},
     "twinspec": {"torch", "jax", "flax", "triton", "fp8kernels", "torchside", "jaxside", "bridge"},
 }
-# Framework-free modules both sides share (the Llama config and the Hugging Face name table): they live
-# in jaxside, whose package __init__s import nothing, so that the table exists once (docs/twins.md).
-# torchside may import these and nothing else of jaxside; they import neither framework.
-# jaxside.plan: placement plans (data, parsing, validation), read by torchside.parallel and jaxside.sharding.
-SHARED = {"jaxside.models.llama_config", "jaxside.models.hf_llama", "jaxside.plan"}
-SHARED_MAY_IMPORT = {
-    "__future__", "json", "math", "dataclasses", "pathlib", "typing", "numpy", "safetensors",
-    "collections", "fnmatch", "re", "tomllib",
-    "ml_dtypes",  # numpy's FP8 dtypes (hf_llama decodes E4M3 bytes), no framework
-}  # fmt: skip
+# The one module of jaxside torchside may still import: placement plans (data, parsing, validation), read by
+# torchside.parallel and jaxside.sharding. It moves to twinspec (issue 43, part B), and then SHARED is empty:
+# whatever both frameworks read lives in twinspec (docs/twins.md).
+SHARED = {"jaxside.plan"}
+SHARED_MAY_IMPORT = {"__future__", "math", "dataclasses", "pathlib", "typing", "collections", "fnmatch", "re", "tomllib"}
 
 
 @pytest.mark.parametrize("package", sorted(FORBIDDEN))
@@ -159,6 +157,39 @@ def is_test_module(name: str) -> bool:
     return name.split(".")[0] == "tests" and name.split(".")[-1].startswith("test_")
 
 
+# Folders of scripts that exercise the packages: they may import any package, but no test module, and
+# only names that exist (a script is run by hand, on a GPU machine, long after a rename broke it).
+SCRIPT_FOLDERS = ("benchmarks", "examples")
+
+
+@pytest.mark.parametrize("folder", SCRIPT_FOLDERS)
+def test_scripts_import_no_test_module_and_only_names_that_exist(folder):
+    import importlib
+
+    ours = {*OUR_TOP_LEVEL, *SCRIPT_FOLDERS, "tests"}
+    wrong = []
+    for path in python_files(folder):
+        for line, name in imported_modules(path):
+            if is_test_module(name):
+                wrong.append(f"{path.relative_to(REPO)}:{line}: {name} is a test module")
+            elif name.split(".")[0] in ours and not _exists(importlib, name):
+                wrong.append(f"{path.relative_to(REPO)}:{line}: {name} does not exist")
+    assert not wrong, "\n".join(wrong)
+
+
+def _exists(importlib, name: str) -> bool:
+    """`name` is a module, or a name a module defines (`from module import name`)."""
+    try:
+        importlib.import_module(name)
+        return True
+    except ModuleNotFoundError:
+        module, _, attribute = name.rpartition(".")
+        try:
+            return bool(module) and hasattr(importlib.import_module(module), attribute)
+        except ModuleNotFoundError:
+            return False
+
+
 def test_no_file_under_tests_imports_a_test_module():
     wrong = [
         f"{path.relative_to(REPO)}:{line}: {name}"
@@ -209,9 +240,6 @@ def test_cli_help_and_the_layout_and_demo_packages_load_neither_framework():
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "[]"
-
-
-OUR_TOP_LEVEL = ("twinspec", "fp8kernels", "torchside", "jaxside", "bridge")
 
 
 def test_our_top_level_names_are_ours_alone():

@@ -1,7 +1,7 @@
 """Diagnose the CUDA TransformerLayer check: GEMM accuracy and FP8 code flips, GEMM by GEMM.
 
 Builds the case of `test_cuda_layer_matches_float64_quantized_math` exactly as the test does
-(tests/torchside/test_transformer_layer.py: fp8_step), records every cast and GEMM of the step
+(tests/torchside/layer64.py: fp8_step), records every cast and GEMM of the step
 (tests/torchside/fp8_capture.py) and prints, per recipe:
 
 - per GEMM: submodule, role, provider (cublaslt / triton / interpreter / reference), K, the GEMM's
@@ -30,8 +30,8 @@ import torch
 from benchmarks.harness import environment_line
 from fp8kernels.gemm_reference import gemm_operand
 from tests.torchside.fp8_capture import Gemm, on_cpu
-from tests.torchside.test_modules_numerics import RECIPES, QuantizedMath64, _relative_error
-from tests.torchside.test_transformer_layer import fp8_step, model_errors
+from tests.torchside.layer64 import fp8_step, model_errors
+from tests.torchside.quantized_math64 import RECIPES, QuantizedMath64, relative_error
 
 CASE = "rmsnorm-swiglu-gqa-separate-rotary-bshd"
 
@@ -86,7 +86,7 @@ def diagnose(recipe_name: str, device: str) -> None:
         print(f"{name:34s} {gemm.role:5s} {gemm.provider:11s} {k:>4d} "
               f"{relative:8.1e} {log2:>16s} {flips[0]:>10s} {flips[1]:>10s}")  # fmt: skip
     inputs = {
-        key: _relative_error(cast.x.cpu(), maths[key[0]].cast_inputs[key[1:]].double()) for key, cast in casts.items()
+        key: relative_error(cast.x.cpu(), maths[key[0]].cast_inputs[key[1:]].double()) for key, cast in casts.items()
     }
     worst = max(inputs, key=inputs.get)
     print(f"cast inputs vs the following model: max relative error {inputs[worst]:.1e} at {' '.join(map(str, worst))}")
