@@ -189,9 +189,10 @@ def logits_report(
     title: the report's (model, mesh) names.
     """
     from bridge.logits import check_logits
+    from twinspec.recipe import recipe_from_name
 
     report = VerifyReport(*title, recipe, 0, device_type)
-    relative, max_abs, nan = check_logits(model, twin, meshes, mesh, recipe, tokens)
+    relative, max_abs, nan = check_logits(model, twin, meshes, mesh, recipe_from_name(recipe), tokens)
     limit = tolerance(recipe, "forward", device_type=device_type)
     passed = limit.passes(relative, max_abs, nan)
     report.checks.append(TensorCheck(0, "forward", "logits", relative, max_abs, nan, limit, passed))
