@@ -26,6 +26,7 @@ from tests.bridge.byte_compare import as_jax, assert_same_bytes, byte_view
 from tests.fp8kernels.format_models import edge_values
 from tests.selection import in_ci
 from twinspec.formats import FORMATS
+from twinspec.recipe import DelayedScaling, recipe_from_name, recipe_names
 
 SHAPES = ((64, 160), (3, 32, 64))  # partial 128-blocks; 3-D; every dim tiles 32 (MXFP8) and 16 (NVFP4)
 # The second shape runs for one configuration per scheme (a jit compile each): shape handling is per scheme.
@@ -269,3 +270,20 @@ def test_quantize_numpy_gives_the_torch_buffers():
         np.testing.assert_array_equal(byte_view(array), byte_view(getattr(expected, name)), err_msg=name)
     scaled = JQ.quantize_numpy(x.numpy(), "quantize_tensorwise", fmt="e5m2", scale=torch.tensor([2.0]), columnwise=True)
     np.testing.assert_array_equal(scaled["data"], R.quantize_tensorwise(x, "e5m2", torch.tensor([2.0])).data.numpy())
+
+
+# ----------------------------------------------------------------------------- one recipe object, two frameworks
+
+
+@pytest.mark.parametrize("name", recipe_names(fp8_off=False))
+def test_both_frameworks_quantize_with_the_one_recipe_object_of_each_name(name):
+    """The object recipe_from_name makes enters both quantizers and gives the same values (a weight: no randomness)."""
+    import torchside
+    from jaxside.modules.functions import quantize_operand
+
+    recipe = recipe_from_name(name)
+    x = _random((128, 128), torch.float32, seed=3)
+    expected = torchside.quantize(x, recipe, "weight").dequantize(torch.float32)  # a one-off DelayedScaling: scale 1
+    scale = jnp.ones(1, jnp.float32) if isinstance(recipe, DelayedScaling) else None
+    got = JQ.dequantize(quantize_operand(as_jax(x), recipe, "weight", scale=scale, columnwise=False))
+    np.testing.assert_array_equal(np.asarray(got).view(np.uint32), expected.numpy().view(np.uint32))
