@@ -26,8 +26,9 @@ class ModuleConfig:
     """Shared module settings: DelayedScaling state size and tensor parallelism."""
 
     # Rows of the DelayedScaling amax history buffers. None (the default): the DelayedScaling recipe's
-    # amax_history_len, as in TransformerEngine (the buffers take it at the first forward under it);
-    # a length here fixes the rows whatever the recipe says.
+    # amax_history_len, as in TransformerEngine (the buffers take it at the first forward under it,
+    # 1024 rows before); a length here fixes the rows whatever the recipe says. A checkpoint holds the
+    # rows it was saved with: a model with another length loads it after ModuleConfig(amax_history_len=...).
     amax_history_len: int | None = None
     tp_group: dist.ProcessGroup | None = None
     tp_size: int = 1
