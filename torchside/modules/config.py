@@ -27,8 +27,8 @@ class ModuleConfig:
 
     # Rows of the DelayedScaling amax history buffers. None (the default): the DelayedScaling recipe's
     # amax_history_len, as in TransformerEngine (the buffers take it at the first forward under it,
-    # 1024 rows before); a length here fixes the rows whatever the recipe says. A checkpoint holds the
-    # rows it was saved with: a model with another length loads it after ModuleConfig(amax_history_len=...).
+    # 1024 rows before); a length here fixes the rows whatever the recipe says. A checkpoint saved with
+    # N rows loads into modules of N rows: build them with ModuleConfig(amax_history_len=N) when N != 1024.
     amax_history_len: int | None = None
     tp_group: dist.ProcessGroup | None = None
     tp_size: int = 1
