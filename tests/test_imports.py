@@ -9,6 +9,7 @@ imports a test module: shared helpers live in conftest.py files and helper modul
 """
 
 import ast
+import importlib
 import subprocess
 import sys
 from pathlib import Path
@@ -62,8 +63,6 @@ TOP_LEVEL = {
 
 @pytest.mark.parametrize("module, name", [(module, name) for module, names in TOP_LEVEL.items() for name in names])
 def test_public_api_is_importable_from_torchside(module, name):
-    import importlib
-
     import torchside
 
     assert getattr(torchside, name) is getattr(importlib.import_module(module), name)
@@ -164,20 +163,18 @@ SCRIPT_FOLDERS = ("benchmarks", "examples")
 
 @pytest.mark.parametrize("folder", SCRIPT_FOLDERS)
 def test_scripts_import_no_test_module_and_only_names_that_exist(folder):
-    import importlib
-
     ours = {*OUR_TOP_LEVEL, *SCRIPT_FOLDERS, "tests"}
     wrong = []
     for path in python_files(folder):
         for line, name in imported_modules(path):
             if is_test_module(name):
                 wrong.append(f"{path.relative_to(REPO)}:{line}: {name} is a test module")
-            elif name.split(".")[0] in ours and not _exists(importlib, name):
+            elif name.split(".")[0] in ours and not _exists(name):
                 wrong.append(f"{path.relative_to(REPO)}:{line}: {name} does not exist")
     assert not wrong, "\n".join(wrong)
 
 
-def _exists(importlib, name: str) -> bool:
+def _exists(name: str) -> bool:
     """`name` is a module, or a name a module defines (`from module import name`)."""
     try:
         importlib.import_module(name)
