@@ -36,8 +36,6 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import Replicate, Shard
 
-import jaxside.recipe  # framework-free: names and configs, no jax
-import torchside.recipe
 from bridge import layout, params, transfer, twins
 from bridge.numerics import RECIPES, TensorCheck, VerifyReport, collect, tolerance
 from bridge.runtime import jax_mesh
@@ -47,6 +45,7 @@ from torchside.optim import FusedAdam
 from torchside.parallel import parallelize
 from twinspec.mesh import DP_REPLICATE, DP_SHARD, MESH_AXES, TP, MeshShape
 from twinspec.plan import DEFAULT_PLAN, Plan
+from twinspec.recipe import Recipe, recipe_from_name
 
 HISTORY = 4  # DelayedScaling amax history rows
 SEQUENCE, BATCH = 16, 8  # tokens per rank: SEQUENCE * BATCH / DP (a multiple of 32 for MXFP8's token blocks)
@@ -83,10 +82,10 @@ class VerifyCase:
         return twins.TwinSpec(self.model, self.layers, self.hidden, self.mesh.tp, HISTORY, self.plan)
 
 
-def recipe_pair(name: str) -> tuple[Any, Any]:
-    """(torchside recipe, jaxside recipe) of a recipe name, from each framework's registry; (None, None) for off."""
+def case_recipe(name: str) -> Recipe | None:
+    """The recipe object both frameworks run for a recipe name (delayed: verify's history length); None for off."""
     options = {"amax_history_len": HISTORY} if name == "delayed" else {}
-    return torchside.recipe.recipe_from_name(name, **options), jaxside.recipe.recipe_from_name(name, **options)
+    return recipe_from_name(name, **options)
 
 
 def verify(runtime, cases: Sequence[VerifyCase], rules: Iterable[params.Rule] = params.RULES) -> list[dict]:
@@ -150,15 +149,15 @@ def _verify_recipe(runtime, world, mesh, case: VerifyCase, recipe: str, rules) -
     from jaxside.optim import fused_adam
 
     report = VerifyReport(case.model, str(case.mesh), recipe, case.steps, runtime.torch_device.type)
-    torch_recipe, jax_recipe = recipe_pair(recipe)
+    fp8_recipe = case_recipe(recipe)
     models = _build_twins(runtime, world, mesh, case, rules, report)
     torch_optimizer = FusedAdam(models.torch_model.parameters(), lr=LR)
     jax_optimizer = nnx.Optimizer(models.jax_model, fused_adam(LR), wrt=nnx.Param)
-    jax_step = _jax_step(jax_recipe)
+    jax_step = _jax_step(fp8_recipe)
     for step in range(case.steps):
         x_local, dy_local = _batch(models.meshes, step, case.hidden, runtime.torch_device)
         x = x_local.clone().requires_grad_()
-        with fp8_autocast(enabled=torch_recipe is not None, recipe=torch_recipe, amax_reduction_group=dist.group.WORLD):
+        with fp8_autocast(enabled=fp8_recipe is not None, recipe=fp8_recipe, amax_reduction_group=dist.group.WORLD):
             y, torch_outputs = models.torch_model(x)
         y.backward(dy_local)
         sum_data_parallel_gradients(models.torch_model, models.meshes)  # as JAX's: the full batch's sum
@@ -382,4 +381,4 @@ class _Placement:
         return hash(self._key)
 
 
-__all__ = ["HISTORY", "LR", "VerifyCase", "recipe_pair", "verify"]
+__all__ = ["HISTORY", "LR", "VerifyCase", "case_recipe", "verify"]

@@ -10,7 +10,7 @@ forward under the recipe (fresh models, so fresh FP8 scaling state on both sides
 are compared shard by shard (bridge.logits) against bridge.numerics' forward tolerance.
 
 `check_input` runs before any process starts: the directory's config, index and headers
-(jaxside.models.hf_llama.Checkpoint), the torch model built on "meta" for the TP size (its
+(twinspec.hf_llama.Checkpoint), the torch model built on "meta" for the TP size (its
 modules refuse heads or ffn sizes TP does not divide; each recipe's tiles against its GEMM
 weights' TP shards; an FP8 checkpoint's FSDP2 row shards against its 128-row blocks), and the
 JAX twin's shardings on an abstract mesh (JAX refuses dims the mesh does not divide evenly).
@@ -64,7 +64,7 @@ def check_input(case: HFCase) -> None:
     """The checkpoint and the mesh, before any process starts (module docstring); ValueError with the fix."""
     from jax.sharding import AbstractMesh
 
-    from jaxside.models.hf_llama import Checkpoint
+    from twinspec.hf_llama import Checkpoint
 
     path = Path(case.path)
     if not path.is_dir():
@@ -117,7 +117,7 @@ def _check_recipes_fit(model, recipes, tp: int) -> None:
 def _check_fp8_rows_fit(model, dp_shard: int) -> None:
     """FSDP2 cuts each FP8 weight's TP shard into dp_shard row chunks (torch.chunk); a chunk must start on a
     128-row scale block, or the load fails inside the processes (torchside.quantization.storage)."""
-    from jaxside.models.hf_llama import BLOCK
+    from twinspec.hf_llama import BLOCK
 
     for owner, module in model.named_modules():
         if getattr(module, "num_gemms", 0) and module.builds_fp8_weights:
@@ -190,9 +190,10 @@ def logits_report(
     title: the report's (model, mesh) names.
     """
     from bridge.logits import check_logits
+    from twinspec.recipe import recipe_from_name
 
     report = VerifyReport(*title, recipe, 0, device_type)
-    relative, max_abs, nan = check_logits(model, twin, meshes, mesh, recipe, tokens)
+    relative, max_abs, nan = check_logits(model, twin, meshes, mesh, recipe_from_name(recipe), tokens)
     limit = tolerance(recipe, "forward", device_type=device_type)
     passed = limit.passes(relative, max_abs, nan)
     report.checks.append(TensorCheck(0, "forward", "logits", relative, max_abs, nan, limit, passed))

@@ -1,15 +1,18 @@
 """Torch's logits and the JAX twin's of one token batch on the co-located mesh, compared shard by shard.
 
 Used by `shardbridge demo` (the trained model against its twin) and `shardbridge verify --model llama
---hf` (both frameworks' load_hf of one checkpoint). Each process compares its own shard of the
+--hf` (both frameworks' load_hf of one checkpoint). Both frameworks run the one recipe object the caller
+made from its recipe name (twinspec.recipe). Each process compares its own shard of the
 logits [S, B, V] (batch over the data-parallel axes, as torch's ranks split it; the vocabulary as
 torch keeps it) and one all-reduce adds them up (bridge.numerics).
 """
 
 from __future__ import annotations
 
+from twinspec.recipe import Recipe
 
-def check_logits(model, twin, meshes, mesh, recipe_name: str, tokens) -> tuple[float, float, bool]:
+
+def check_logits(model, twin, meshes, mesh, recipe: Recipe | None, tokens) -> tuple[float, float, bool]:
     """(relative error, max abs, NaN seen) of the twin's logits of `tokens` [B, S] against the torch model's.
 
     Every process calls it: torch runs its data-parallel rows (no autograd), the twin the whole batch
@@ -18,24 +21,22 @@ def check_logits(model, twin, meshes, mesh, recipe_name: str, tokens) -> tuple[f
     import torch
 
     with torch.no_grad():
-        reference = torch_logits(model, meshes, recipe_name, tokens)
-    return compare_logits(recipe_name, twin, tokens, reference, meshes.world, mesh)
+        reference = torch_logits(model, meshes, recipe, tokens)
+    return compare_logits(recipe, twin, tokens, reference, meshes.world, mesh)
 
 
-def torch_logits(model, meshes, recipe_name: str, tokens):
+def torch_logits(model, meshes, recipe: Recipe | None, tokens):
     """torch's logits [S, b, V] of this rank's data-parallel rows of `tokens` [B, S]."""
     from torch.distributed import group
 
     from torchside.autocast import fp8_autocast
-    from torchside.recipe import recipe_from_name
 
     local = tokens.chunk(meshes.data_parallel_size)[meshes.data_parallel_rank()]
-    recipe = recipe_from_name(recipe_name)
     with fp8_autocast(enabled=recipe is not None, recipe=recipe, amax_reduction_group=group.WORLD):
         return model(local.to(next(model.parameters()).device))
 
 
-def compare_logits(recipe_name: str, twin, tokens, torch_logits, world, mesh) -> tuple[float, float, bool]:
+def compare_logits(recipe: Recipe | None, twin, tokens, torch_logits, world, mesh) -> tuple[float, float, bool]:
     """(relative error, max abs, NaN seen) of the twin's logits on the mesh against torch's, over every shard."""
     import jax
     import numpy as np
@@ -47,7 +48,7 @@ def compare_logits(recipe_name: str, twin, tokens, torch_logits, world, mesh) ->
     data_parallel = [Shard(0), Shard(0), Replicate()]  # [B, S]: torch's ranks' rows, whole on every TP rank
     ids = tokens.numpy().astype(np.int32)
     sharding = transfer.equivalent_sharding(world, data_parallel, ids.shape, mesh)
-    jax_logits = _jax_logits(recipe_name, twin, jax.make_array_from_callback(ids.shape, sharding, lambda i: ids[i]))
+    jax_logits = _jax_logits(recipe, twin, jax.make_array_from_callback(ids.shape, sharding, lambda i: ids[i]))
     # torch's [S, b, V]: the vocabulary split over TP (a DTensor), or whole on every TP rank (a padded one, sliced),
     # or partial sums over TP (a head by hidden columns: a placement plan's embedding mode "hidden"), summed here
     if isinstance(torch_logits, DTensor) and torch_logits.placements[0].is_partial():
@@ -61,16 +62,14 @@ def compare_logits(recipe_name: str, twin, tokens, torch_logits, world, mesh) ->
     return relative, max_abs, nan
 
 
-def _jax_logits(recipe_name: str, twin, tokens):
+def _jax_logits(recipe: Recipe | None, twin, tokens):
     """The twin's logits [S, B, V] of `tokens` [B, S], one program on the mesh the twin and the tokens are on."""
     import jax
     import torch.distributed as dist
     from flax import nnx
 
     import jaxside.modules as JM
-    from jaxside.recipe import recipe_from_name
 
-    recipe = recipe_from_name(recipe_name)
     graphdef, state = nnx.split(twin)
 
     def forward(state, tokens):

@@ -57,13 +57,13 @@ from typing import Any
 
 import numpy as np
 
-from jaxside.recipe import recipe_names
+from twinspec.recipe import recipe_names
 
 E4M3_U, E5M2_U, E2M1_U = 2.0**-4, 2.0**-3, 2.0**-2
 FP32_ORDER = 1e-5
 STAGES = ("layout", "forward", "input_grad", "weight_grad", "param", "exp_avg", "exp_avg_sq")
-# The recipe names verify and the demo take: the registry's (jaxside.recipe's copy, equal to torchside.recipe's
-# and cheap to import, with neither torch nor jax); TOLERANCES has a row for each.
+# The recipe names verify and the demo take: twinspec's registry (cheap to import, with neither torch nor jax),
+# the one both frameworks build their recipes from; TOLERANCES has a row for each.
 RECIPES = recipe_names()
 
 

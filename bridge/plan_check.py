@@ -54,7 +54,7 @@ class PlanCase:
 
 
 def _config():
-    from jaxside.models.llama_config import LLAMA_CONFIGS
+    from twinspec.llama import LLAMA_CONFIGS
 
     return LLAMA_CONFIGS["tiny"]
 
@@ -160,7 +160,7 @@ def _unsharded_check(model, unsharded, meshes, recipe: str, tokens, device_type:
     fp8 = recipe_from_name(recipe)
     rows = tokens.chunk(meshes.data_parallel_size)[meshes.data_parallel_rank()]
     with torch.no_grad():
-        ours = torch_logits(model, meshes, recipe, tokens)
+        ours = torch_logits(model, meshes, fp8, tokens)
         with fp8_autocast(enabled=fp8 is not None, recipe=fp8):
             reference = unsharded(rows.to(next(unsharded.parameters()).device))
     ours = ours.full_tensor() if isinstance(ours, DTensor) else ours  # whole on every TP rank

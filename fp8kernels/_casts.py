@@ -21,7 +21,7 @@ from types import MappingProxyType
 import triton
 import triton.language as tl
 
-from fp8kernels.formats import FORMATS, HADAMARD_SIGN_BITS, HASH_MULTIPLIERS
+from twinspec.formats import FORMATS, HADAMARD_SIGN_BITS, HASH_MULTIPLIERS
 
 # Globals a @triton.jit function reads must be constexprs.
 _HADAMARD_SIGN_BITS = tl.constexpr(HADAMARD_SIGN_BITS)

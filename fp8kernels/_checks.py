@@ -1,11 +1,14 @@
-"""Argument checks shared by the reference quantizers and the Triton launchers (same errors in both)."""
+"""Argument checks shared by the reference quantizers and the Triton launchers (same errors in both).
+
+The checks that need no tensor are twinspec.checks', shared with jaxside._checks.
+"""
 
 from __future__ import annotations
 
 import torch
 from torch import Tensor
 
-from fp8kernels.formats import FORMATS, FloatFormat
+from twinspec.checks import check_global_amax_unrotated, check_scale_or_amax_given
 
 INPUT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
@@ -18,38 +21,6 @@ def matrix_view(x: Tensor) -> tuple[Tensor, tuple[int, ...]]:
     if x.dim() == 0:
         raise ValueError("quantize needs at least one dim, got a 0-d tensor; reshape it to (1,)")
     return x.reshape(-1, x.shape[-1]), tuple(x.shape)
-
-
-def check_roles(rowwise: bool, columnwise: bool) -> None:
-    """At least one of the two copies must be asked for."""
-    if not (rowwise or columnwise):
-        raise ValueError("rowwise=False and columnwise=False produce nothing; ask for at least one")
-
-
-def check_divisible(operand_cols: int, multiple: int, scheme: str, role: str) -> None:
-    """MXFP8 and NVFP4 blocks must tile each operand row exactly (a row of x, or a column of x)."""
-    if operand_cols % multiple:
-        dim = "last dim (K)" if role == "rowwise" else "row count (M, the product of the leading dims)"
-        other = "columnwise" if role == "rowwise" else "rowwise"
-        raise ValueError(
-            f"{scheme} {role} needs the {dim} to be a multiple of {multiple}, got {operand_cols}; "
-            f"pad the tensor or ask for {other} only"
-        )
-
-
-def element_format(fmt: str, allowed: tuple[str, ...]) -> FloatFormat:
-    """The format a quantizer writes, checked against those it supports."""
-    if fmt not in allowed:
-        raise ValueError(f"fmt={fmt!r} is not supported here; use one of {allowed}")
-    return FORMATS[fmt]
-
-
-def check_block(block: tuple[int, int], allowed: tuple[tuple[int, int], ...], name: str) -> tuple[int, int]:
-    """A block shape argument, checked against the ones a scheme defines."""
-    block = tuple(block)
-    if block not in allowed:
-        raise ValueError(f"{name} block={block} is not supported; use one of {allowed}")
-    return block
 
 
 def check_scale(scale: Tensor, device: torch.device) -> Tensor:
@@ -69,10 +40,7 @@ def check_scale_or_amax(
 ) -> None:  # fmt: skip
     """Tensorwise: a given delayed-scaling scale, or a given amax to scale from (current scaling), or neither;
     with `groups` (a split quantize), one of them per row group, shaped (groups,)."""
-    if scale is not None and amax is not None:
-        raise ValueError("pass scale (delayed scaling) or amax (current scaling from a given amax), not both")
-    if scale is not None and (power_2_scale or amax_epsilon):
-        raise ValueError("power_2_scale and amax_epsilon shape a current scale; with a given scale leave them unset")
+    check_scale_or_amax_given(scale is not None, amax is not None, power_2_scale, amax_epsilon)
     if groups is not None:
         for name, values in (("scales", scale), ("amaxes", amax)):
             if values is None:
@@ -113,11 +81,7 @@ def check_global_amax(global_amax: Tensor | None, rotated_columnwise: bool, devi
     if global_amax is None:
         return
     _check_one_fp32(global_amax, "global_amax", "the whole tensor's amax", device)
-    if rotated_columnwise:
-        raise ValueError(
-            "global_amax stands for x's amax, not for that of the Hadamard-rotated columnwise copy: "
-            "pass hadamard=False, or columnwise=False, or leave global_amax None"
-        )
+    check_global_amax_unrotated(rotated_columnwise)
 
 
 def check_splits(m_splits: object, rows: int) -> list[int]:

@@ -52,7 +52,7 @@ from fp8kernels._casts import (
     split_runs,
     to_f32,
 )
-from fp8kernels.formats import NVFP4_GLOBAL_MAX
+from twinspec.formats import NVFP4_GLOBAL_MAX
 
 _NVFP4_GLOBAL_MAX = tl.constexpr(NVFP4_GLOBAL_MAX)
 _FP32_INF_BITS = tl.constexpr(0x7F800000)

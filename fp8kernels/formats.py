@@ -1,71 +1,23 @@
 """Number formats and the element-level pieces of quantization, in plain torch.
 
-The building blocks of `fp8kernels.reference` (the spec): the format table with each format's
-max and canonical NaN byte, element casts, fp32 and e8m0 block scales, FP4 packing, the
-stochastic-rounding hash and the random Hadamard transform. `fp8kernels._casts` holds their
-Triton twins; docs/quantization.md states the rules.
+The building blocks of `fp8kernels.reference` (the spec): torch's dtype of each format, element
+casts, fp32 and e8m0 block scales, FP4 packing, the stochastic-rounding hash and the random Hadamard
+transform (the format table and the other constants are in twinspec.formats). `fp8kernels._casts`
+holds the Triton twins; docs/quantization.md states the rules.
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 
 import torch
 from torch import Tensor
 
-FP32_MAX = torch.finfo(torch.float32).max
+from twinspec.formats import E2M1_MAGNITUDES, E8M0_INF_CODE, E8M0_UP_ZERO_BITS, FORMATS, FP32_MAX, ONE_BITS
+from twinspec.formats import HADAMARD_SIGN_BITS, HADAMARD_SIZE, HASH_MULTIPLIERS, HASH_SHIFTS, MASK32
 
-
-@dataclass(frozen=True)
-class FloatFormat:
-    """One low-precision format: its bit layout, largest finite value and canonical NaN code."""
-
-    name: str
-    exponent_bits: int
-    mantissa_bits: int
-    max: float
-    nan_code: int  # the one byte every implementation writes for NaN
-    torch_dtype: torch.dtype | None  # None: torch cannot cast to it (e2m1 is packed by hand)
-
-    @property
-    def bias(self) -> int:
-        return 2 ** (self.exponent_bits - 1) - 1
-
-    @property
-    def max_exponent(self) -> int:
-        """floor(log2(max)): 8 for e4m3, 15 for e5m2, 2 for e2m1 (the OCP MX `emax_elem`)."""
-        return math.floor(math.log2(self.max))
-
-
-FORMATS: dict[str, FloatFormat] = {
-    # e4m3 and e5m2 write their NaN code for every non-finite value (+-inf too): a cast never hides one.
-    "e4m3": FloatFormat("e4m3", 4, 3, 448.0, 0x7F, torch.float8_e4m3fn),
-    "e5m2": FloatFormat("e5m2", 5, 2, 57344.0, 0x7F, torch.float8_e5m2),
-    # e2m1 has no NaN: a NaN element becomes code 0 and its block's e4m3 scale is NaN (an infinite
-    # block amax makes that scale NaN too), so the block dequantizes to NaN.
-    "e2m1": FloatFormat("e2m1", 2, 1, 6.0, 0x00, None),
-    # e8m0 holds MXFP8 block scales: a biased exponent (bias 127), 0xFF is NaN.
-    "e8m0": FloatFormat("e8m0", 8, 0, 2.0**127, 0xFF, torch.float8_e8m0fnu),
-}
-FP8_FORMATS = ("e4m3", "e5m2")
-E8M0_INF_CODE = 0xFE  # the e8m0 code of an infinite amax (the largest finite exponent)
-E8M0_UP_ZERO_BITS = 0x00400000  # "up" gives code 0 to an amax / fmax ratio at most 2^-127 (these fp32 bits)
-ONE_BITS = 0x3F800000  # fp32 1.0
-NVFP4_GLOBAL_MAX = FORMATS["e4m3"].max * FORMATS["e2m1"].max  # 448 * 6: the global encode's fmax
-
-# The 8 magnitudes of e2m1 by code (bit 3 is the sign): 0 and 0.5 subnormal, then (1 + m/2) * 2^(e-1).
-E2M1_MAGNITUDES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
-
-# scheme name -> block shape [rows, cols] of the operand sharing one scale (None: whole tensor)
-SCHEME_BLOCKS: dict[str, tuple[int, int] | None] = {
-    "tensorwise": None,
-    "block1x128": (1, 128),
-    "block128x128": (128, 128),
-    "mxfp8": (1, 32),
-    "nvfp4_1x16": (1, 16),
-    "nvfp4_16x16": (16, 16),
-}
+# torch's dtype of each format it casts to (e2m1 has none: it is packed by hand)
+TORCH_DTYPES = {"e4m3": torch.float8_e4m3fn, "e5m2": torch.float8_e5m2, "e8m0": torch.float8_e8m0fnu}
 
 
 def row_block_scales(rows: int, blocks: int, device: torch.device) -> Tensor:
@@ -88,13 +40,13 @@ def encode_fp8(values: Tensor, fmt: str) -> Tensor:
     """fp32 values -> uint8 codes of e4m3/e5m2: NaN and +-inf -> the canonical NaN, finite values saturate
     to +-max, round to nearest even."""
     f = FORMATS[fmt]
-    codes = values.float().clamp(-f.max, f.max).to(f.torch_dtype).view(torch.uint8)
+    codes = values.float().clamp(-f.max, f.max).to(TORCH_DTYPES[fmt]).view(torch.uint8)
     return torch.where(values.isfinite(), codes, f.nan_code)
 
 
 def decode_fp8(codes: Tensor, fmt: str) -> Tensor:
     """uint8 codes of e4m3/e5m2/e8m0 -> fp32 values (NaN codes -> NaN)."""
-    return codes.view(FORMATS[fmt].torch_dtype).float()
+    return codes.view(TORCH_DTYPES[fmt]).float()
 
 
 def encode_e2m1(values: Tensor, random_bits: Tensor | None = None) -> Tensor:
@@ -186,23 +138,19 @@ def e8m0_encode_multiplier(exponent: Tensor, rounding: str = "up") -> Tensor:
 
 # ----------------------------------------------------------------------------- randomness, Hadamard
 
-# lowbias32 (C. Wellons): a 32-bit integer mixer that torch (int64 here), Triton and jnp (uint32)
-# compute identically, so stochastic rounding needs no shared random tensor.
-HASH_MULTIPLIERS = (0x7FEB352D, 0x846CA68B)
-HASH_SHIFTS = (16, 15, 16)
-_MASK32 = 0xFFFFFFFF
+# lowbias32 (twinspec.formats' HASH_*), in int64 holding 32 bits.
 
 
 def _mul_mod32(x: Tensor, constant: int) -> Tensor:
     """x * constant mod 2^32 in int64 without overflow: multiply by the constant's 16-bit halves."""
     low = x * (constant & 0xFFFF)
     high = ((x * (constant >> 16)) & 0xFFFF) << 16
-    return (low + high) & _MASK32
+    return (low + high) & MASK32
 
 
 def hash32(x: Tensor) -> Tensor:
     """lowbias32 of each value (int64 holding 32 bits) -> int64 holding 32 bits."""
-    x = x & _MASK32
+    x = x & MASK32
     x = x ^ (x >> HASH_SHIFTS[0])
     x = _mul_mod32(x, HASH_MULTIPLIERS[0])
     x = x ^ (x >> HASH_SHIFTS[1])
@@ -219,17 +167,13 @@ def stochastic_key(seed: int | Tensor, device: torch.device) -> Tensor:
     if isinstance(seed, Tensor):
         value = seed.reshape(()).to(device=device, dtype=torch.int64)
     else:
-        value = torch.full((), seed & _MASK32, dtype=torch.int64, device=device)
+        value = torch.full((), seed & MASK32, dtype=torch.int64, device=device)
     return hash32(value)
 
 
 def stochastic_rounding_bits(seed: int | Tensor, index: Tensor) -> Tensor:
     """32 random bits per element: hash32(index mod 2^32 XOR hash32(seed mod 2^32)) (seed: see stochastic_key)."""
-    return hash32((index.long() & _MASK32) ^ stochastic_key(seed, index.device))
-
-
-HADAMARD_SIZE = 16
-HADAMARD_SIGN_BITS = 0b1001_0110_1100_1010  # bit i set: sign i is -1 (fixed, arbitrary)
+    return hash32((index.long() & MASK32) ^ stochastic_key(seed, index.device))
 
 
 def hadamard_signs(device: torch.device | str = "cpu") -> Tensor:

@@ -43,7 +43,8 @@ from fp8kernels import gemm_reference
 from fp8kernels._backend import Backend, backend_for, interpreting
 from fp8kernels._casts import code_to_f32, e4m3_code_to_f32, f32_to_bf16_bits, format_constants, scale_from_amax
 from fp8kernels._launch import Launcher
-from fp8kernels.formats import FORMATS, NVFP4_GLOBAL_MAX, SCHEME_BLOCKS
+from fp8kernels.formats import TORCH_DTYPES
+from twinspec.formats import NVFP4_GLOBAL_MAX, SCHEME_BLOCKS
 from fp8kernels.gemm_reference import GemmOperand, check_gemm, gemm_operand
 from fp8kernels.reference import Quantized
 
@@ -303,7 +304,7 @@ def _kernel_codes(operand: GemmOperand, dot_in_fp32: bool) -> Tensor:
     """The operand bytes as the kernel reads them: fp8 where the hardware takes fp8, else uint8 codes."""
     if dot_in_fp32 or operand.family == "nvfp4":
         return operand.data
-    return operand.data.view(FORMATS[operand.fmt].torch_dtype)
+    return operand.data.view(TORCH_DTYPES[operand.fmt])
 
 
 def _scale_row_stride(scale_inv: Tensor) -> int:
@@ -380,8 +381,8 @@ def _torch_scaled_mm(
     a: GemmOperand, b: GemmOperand, out_dtype: torch.dtype, bias: Tensor | None, out: Tensor | None = None
 ) -> Tensor:
     """FP8 through cuBLASLt; its scales are our scale_invs (it multiplies by them); written into `out` if given."""
-    a_fp8 = a.data.view(FORMATS[a.fmt].torch_dtype)
-    b_fp8_t = b.data.view(FORMATS[b.fmt].torch_dtype).t()  # [K, N] column-major
+    a_fp8 = a.data.view(TORCH_DTYPES[a.fmt])
+    b_fp8_t = b.data.view(TORCH_DTYPES[b.fmt]).t()  # [K, N] column-major
     assert b_fp8_t.stride(0) == 1 and a.k % 16 == 0 and b.rows % 16 == 0, "checked by _torch_scaled_mm_takes"
     scale_a, scale_b = a.scale_inv, b.scale_inv
     if a.family == "block":

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from fp8kernels.formats import SCHEME_BLOCKS
+from twinspec.formats import SCHEME_BLOCKS
 from fp8kernels.reference import Quantized, dequantize
 
 OUT_DTYPES = (torch.bfloat16, torch.float32)

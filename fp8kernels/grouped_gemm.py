@@ -45,7 +45,7 @@ from torch import Tensor
 from fp8kernels._backend import Backend, backend_for, interpreting
 from fp8kernels._casts import f32_to_bf16_bits, format_constants
 from fp8kernels._launch import Launcher
-from fp8kernels.formats import SCHEME_BLOCKS
+from twinspec.formats import SCHEME_BLOCKS
 from fp8kernels.gemm import (
     _GROUP_M,
     _TILES,

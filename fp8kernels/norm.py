@@ -27,7 +27,8 @@ from fp8kernels import norm_reference
 from fp8kernels._backend import Backend, backend_for, interpreting, multiprocessor_count
 from fp8kernels._casts import abs_bits, f32_to_bf16_bits, f32_to_code, format_constants, scale_from_amax
 from fp8kernels._launch import Launcher
-from fp8kernels.formats import FORMATS, row_block_scales
+from fp8kernels.formats import row_block_scales
+from twinspec.formats import FORMATS
 from fp8kernels.norm_reference import FusedCast, NormBackward, NormForward, check_backward_inputs, check_norm_inputs
 from fp8kernels.reference import Quantized
 

@@ -25,9 +25,9 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from fp8kernels._checks import element_format
-from fp8kernels.formats import FP8_FORMATS
 from fp8kernels.reference import Quantized, quantize_blockwise, quantize_tensorwise, tensor_amax
+from twinspec.checks import element_format
+from twinspec.formats import FP8_FORMATS
 
 NORM_DTYPES = (torch.float32, torch.bfloat16)
 FUSED_CAST_SCHEMES = ("tensorwise", "block1x128")

@@ -23,20 +23,12 @@ from torch import Tensor
 from fp8kernels import reference
 from fp8kernels._backend import Backend, backend_for
 from fp8kernels._casts import format_constants
-from fp8kernels._checks import (
-    check_block,
-    check_divisible,
-    check_global_amax,
-    check_roles,
-    check_scale_or_amax,
-    check_splits,
-    check_stochastic_seed,
-    element_format,
-    matrix_view,
-)
+from fp8kernels._checks import check_global_amax, check_scale_or_amax, check_splits, check_stochastic_seed, matrix_view
 from fp8kernels._launch import Launcher
 from fp8kernels._quantize_kernels import _amax_kernel, _blockwise_kernel, _mxfp8_kernel, _nvfp4_kernel, _tensorwise_kernel
-from fp8kernels.formats import FP8_FORMATS, row_block_scales, stochastic_key
+from fp8kernels.formats import row_block_scales, stochastic_key
+from twinspec.checks import check_block, check_divisible, check_roles, element_format
+from twinspec.formats import FP8_FORMATS
 from fp8kernels.reference import Quantized
 
 

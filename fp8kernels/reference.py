@@ -18,23 +18,8 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from fp8kernels._checks import (
-    check_block,
-    check_divisible,
-    check_global_amax,
-    check_roles,
-    check_scale_or_amax,
-    check_splits,
-    check_stochastic_seed,
-    element_format,
-    matrix_view,
-)
+from fp8kernels._checks import check_global_amax, check_scale_or_amax, check_splits, check_stochastic_seed, matrix_view
 from fp8kernels.formats import (
-    FORMATS,
-    FP8_FORMATS,
-    FP32_MAX,
-    NVFP4_GLOBAL_MAX,
-    SCHEME_BLOCKS,
     decode_e2m1,
     decode_fp8,
     e8m0_encode_multiplier,
@@ -49,6 +34,8 @@ from fp8kernels.formats import (
     stochastic_rounding_bits,
     unpack_fp4,
 )
+from twinspec.checks import check_block, check_divisible, check_roles, element_format
+from twinspec.formats import FORMATS, FP8_FORMATS, FP32_MAX, NVFP4_GLOBAL_MAX, SCHEME_BLOCKS
 
 
 @dataclass

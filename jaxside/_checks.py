@@ -1,4 +1,7 @@
-"""Argument checks of the jaxside quantizers: the same errors, with the same fixes, as fp8kernels/_checks.py."""
+"""Argument checks of the jaxside quantizers: the same errors, with the same fixes, as fp8kernels/_checks.py.
+
+The checks that need no array are twinspec.checks', shared with fp8kernels._checks.
+"""
 
 from __future__ import annotations
 
@@ -10,7 +13,8 @@ import ml_dtypes
 import numpy as np
 from jax import Array
 
-from jaxside.formats import FORMATS, FloatFormat, seed_as_uint32
+from jaxside.formats import seed_as_uint32
+from twinspec.checks import check_global_amax_unrotated, check_scale_or_amax_given
 
 INPUT_DTYPES = (np.dtype(np.float32), np.dtype(ml_dtypes.bfloat16), np.dtype(np.float16))
 
@@ -26,38 +30,6 @@ def matrix_view(x) -> tuple[Array, tuple[int, ...]]:
         raise ValueError("quantize needs at least one dim, got a 0-d array; reshape it to (1,)")
     rows = math.prod(x.shape[:-1])
     return jnp.asarray(x).astype(jnp.float32).reshape(rows, x.shape[-1]), tuple(x.shape)
-
-
-def check_roles(rowwise: bool, columnwise: bool) -> None:
-    """At least one of the two copies must be asked for."""
-    if not (rowwise or columnwise):
-        raise ValueError("rowwise=False and columnwise=False produce nothing; ask for at least one")
-
-
-def check_divisible(operand_cols: int, multiple: int, scheme: str, role: str) -> None:
-    """MXFP8 and NVFP4 blocks must tile each operand row exactly (a row of x, or a column of x)."""
-    if operand_cols % multiple:
-        dim = "last dim (K)" if role == "rowwise" else "row count (M, the product of the leading dims)"
-        other = "columnwise" if role == "rowwise" else "rowwise"
-        raise ValueError(
-            f"{scheme} {role} needs the {dim} to be a multiple of {multiple}, got {operand_cols}; "
-            f"pad the tensor or ask for {other} only"
-        )
-
-
-def element_format(fmt: str, allowed: tuple[str, ...]) -> FloatFormat:
-    """The format a quantizer writes, checked against those it supports."""
-    if fmt not in allowed:
-        raise ValueError(f"fmt={fmt!r} is not supported here; use one of {allowed}")
-    return FORMATS[fmt]
-
-
-def check_block(block, allowed: tuple[tuple[int, int], ...], name: str) -> tuple[int, int]:
-    """A block shape argument, checked against the ones a scheme defines."""
-    block = tuple(block)
-    if block not in allowed:
-        raise ValueError(f"{name} block={block} is not supported; use one of {allowed}")
-    return block
 
 
 def check_scale(scale) -> Array:
@@ -77,10 +49,7 @@ def _one_fp32(value, name: str, meaning: str) -> Array:
 
 def check_scale_or_amax(scale, amax, power_2_scale: bool, amax_epsilon: float) -> tuple[Array | None, Array | None]:
     """Tensorwise: a given delayed-scaling scale, or a given amax to scale from (current scaling), or neither."""
-    if scale is not None and amax is not None:
-        raise ValueError("pass scale (delayed scaling) or amax (current scaling from a given amax), not both")
-    if scale is not None and (power_2_scale or amax_epsilon):
-        raise ValueError("power_2_scale and amax_epsilon shape a current scale; with a given scale leave them unset")
+    check_scale_or_amax_given(scale is not None, amax is not None, power_2_scale, amax_epsilon)
     if amax is not None:
         amax = _one_fp32(amax, "amax", "the amax to scale from, e.g. reduced over the shards of x")
     return (None if scale is None else check_scale(scale)), amax
@@ -91,11 +60,7 @@ def check_global_amax(global_amax, rotated_columnwise: bool) -> Array | None:
     if global_amax is None:
         return None
     global_amax = _one_fp32(global_amax, "global_amax", "the whole tensor's amax")
-    if rotated_columnwise:
-        raise ValueError(
-            "global_amax stands for x's amax, not for that of the Hadamard-rotated columnwise copy: "
-            "pass hadamard=False, or columnwise=False, or leave global_amax None"
-        )
+    check_global_amax_unrotated(rotated_columnwise)
     return global_amax
 
 

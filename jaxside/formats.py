@@ -1,8 +1,8 @@
 """Number formats and the element-level pieces of quantization, in jnp: the twin of fp8kernels/formats.py.
 
-The format table (max, canonical NaN byte), element casts, fp32 and e8m0 block scales, FP4
-packing, the stochastic-rounding hash and the random Hadamard transform, each returning the same
-bytes as the torch spec (docs/quantization.md states the rules). Two JAX differences are handled
+The dtype of each format (the format table and the other constants are in twinspec.formats), element
+casts, fp32 and e8m0 block scales, FP4 packing, the stochastic-rounding hash and the random
+Hadamard transform, each returning the same bytes as the torch spec (docs/quantization.md states the rules). Two JAX differences are handled
 here: JAX's fp8 casts do not saturate and write e5m2 NaN as 0x7E, so values are clipped to +-max
 first and NaN gets the canonical byte afterwards; and XLA flushes fp32 subnormals on CPU and divides
 inexactly on GPU, so the products, quotients and sums that decide bytes go through `jaxside._fp32`
@@ -18,7 +18,6 @@ rounds every element the same way on every side.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 
 import jax.numpy as jnp
 import ml_dtypes
@@ -38,58 +37,14 @@ from jaxside._fp32 import (
     scale_down_by_power_of_two,
     to_bits,
 )
+from twinspec.formats import E2M1_MAGNITUDES, E8M0_INF_CODE, E8M0_UP_ZERO_BITS, FORMATS, FP32_MAX
+from twinspec.formats import HADAMARD_SIGN_BITS, HADAMARD_SIZE, HASH_MULTIPLIERS, HASH_SHIFTS, MASK32
 
-FP32_MAX = float(np.finfo(np.float32).max)
-
-
-@dataclass(frozen=True)
-class FloatFormat:
-    """One low-precision format: its bit layout, largest finite value and canonical NaN code."""
-
-    name: str
-    exponent_bits: int
-    mantissa_bits: int
-    max: float
-    nan_code: int  # the one byte every implementation writes for NaN
-    dtype: np.dtype | None  # the jnp/ml_dtypes dtype; None: e2m1 is packed by hand
-
-    @property
-    def bias(self) -> int:
-        """Exponent bias, 2^(exponent_bits - 1) - 1."""
-        return 2 ** (self.exponent_bits - 1) - 1
-
-    @property
-    def max_exponent(self) -> int:
-        """floor(log2(max)): 8 for e4m3, 15 for e5m2, 2 for e2m1 (the OCP MX `emax_elem`)."""
-        return math.floor(math.log2(self.max))
-
-
-FORMATS: dict[str, FloatFormat] = {
-    # e4m3 and e5m2 write their NaN code for every non-finite value (+-inf too): a cast never hides one.
-    "e4m3": FloatFormat("e4m3", 4, 3, 448.0, 0x7F, np.dtype(ml_dtypes.float8_e4m3fn)),
-    "e5m2": FloatFormat("e5m2", 5, 2, 57344.0, 0x7F, np.dtype(ml_dtypes.float8_e5m2)),
-    # e2m1 has no NaN: a NaN element becomes code 0 and its block's e4m3 scale is NaN (an infinite
-    # block amax makes that scale NaN too), so the block dequantizes to NaN.
-    "e2m1": FloatFormat("e2m1", 2, 1, 6.0, 0x00, None),
-    # e8m0 holds MXFP8 block scales: a biased exponent (bias 127), 0xFF is NaN.
-    "e8m0": FloatFormat("e8m0", 8, 0, 2.0**127, 0xFF, np.dtype(ml_dtypes.float8_e8m0fnu)),
-}
-FP8_FORMATS = ("e4m3", "e5m2")
-E8M0_INF_CODE = 0xFE  # the e8m0 code of an infinite amax (the largest finite exponent)
-E8M0_UP_ZERO_BITS = np.uint32(0x00400000)  # "up" gives code 0 to an amax / fmax ratio at most 2^-127 (these bits)
-NVFP4_GLOBAL_MAX = FORMATS["e4m3"].max * FORMATS["e2m1"].max  # 448 * 6: the global encode's fmax
-
-# The 8 magnitudes of e2m1 by code (bit 3 is the sign): [0, 0.5] subnormal, then 1.0 * 2^(e-1).
-E2M1_MAGNITUDES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
-
-# scheme name -> block shape [rows, cols] of the operand sharing one scale (None: whole tensor)
-SCHEME_BLOCKS: dict[str, tuple[int, int] | None] = {
-    "tensorwise": None,
-    "block1x128": (1, 128),
-    "block128x128": (128, 128),
-    "mxfp8": (1, 32),
-    "nvfp4_1x16": (1, 16),
-    "nvfp4_16x16": (16, 16),
+# The jnp/ml_dtypes dtype of each format JAX casts to (e2m1 has none: it is packed by hand)
+DTYPES = {
+    "e4m3": np.dtype(ml_dtypes.float8_e4m3fn),
+    "e5m2": np.dtype(ml_dtypes.float8_e5m2),
+    "e8m0": np.dtype(ml_dtypes.float8_e8m0fnu),
 }
 
 
@@ -102,7 +57,7 @@ def encode_fp8(values, fmt: str) -> Array:
     f = FORMATS[fmt]
     values = jnp.asarray(values, jnp.float32)
     # JAX's cast overflows to NaN instead of saturating: clip first (a subnormal input rounds to +-0 either way).
-    codes = lax.bitcast_convert_type(jnp.clip(values, -f.max, f.max).astype(f.dtype), jnp.uint8)
+    codes = lax.bitcast_convert_type(jnp.clip(values, -f.max, f.max).astype(DTYPES[fmt]), jnp.uint8)
     return jnp.where(is_finite(values), codes, jnp.uint8(f.nan_code))
 
 
@@ -111,7 +66,7 @@ def decode_fp8(codes, fmt: str) -> Array:
     codes = jnp.asarray(codes, jnp.uint8)
     if fmt == "e8m0":  # built from the bits: code 0 is 2^-127, an fp32 subnormal
         return from_bits(_power_of_two_bits(codes.astype(jnp.int32) - 127))
-    return lax.bitcast_convert_type(codes, FORMATS[fmt].dtype).astype(jnp.float32)
+    return lax.bitcast_convert_type(codes, DTYPES[fmt]).astype(jnp.float32)
 
 
 def encode_e2m1(values, random_bits=None) -> Array:
@@ -187,7 +142,7 @@ def e8m0_from_amax(amax, fmt: str, rounding: str = "up") -> Array:
     if rounding == "up":  # TransformerEngine's float_to_e8m0: a ratio <= 2^-127 gives 0
         ratio_bits = to_bits(multiply(amax, np.float32(1.0 / f.max)))  # exact even when subnormal
         exponent = ((ratio_bits >> 23) & 0xFF).astype(jnp.int32) + ((ratio_bits & 0x7FFFFF) != 0)
-        exponent = jnp.where(ratio_bits <= E8M0_UP_ZERO_BITS, 0, exponent)
+        exponent = jnp.where(ratio_bits <= np.uint32(E8M0_UP_ZERO_BITS), 0, exponent)
     elif rounding == "floor":  # floor(log2(amax)) - emax_elem, biased; subnormal amax -> 0
         exponent = jnp.clip(((to_bits(amax) >> 23) & 0xFF).astype(jnp.int32) - f.max_exponent, 0, 254)
     else:
@@ -217,37 +172,29 @@ def e8m0_encode_multiplier(exponent, rounding: str = "up") -> Array:
 
 # ----------------------------------------------------------------------------- randomness, Hadamard
 
-# lowbias32 (C. Wellons): a 32-bit integer mixer that torch (int64), Triton and jnp (uint32)
-# compute identically, so stochastic rounding needs no shared random tensor.
-HASH_MULTIPLIERS = (np.uint32(0x7FEB352D), np.uint32(0x846CA68B))
-HASH_SHIFTS = (16, 15, 16)
-_MASK32 = 0xFFFFFFFF
+_HASH_MULTIPLIERS = tuple(map(np.uint32, HASH_MULTIPLIERS))  # lowbias32 on uint32: products wrap mod 2^32
 
 
 def hash32(x) -> Array:
     """lowbias32 of each uint32 value (multiplications wrap mod 2^32)."""
     x = jnp.asarray(x, jnp.uint32)
     x = x ^ (x >> HASH_SHIFTS[0])
-    x = x * HASH_MULTIPLIERS[0]
+    x = x * _HASH_MULTIPLIERS[0]
     x = x ^ (x >> HASH_SHIFTS[1])
-    x = x * HASH_MULTIPLIERS[1]
+    x = x * _HASH_MULTIPLIERS[1]
     return x ^ (x >> HASH_SHIFTS[2])
 
 
 def seed_as_uint32(seed) -> Array:
     """A seed (a Python int of any size, or an integer jax scalar) reduced mod 2^32, as a uint32 scalar."""
     if isinstance(seed, (int, np.integer)):
-        return jnp.asarray(np.uint32(int(seed) & _MASK32))
+        return jnp.asarray(np.uint32(int(seed) & MASK32))
     return jnp.asarray(seed).astype(jnp.uint32)  # integer conversion wraps mod 2^32
 
 
 def stochastic_rounding_bits(seed, index) -> Array:
     """32 random bits per element: hash32(index mod 2^32 XOR hash32(seed mod 2^32))."""
     return hash32(jnp.asarray(index, jnp.uint32) ^ hash32(seed_as_uint32(seed)))
-
-
-HADAMARD_SIZE = 16
-HADAMARD_SIGN_BITS = 0b1001_0110_1100_1010  # bit i set: sign i is -1 (fixed, arbitrary)
 
 
 def hadamard_signs() -> Array:

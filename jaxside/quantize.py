@@ -19,23 +19,9 @@ import jax.numpy as jnp
 import numpy as np
 from jax import Array
 
-from jaxside._checks import (
-    check_block,
-    check_divisible,
-    check_global_amax,
-    check_roles,
-    check_scale_or_amax,
-    check_seed,
-    element_format,
-    matrix_view,
-)
+from jaxside._checks import check_global_amax, check_scale_or_amax, check_seed, matrix_view
 from jaxside._fp32 import INF_BITS, divide, is_finite, max_magnitude, multiply, to_bits
 from jaxside.formats import (
-    FORMATS,
-    FP8_FORMATS,
-    FP32_MAX,
-    NVFP4_GLOBAL_MAX,
-    SCHEME_BLOCKS,
     decode_e2m1,
     decode_fp8,
     e8m0_encode_multiplier,
@@ -48,6 +34,8 @@ from jaxside.formats import (
     stochastic_rounding_bits,
     unpack_fp4,
 )
+from twinspec.checks import check_block, check_divisible, check_roles, element_format
+from twinspec.formats import FORMATS, FP8_FORMATS, FP32_MAX, NVFP4_GLOBAL_MAX, SCHEME_BLOCKS
 
 BUFFERS = ("data", "scale_inv", "columnwise_data", "columnwise_scale_inv", "amax", "columnwise_amax")
 

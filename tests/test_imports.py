@@ -1,12 +1,15 @@
-"""Dependency direction (docs/design.md): fp8kernels <- torchside <- bridge -> jaxside, torch and JAX apart; tests apart.
+"""Dependency direction (docs/design.md): twinspec <- fp8kernels <- torchside <- bridge -> jaxside -> twinspec.
 
 Two checks: at run time, importing a package and all its submodules loads no module of the other
 framework; statically, no import statement anywhere in a package (lazy ones inside functions
-included) names a package it must not use. And no file under tests/ imports a test module: shared
-helpers live in conftest.py files and helper modules (names without the `test_` prefix).
+included) names a package it must not use (twinspec imports no framework and none of our packages;
+torch and JAX stay apart). And no file under tests/ or the script folders (benchmarks/, examples/)
+imports a test module: shared helpers live in conftest.py files and helper modules (names without the
+`test_` prefix); the scripts import only names that exist.
 """
 
 import ast
+import importlib
 import subprocess
 import sys
 from pathlib import Path
@@ -14,7 +17,8 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
-FORBIDDEN = {"torchside": "jax", "fp8kernels": "jax", "jaxside": "torch", "twinspec": "torch"}
+OUR_TOP_LEVEL = ("twinspec", "fp8kernels", "torchside", "jaxside", "bridge")
+FORBIDDEN = {"torchside": ("jax",), "fp8kernels": ("jax",), "jaxside": ("torch",), "twinspec": ("torch", "jax")}
 # package -> top-level modules no import in it may name
 FORBIDDEN_IMPORTS = {
     "fp8kernels": {"torchside", "jaxside", "bridge", "jax"},
@@ -22,15 +26,6 @@ FORBIDDEN_IMPORTS = {
     "jaxside": {"torch", "torchside", "fp8kernels", "bridge"},
     "twinspec": {"torch", "jax", "flax", "triton", "fp8kernels", "torchside", "jaxside", "bridge"},
 }
-# Framework-free modules both sides share (the Llama config and the Hugging Face name table): they live
-# in jaxside, whose package __init__s import nothing, so that the table exists once (docs/twins.md).
-# torchside may import these and nothing else of jaxside; they import neither framework.
-SHARED = {"jaxside.models.llama_config", "jaxside.models.hf_llama"}
-SHARED_MAY_IMPORT = {
-    "__future__", "json", "math", "dataclasses", "pathlib", "typing", "numpy", "safetensors",
-    "collections", "fnmatch", "re", "tomllib",
-    "ml_dtypes",  # numpy's FP8 dtypes (hf_llama decodes E4M3 bytes), no framework
-}  # fmt: skip
 
 
 @pytest.mark.parametrize("package", sorted(FORBIDDEN))
@@ -40,7 +35,7 @@ def test_package_does_not_load_the_other_framework(package):
         f"import sys, importlib, pkgutil; import {package}\n"
         f"for m in pkgutil.walk_packages({package}.__path__, '{package}.'):\n"
         "    importlib.import_module(m.name)\n"
-        f"loaded = sorted(m for m in sys.modules if m == '{forbidden}' or m.startswith('{forbidden}.'))\n"
+        f"loaded = sorted(m for m in sys.modules if m.split('.')[0] in {forbidden!r})\n"
         "print(len(loaded), loaded[:5])"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
@@ -63,8 +58,6 @@ TOP_LEVEL = {
 
 @pytest.mark.parametrize("module, name", [(module, name) for module, names in TOP_LEVEL.items() for name in names])
 def test_public_api_is_importable_from_torchside(module, name):
-    import importlib
-
     import torchside
 
     assert getattr(torchside, name) is getattr(importlib.import_module(module), name)
@@ -136,26 +129,44 @@ def test_no_import_in_a_package_goes_against_the_direction(package):
         f"{path.relative_to(REPO)}:{line}: {name}"
         for path in files
         for line, name in imported_modules(path)
-        if name.split(".")[0] in FORBIDDEN_IMPORTS[package] and not _shared(name)
+        if name.split(".")[0] in FORBIDDEN_IMPORTS[package]
     ]
     assert not wrong, f"{package} must not import {sorted(FORBIDDEN_IMPORTS[package])}:\n" + "\n".join(wrong)
 
 
-def _shared(name: str) -> bool:
-    """`name` is one of the SHARED modules, or a name imported from one."""
-    return any(name == module or name.startswith(module + ".") for module in SHARED)
-
-
-@pytest.mark.parametrize("module", sorted(SHARED))
-def test_shared_modules_import_no_framework(module):
-    path = REPO / (module.replace(".", "/") + ".py")
-    names = {name for _, name in imported_modules(path)}
-    wrong = sorted(n for n in names if n.split(".")[0] not in SHARED_MAY_IMPORT and not _shared(n))
-    assert not wrong, f"{module} is shared with torchside and must stay framework-free; it imports {wrong}"
-
-
 def is_test_module(name: str) -> bool:
     return name.split(".")[0] == "tests" and name.split(".")[-1].startswith("test_")
+
+
+# Folders of scripts that exercise the packages: they may import any package, but no test module, and
+# only names that exist (a script is run by hand, on a GPU machine, long after a rename broke it).
+SCRIPT_FOLDERS = ("benchmarks", "examples")
+
+
+@pytest.mark.parametrize("folder", SCRIPT_FOLDERS)
+def test_scripts_import_no_test_module_and_only_names_that_exist(folder):
+    ours = {*OUR_TOP_LEVEL, *SCRIPT_FOLDERS, "tests"}
+    wrong = []
+    for path in python_files(folder):
+        for line, name in imported_modules(path):
+            if is_test_module(name):
+                wrong.append(f"{path.relative_to(REPO)}:{line}: {name} is a test module")
+            elif name.split(".")[0] in ours and not _exists(name):
+                wrong.append(f"{path.relative_to(REPO)}:{line}: {name} does not exist")
+    assert not wrong, "\n".join(wrong)
+
+
+def _exists(name: str) -> bool:
+    """`name` is a module, or a name a module defines (`from module import name`)."""
+    try:
+        importlib.import_module(name)
+        return True
+    except ModuleNotFoundError:
+        module, _, attribute = name.rpartition(".")
+        try:
+            return bool(module) and hasattr(importlib.import_module(module), attribute)
+        except ModuleNotFoundError:
+            return False
 
 
 def test_no_file_under_tests_imports_a_test_module():
@@ -208,9 +219,6 @@ def test_cli_help_and_the_layout_and_demo_packages_load_neither_framework():
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "[]"
-
-
-OUR_TOP_LEVEL = ("twinspec", "fp8kernels", "torchside", "jaxside", "bridge")
 
 
 def test_our_top_level_names_are_ours_alone():

@@ -106,10 +106,6 @@ class FP8Frame:
     amax_reduction_group: dist.ProcessGroup | None
     region: _Region
 
-    def delayed_scaling_syncs(self) -> tuple[DelayedScalingSync, DelayedScalingSync]:
-        """(forward, backward) syncs of this region for this frame's DelayedScaling recipe and group."""
-        return self.region.syncs(self.recipe, self.amax_reduction_group)
-
 
 def _check_recipe(owner: str, recipe: object) -> None:
     if recipe is not None and not isinstance(recipe, RECIPE_CLASSES):

@@ -39,7 +39,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from benchmarks.harness import Result, argument_parser, cached_fraction, drop_from_page_cache, report, sequential_read_s
-from jaxside.models import hf_llama
+from twinspec import hf_llama
 
 LLAMA_3_2_1B = {"hidden": 2048, "layers": 16, "intermediate": 8192, "heads": 32, "kv_heads": 8, "vocab": 128256}
 SMALL = {"hidden": 64, "layers": 2, "intermediate": 128, "heads": 4, "kv_heads": 2, "vocab": 512}

@@ -29,7 +29,7 @@ from flax import nnx
 from benchmarks.harness import PEAK_TFLOPS, Result, argument_parser, report, wall_ms
 from jaxside.hlo import fp8_gemm_count
 from jaxside.modules import ModuleConfig, TransformerConfig, TransformerLayer, fp8_autocast
-from jaxside.recipe import Float8CurrentScaling
+from twinspec.recipe import Float8CurrentScaling
 
 
 def build_step(args, recipe):

@@ -1,7 +1,7 @@
 """Diagnose the CUDA TransformerLayer check: GEMM accuracy and FP8 code flips, GEMM by GEMM.
 
 Builds the case of `test_cuda_layer_matches_float64_quantized_math` exactly as the test does
-(tests/torchside/test_transformer_layer.py: fp8_step), records every cast and GEMM of the step
+(tests/torchside/layer64.py: fp8_step), records every cast and GEMM of the step
 (tests/torchside/fp8_capture.py) and prints, per recipe:
 
 - per GEMM: submodule, role, provider (cublaslt / triton / interpreter / reference), K, the GEMM's
@@ -31,8 +31,8 @@ from benchmarks.harness import environment_line
 from bridge.numerics import relative_error
 from fp8kernels.gemm_reference import gemm_operand
 from tests.torchside.fp8_capture import Gemm, on_cpu
+from tests.torchside.layer64 import fp8_step, model_errors
 from tests.torchside.quantized_math64 import RECIPES, QuantizedMath64
-from tests.torchside.test_transformer_layer import fp8_step, model_errors
 
 CASE = "rmsnorm-swiglu-gqa-separate-rotary-bshd"
 

@@ -27,7 +27,8 @@ from benchmarks.profile.launch_cost import linear_host_us
 from bridge.numerics import relative_error
 from fp8kernels import quantize as kq
 from fp8kernels._casts import format_constants
-from fp8kernels.formats import FORMATS
+from fp8kernels.formats import TORCH_DTYPES
+from twinspec.formats import FORMATS
 from torchside.modules import Linear
 
 
@@ -72,7 +73,7 @@ class LeanCast:
         else:
             self.amax_runner(*amax_args, *self.amax_constants)
             self.cast_runner(*cast_args, *self.cast_constants)
-        dtype = FORMATS[self.fmt].torch_dtype
+        dtype = TORCH_DTYPES[self.fmt]
         return data.view(dtype), columnwise.view(dtype), scale_inv
 
     @staticmethod

@@ -16,7 +16,7 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
-from jaxside.recipe import recipe_names
+from twinspec.recipe import recipe_names
 
 DTYPES = {"fp32": "float32", "fp16": "float16", "bf16": "bfloat16"}
 NPY_MAGIC = b"\x93NUMPY"
@@ -196,7 +196,7 @@ def _npz_arrays(fields: dict, fmt: str) -> dict:
     """The .npz arrays of one quantizer result (numpy, on the host); amaxes become NVFP4 global scale_invs."""
     import numpy as np
 
-    from fp8kernels.formats import NVFP4_GLOBAL_MAX
+    from twinspec.formats import NVFP4_GLOBAL_MAX
 
     arrays = {}
     for key, field in NPZ_KEYS.items():

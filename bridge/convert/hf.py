@@ -1,6 +1,6 @@
 """Hugging Face Llama directories as a converter format: read under our keys, write back in HF's names and files.
 
-The name-and-layout table is jaxside.models.hf_llama (framework-free; docs/hf.md). Our keys are a
+The name-and-layout table is twinspec.hf_llama (framework-free; docs/hf.md). Our keys are a
 torchside DCP checkpoint's of `torchside.models.llama.Llama`: `model.<fqn>`.
 
 Reading: the directory is checked whole first (`hf_llama.Checkpoint`: architecture, config.json,
@@ -47,7 +47,7 @@ import torch
 from bridge.convert import facts
 from bridge.convert.plan import FP8_BUFFERS, Box, Plan, PlanEntry, TensorInfo, WriteJob, check_against, itemsize
 from bridge.errors import CheckFailed
-from jaxside.models import hf_llama
+from twinspec import hf_llama
 from torchside.checkpoint import safetensors_file
 
 TORCH_DTYPES = {"F32": "float32", "BF16": "bfloat16", "F16": "float16"}

@@ -51,7 +51,7 @@ def jax_twin(model, plan=None):
     return Llama(config, kernel_init=nnx.initializers.zeros, plan=plan, rngs=nnx.Rngs(0))
 
 
-def cross_check(runtime, model, meshes, options, corpus, out: str, reference: dict) -> dict[str, Any]:
+def cross_check(runtime, model, meshes, options, recipe, corpus, out: str, reference: dict) -> dict[str, Any]:
     """The layout, transfer and logits checks (module docstring); every rank calls it, all get the same result."""
     import torch.distributed as dist
     from flax import nnx
@@ -81,7 +81,7 @@ def cross_check(runtime, model, meshes, options, corpus, out: str, reference: di
     _load_scaling_state(twin, scaling)
     tokens = corpus.batch(EVAL_STEP, options.batch_size, options.seq_len)[:, :-1]
     limit = tolerance(options.recipe, "forward", device_type=runtime.torch_device.type)
-    relative, max_abs, nan = logits.check_logits(model, twin, meshes, mesh, options.recipe, tokens)
+    relative, max_abs, nan = logits.check_logits(model, twin, meshes, mesh, recipe, tokens)
     return {
         "layouts": {"parameters": len(pairs), "mismatched": mismatched},
         "transfer": {"parameters": len(pairs), "differ": moved_differ},

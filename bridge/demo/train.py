@@ -47,7 +47,7 @@ def train_save_check(runtime, options: DemoOptions, out: str) -> dict[str, Any]:
     model, meshes = build_model(train_options)
     optimizer = build_optimizer(model, train_options)
     corpus = SyntheticCorpus(LLAMA_CONFIGS["tiny"].vocab_size)
-    recipe = recipe_from_name(options.recipe)
+    recipe = recipe_from_name(options.recipe)  # the one recipe object of this process: training and both logits
     timings["build"] = time.perf_counter() - started
 
     started, log = time.perf_counter(), LossLog(train_options, 0, runtime.torch_device, writes=False)
@@ -64,7 +64,7 @@ def train_save_check(runtime, options: DemoOptions, out: str) -> dict[str, Any]:
     timings["save (staging)"] = time.perf_counter() - started
     reference = full_parameters(model)  # while the files are written in the background
     started = time.perf_counter()
-    jax_result = jax_side.cross_check(runtime, model, meshes, options, corpus, out, reference)
+    jax_result = jax_side.cross_check(runtime, model, meshes, options, recipe, corpus, out, reference)
     timings["JAX layouts + forward"] = time.perf_counter() - started
     started = time.perf_counter()
     path = handle.wait()

@@ -84,7 +84,7 @@ class PlanOptions:
             if (4 * self.hidden) % self.mesh.tp or (self.hidden // twins.HEAD_DIM) % self.mesh.tp:
                 raise ValueError(f"--mesh {self.mesh}: tp={self.mesh.tp} must divide the heads and ffn of --hidden")
         else:
-            from jaxside.models.llama_config import LLAMA_CONFIGS
+            from twinspec.llama import LLAMA_CONFIGS
 
             if self.config not in LLAMA_CONFIGS:
                 raise ValueError(f"--config {self.config!r}: use one of {', '.join(LLAMA_CONFIGS)}")
@@ -184,7 +184,7 @@ def _meta_model(options: PlanOptions, plan) -> nn.Module:
 
         # on meta, in fp32 as verify builds it (a plan: its TP modes per block)
         return twins.build_torch(dataclasses.replace(options.twin_spec, plan=plan))
-    from jaxside.models.llama_config import LLAMA_CONFIGS
+    from twinspec.llama import LLAMA_CONFIGS
     from torchside.models import Llama
     from torchside.modules import ModuleConfig
 
@@ -221,7 +221,7 @@ def _jax_model(options: PlanOptions, plan):
     from flax import nnx
 
     from jaxside.models.llama import Llama
-    from jaxside.models.llama_config import LLAMA_CONFIGS
+    from twinspec.llama import LLAMA_CONFIGS
 
     dtype = {"fp32": jnp.float32, "bf16": jnp.bfloat16}[options.dtype]
     return Llama(LLAMA_CONFIGS[options.config], params_dtype=dtype, rngs=nnx.Rngs(0), plan=plan)

@@ -4,7 +4,7 @@ Shape legend: B batch, S sequence, D hidden size, V vocabulary, Vp padded vocabu
 
     tokens_BS -> embedding -> x_SBD -> num_layers x TransformerLayer -> RMSNorm -> logits_SBV[..., :V]
 
-The same `LlamaConfig` (jaxside.models.llama_config) builds both models, and the parameters sit
+The same `LlamaConfig` (twinspec.llama) builds both models, and the parameters sit
 under the paths bridge.params maps torch's names to: a 2-D torch `...weight` [out, in] is the
 Flax `...kernel` [in, out], anything else keeps its name. So the embedding is `embedding.kernel`
 [D, Vp] (torch's `embedding.weight` [Vp, D] transposed), an untied head `lm_head.kernel` [D, Vp],
@@ -33,8 +33,8 @@ from flax import nnx
 from jax import Array
 from jax.sharding import Mesh
 
-from jaxside.models.hf_llama import Checkpoint, Piece
-from jaxside.models.llama_config import LLAMA_CONFIGS, LlamaConfig, RopeScaling
+from twinspec.hf_llama import Checkpoint, Piece
+from twinspec.llama import LLAMA_CONFIGS, LlamaConfig, RopeScaling
 from jaxside.modules import ModuleConfig, RMSNorm, RotaryPositionEmbedding, TransformerConfig, TransformerLayer
 from jaxside.modules.base import parameter
 from jaxside.modules.placement import gathered, shardings
@@ -187,7 +187,7 @@ def load_hf(path: str | Path, *, mesh: Mesh | None = None, dtype=None) -> Llama:
     """The twin with an HF LlamaForCausalLM directory's weights, every parameter a NamedSharding'd array on `mesh`.
 
     mesh: from jaxside.sharding.make_mesh (None: one device). Each device's shard is read on its own
-    (`jax.make_array_from_callback`): only the rows and columns of that shard (jaxside.models.hf_llama).
+    (`jax.make_array_from_callback`): only the rows and columns of that shard (twinspec.hf_llama).
     dtype: the parameters' dtype; None keeps the checkpoint's. ValueError naming the file for bad input.
     """
     checkpoint = Checkpoint(path)

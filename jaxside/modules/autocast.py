@@ -24,7 +24,7 @@ import threading
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
-from jaxside.recipe import RECIPE_CLASSES, DelayedScaling, Recipe
+from twinspec.recipe import RECIPE_CLASSES, DelayedScaling, Recipe
 
 _THREAD_STATE = threading.local()  # .frames: the stack of open regions, made on first use
 
@@ -67,7 +67,7 @@ def fp8_autocast(enabled: bool = True, recipe: Recipe | None = None) -> Iterator
         raise TypeError(f"fp8_autocast(enabled={enabled!r}): pass True or False")
     if recipe is not None and not isinstance(recipe, RECIPE_CLASSES):
         names = ", ".join(cls.__name__ for cls in RECIPE_CLASSES)
-        raise TypeError(f"fp8_autocast(recipe={recipe!r}): pass None or one of {names} (jaxside.recipe)")
+        raise TypeError(f"fp8_autocast(recipe={recipe!r}): pass None or one of {names} (twinspec.recipe)")
     frames = _frames()
     parent = frames[-1] if frames else None
     if recipe is None:

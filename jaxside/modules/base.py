@@ -28,13 +28,14 @@ import jax.numpy as jnp
 from flax import nnx
 from jax import Array
 
-from jaxside.formats import FORMATS, seed_as_uint32
+from jaxside.formats import seed_as_uint32
 from jaxside.modules import autocast, functions
 from jaxside.modules.tokens import current_batch_dim
 from jaxside.modules.config import ModuleConfig
 from jaxside.quantize import delayed_scaling_update
-from jaxside.recipe import RECIPE_CLASSES, DelayedScaling, NVFP4BlockScaling, Recipe
 from jaxside.sharding import spec_for
+from twinspec.formats import FORMATS
+from twinspec.recipe import RECIPE_CLASSES, DelayedScaling, NVFP4BlockScaling, Recipe
 
 Initializer = Callable[[Array, tuple[int, ...], jnp.dtype], Array]
 
@@ -68,6 +69,14 @@ def parameter(
     return nnx.Param(annotated(rngs.params(), shape, dtype), eager_sharding=False)
 
 
+def resized_amax_history(history: Array, length: int) -> Array:
+    """An amax history [rows, ...] with `length` rows: row 0 and the newest past rows kept (torchside.modules.base's)."""
+    rows = history.shape[0]
+    if length >= rows:
+        return jnp.concatenate([history[:1], jnp.zeros((length - rows, *history.shape[1:]), history.dtype), history[1:]])
+    return jnp.concatenate([history[:1], history[rows - length + 1 :]])
+
+
 @dataclass(frozen=True)
 class ForwardPlan:
     """One call's FP8 settings: the recipe and the NVFP4 grads' stochastic-rounding seed (uint32, or None)."""
@@ -84,7 +93,8 @@ class FP8Module(nnx.Module):
         self.num_gemms = num_gemms
         if not num_gemms:
             return
-        history_len, slots = config.amax_history_len, 2 * num_gemms
+        history_len = config.amax_history_len or DelayedScaling().amax_history_len  # None: a recipe's, later
+        slots = 2 * num_gemms
         self.fp8_forward_scale = FP8State(jnp.ones(slots, jnp.float32))
         self.fp8_forward_amax_history = FP8State(jnp.zeros((history_len, slots), jnp.float32))
         self.fp8_backward_scale = FP8State(jnp.ones(num_gemms, jnp.float32))
@@ -99,18 +109,20 @@ class FP8Module(nnx.Module):
             return None
         recipe, seed = frame.recipe, None
         if isinstance(recipe, DelayedScaling):
-            if recipe.amax_history_len != self.config.amax_history_len:
-                raise ValueError(
-                    f"DelayedScaling(amax_history_len={recipe.amax_history_len}) does not fit this "
-                    f"{type(self).__name__}'s {self.config.amax_history_len}-row amax history: build the modules "
-                    f"with config=ModuleConfig(amax_history_len={recipe.amax_history_len})"
-                )
+            if self.config.amax_history_len is None:
+                self._fit_amax_histories(recipe.amax_history_len)
             frame.region.enlist(self, recipe)
         if isinstance(recipe, NVFP4BlockScaling) and recipe.stochastic_for("grad"):
             step = self.fp8_rounding_step[...]
             seed = seed_as_uint32(recipe.stochastic_rounding_seed) + step  # wraps mod 2^32, as torchside's seed
             self.fp8_rounding_step[...] = step + 1
         return ForwardPlan(recipe, seed)
+
+    def _fit_amax_histories(self, length: int) -> None:
+        """Give both amax histories `length` rows (the recipe's, as torchside does), keeping the newest."""
+        for history in (self.fp8_forward_amax_history, self.fp8_backward_amax_history):
+            if history[...].shape[0] != length:
+                history.set_value(resized_amax_history(history[...], length))
 
     def linear(self, plan: ForwardPlan | None, gemm: int, x, kernel, bias) -> Array:
         """x @ kernel + bias as GEMM `gemm` of this module: FP8 under `plan`, high precision when it is None."""
@@ -174,7 +186,7 @@ def finish_backward(model: nnx.Module, grads: nnx.State, recipe: Recipe | None) 
     `recipe` is the step's fp8_autocast recipe (None when FP8 was off: nothing to update).
     """
     if recipe is not None and not isinstance(recipe, RECIPE_CLASSES):
-        raise TypeError(f"finish_backward(recipe={recipe!r}): pass the step's jaxside.recipe recipe, or None")
+        raise TypeError(f"finish_backward(recipe={recipe!r}): pass the step's twinspec.recipe recipe, or None")
     grad_amaxes, param_grads = nnx.split_state(grads, FP8GradAmax, ...)
     if isinstance(recipe, DelayedScaling):
         modules = [node for _, node in nnx.iter_graph(model) if isinstance(node, FP8Module) and node.num_gemms]

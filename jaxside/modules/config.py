@@ -12,6 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from twinspec.placement import PARALLEL_MODES
+from twinspec.recipe import check_amax_history_len
 
 PARAMS_DTYPES = (np.dtype(jnp.float32), np.dtype(jnp.bfloat16))  # what the FP8 GEMM and the norms write
 
@@ -24,15 +25,14 @@ KERNEL_AXES = {"column": ("embed", "mlp"), "row": ("mlp", "embed"), None: ("embe
 class ModuleConfig:
     """Shared module settings: DelayedScaling state size and the parallel mode of a linear layer's parameters."""
 
-    # Rows of the DelayedScaling amax histories, fixed at construction (as torchside): a
-    # DelayedScaling recipe must use the same length.
-    amax_history_len: int = 1024
+    # Rows of the DelayedScaling amax histories (as torchside): None (the default) takes the
+    # DelayedScaling recipe's amax_history_len at the first call under it; a length here fixes them.
+    amax_history_len: int | None = None
     parallel_mode: str | None = None  # None, "column" or "row" (torchside's parallel_mode)
 
     def __post_init__(self) -> None:
-        length = self.amax_history_len
-        if isinstance(length, bool) or not isinstance(length, int) or length < 1:
-            raise ValueError(f"ModuleConfig(amax_history_len={length!r}): pass an integer >= 1")
+        if self.amax_history_len is not None:
+            check_amax_history_len("ModuleConfig", self.amax_history_len)
         if self.parallel_mode not in PARALLEL_MODES:
             raise ValueError(f"ModuleConfig(parallel_mode={self.parallel_mode!r}): use None, 'column' or 'row'")
 

@@ -46,7 +46,7 @@ import numpy as np
 from jax import Array, lax
 from jax.sharding import PartitionSpec
 
-from jaxside.formats import FORMATS
+from jaxside.formats import DTYPES
 from jaxside.quantize import (
     Quantized,
     dequantize,
@@ -55,7 +55,7 @@ from jaxside.quantize import (
     quantize_nvfp4,
     quantize_tensorwise,
 )
-from jaxside.recipe import (
+from twinspec.recipe import (
     DelayedScaling,
     Float8BlockScaling,
     Float8CurrentScaling,
@@ -97,7 +97,7 @@ def quantize_operand(x2d, recipe: Recipe, role: str, *, scale=None, seed=None, c
         return quantize_blockwise(x2d, fmt, recipe.block_for(role), power_2_scale=recipe.power_2_scale, **usage)
     if isinstance(recipe, MXFP8BlockScaling):
         return quantize_mxfp8(x2d, fmt, scale_rounding=recipe.scale_rounding, **usage)
-    raise TypeError(f"recipe={recipe!r} is not a jaxside.recipe recipe")
+    raise TypeError(f"recipe={recipe!r} is not a twinspec.recipe recipe")
 
 
 def _values(q: Quantized, columnwise: bool = False) -> Array:
@@ -125,7 +125,7 @@ def _gemm_operand(q: Quantized, columnwise: bool) -> tuple[Array, Array | None]:
     """(operand [rows, K], scale_inv or None): FP8 codes and their scale_inv for a per-tensor copy, else fp32 values."""
     if q.scheme == "tensorwise":
         data, scale_inv = (q.columnwise_data, q.columnwise_scale_inv) if columnwise else (q.data, q.scale_inv)
-        return lax.bitcast_convert_type(data, FORMATS[q.fmt].dtype), scale_inv
+        return lax.bitcast_convert_type(data, DTYPES[q.fmt]), scale_inv
     values = _values(q, columnwise)  # the logical layout: a columnwise copy's K is its first dim
     return (values.T if columnwise else values), None
 

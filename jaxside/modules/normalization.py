@@ -9,9 +9,6 @@ only `weight` (and `bias` for LayerNorm), named and laid out as torchside's.
 
 from __future__ import annotations
 
-import math
-from dataclasses import dataclass
-
 import jax.numpy as jnp
 from flax import nnx
 from jax import Array
@@ -20,30 +17,11 @@ from jaxside.modules.base import FP8Module, parameter
 from jaxside.modules.config import ModuleConfig, check_config, check_params_dtype, check_size
 from jaxside.modules.functions import normalize
 from jaxside.modules.placement import gathered
+from twinspec import transformer_config
 
-NORMALIZATIONS = {"LayerNorm": True, "RMSNorm": False}  # name -> has a bias (and subtracts the mean)
 
-
-@dataclass(frozen=True)
-class NormSettings:
-    """Which norm, its epsilon and whether gamma is stored zero-centered."""
-
-    normalization: str = "LayerNorm"
-    eps: float = 1e-5
-    zero_centered_gamma: bool = False
-
-    def __post_init__(self) -> None:
-        if self.normalization not in NORMALIZATIONS:
-            raise ValueError(f"normalization={self.normalization!r}: use 'LayerNorm' or 'RMSNorm'")
-        eps = self.eps
-        if isinstance(eps, bool) or not isinstance(eps, int | float) or not math.isfinite(eps) or eps < 0:
-            raise ValueError(f"eps={eps!r}: pass a finite float >= 0, e.g. 1e-5")
-        if not isinstance(self.zero_centered_gamma, bool):
-            raise TypeError(f"zero_centered_gamma={self.zero_centered_gamma!r}: pass True or False")
-
-    @property
-    def has_bias(self) -> bool:
-        return NORMALIZATIONS[self.normalization]
+class NormSettings(transformer_config.NormSettings):
+    """Which norm, its epsilon and whether gamma is stored zero-centered (twinspec's checks), and its parameters."""
 
     def add_params(
         self, module: nnx.Module, hidden_size: int, prefix: str, dtype, axis: str, rngs: nnx.Rngs, mode: str | None
@@ -66,7 +44,7 @@ class NormSettings:
 
 
 class _Normalization(FP8Module):
-    normalization: str  # a key of NORMALIZATIONS, set by each subclass
+    normalization: str  # a key of twinspec's NORMALIZATIONS, set by each subclass
 
     def __init__(
         self,

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
-from jaxside.models import hf_llama
+from twinspec import hf_llama
 
 if TYPE_CHECKING:  # imported where used: a spawned rank (tests/bridge/hf_reads.py) needs no transformers
     from transformers import LlamaForCausalLM

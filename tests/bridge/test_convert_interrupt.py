@@ -25,7 +25,7 @@ from safetensors.torch import save_file
 
 from bridge.convert import convert
 from bridge.convert.interrupts import deferred_interrupts
-from jaxside.models import hf_llama
+from twinspec import hf_llama
 
 REPO = Path(__file__).resolve().parents[2]
 # `python -m bridge ARGS`, with Ctrl-C raising KeyboardInterrupt even where this test was started with SIGINT

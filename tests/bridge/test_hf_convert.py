@@ -23,7 +23,7 @@ from bridge import cli
 from bridge.convert import convert, facts, hf, open_reader
 from bridge.convert.plan import make_plan
 from bridge.numerics import relative_error
-from jaxside.models import hf_llama
+from twinspec import hf_llama
 from tests.bridge.hf_cases import (
     FP8_DEFECTS,
     TOLERANCE,

@@ -27,9 +27,9 @@ from flax import nnx
 from transformers import LlamaConfig as HFConfig
 from transformers import LlamaForCausalLM
 
-from jaxside.models import hf_llama
+from twinspec import hf_llama
 from jaxside.models import llama as jax_llama
-from jaxside.models.llama_config import LlamaConfig
+from twinspec.llama import LlamaConfig
 from jaxside.sharding import make_mesh
 from tests.bridge.hf_cases import (
     CASES,

@@ -28,11 +28,10 @@ import torch
 from flax import nnx
 
 import jaxside.modules as JM
-import jaxside.recipe as jax_recipe
 import torchside.modules as TM
 import torchside.modules.functions as torch_functions
 import torchside.modules.grouped_linear as torch_grouped_linear
-import torchside.recipe as torch_recipe
+import twinspec.recipe as recipes
 from jaxside.quantize import BUFFERS
 from fp8kernels._backend import Backend, backend_for
 from tests.bridge.byte_compare import as_jax, assert_same_bytes
@@ -42,7 +41,7 @@ from torchside.autocast import fp8_autocast as torch_fp8_autocast
 
 HISTORY = 8
 TOKENS = (2, 32)  # 64 tokens, as in tests/jaxside (the quantizers' compiles are shared)
-RECIPES = {  # name -> (class name, arguments) of a recipe built alike from torchside.recipe and jaxside.recipe
+RECIPES = {  # name -> (class name, arguments) of the recipe both frameworks run
     "off": None,
     "current": ("Float8CurrentScaling", {}),
     "delayed": ("DelayedScaling", {"amax_history_len": HISTORY}),
@@ -84,12 +83,12 @@ def reference_kernels(monkeypatch):
     torch.set_num_threads(threads)
 
 
-def _recipes(name: str):
-    """(torch recipe, JAX recipe), or (None, None) for FP8 off."""
+def _recipe(name: str):
+    """The one recipe object both frameworks run (twinspec.recipe), or None for FP8 off."""
     if RECIPES[name] is None:
-        return None, None
+        return None
     cls, kwargs = RECIPES[name]
-    return getattr(torch_recipe, cls)(**kwargs), getattr(jax_recipe, cls)(**kwargs)
+    return getattr(recipes, cls)(**kwargs)
 
 
 def _jax_name(torch_name: str, ndim: int) -> str:
@@ -161,7 +160,7 @@ def _jax_step(module, recipe, x, dy, **call) -> dict:
 
 def _jax_operands(module, recipe, x, dy) -> dict:
     """What the JAX module casts this step (its scales and seed, read before the step): x, dy, each GEMM's weight."""
-    delayed = isinstance(recipe, jax_recipe.DelayedScaling)
+    delayed = isinstance(recipe, recipes.DelayedScaling)
     forward = module.fp8_forward_scale[...] if delayed else None
     backward = module.fp8_backward_scale[...] if delayed else None
 
@@ -211,7 +210,7 @@ def _check_operand_bytes(gemm_operands: list, jax_operands: dict, torch_module, 
 @pytest.mark.parametrize("module_name, recipe_name, dtype", CASES)
 def test_jax_module_matches_torch_module(reference_kernels, monkeypatch, module_name, recipe_name, dtype):
     torch_module, jax_module = _twins(module_name, dtype)
-    torch_r, jax_r = _recipes(recipe_name)
+    recipe = _recipe(recipe_name)
     label = f"{module_name}/{recipe_name}/{dtype}"
     generator = torch.Generator().manual_seed(6)
     in_features, out_features = _features(jax_module)
@@ -225,17 +224,17 @@ def test_jax_module_matches_torch_module(reference_kernels, monkeypatch, module_
         return scaled_mm(a, b, **kwargs)
 
     monkeypatch.setattr(torch_functions, "scaled_mm", recording_scaled_mm)
-    casts = jax_r is not None and jax_module.num_gemms > 0
+    casts = recipe is not None and jax_module.num_gemms > 0
     for _ in range(2 if recipe_name == "delayed" else 1):  # DelayedScaling: the second step has real scales
         gemm_operands.clear()
-        jax_operands = _jax_operands(jax_module, jax_r, as_jax(x), as_jax(dy)) if casts else None
-        expected = _torch_step(torch_module, torch_r, x, dy)
-        got = _jax_step(jax_module, jax_r, as_jax(x), as_jax(dy))
+        jax_operands = _jax_operands(jax_module, recipe, as_jax(x), as_jax(dy)) if casts else None
+        expected = _torch_step(torch_module, recipe, x, dy)
+        got = _jax_step(jax_module, recipe, as_jax(x), as_jax(dy))
     if casts:
         _check_operand_bytes(gemm_operands, jax_operands, torch_module, x, dy, label)
     expected = {name: as_jax(value.detach()) for name, value in expected.items()}
     assert set(got) == set(expected), f"{label}: gradients {sorted(got)} vs torch's {sorted(expected)}"
-    failed = mismatches(got, expected, JAX_DTYPES[dtype], jax_r, slack=2.0)
+    failed = mismatches(got, expected, JAX_DTYPES[dtype], recipe, slack=2.0)
     assert not failed, f"{label}: {failed}"
     if recipe_name == "delayed":  # to the bit where both record amaxes of identical tensors
         rtol = 0 if isinstance(torch_module, TM.Linear) else 2**-16
@@ -319,7 +318,7 @@ def _jax_weight_operands(jax_module, recipe, gemm_weights) -> list:
     operands = []
     for path, kernel, gemm in gemm_weights:
         owner = _submodule(jax_module, path)
-        delayed = isinstance(recipe, jax_recipe.DelayedScaling)
+        delayed = isinstance(recipe, recipes.DelayedScaling)
         scale = owner.fp8_forward_scale[...][2 * gemm + 1 : 2 * gemm + 2] if delayed else None
         operands.append(JM.quantize_operand(getattr(owner, kernel)[...].T, recipe, "weight", scale=scale))
     return operands
@@ -330,7 +329,7 @@ def test_jax_blocks_match_torch_blocks(reference_kernels, monkeypatch, block_nam
     """MultiheadAttention, TransformerLayer, GroupedLinear: weight bytes, outputs, grads and state, as above."""
     torch_module, jax_module, torch_call, jax_call = _block_twins(block_name)
     gemm_weights = BLOCKS[block_name][-1]
-    torch_r, jax_r = _recipes(recipe_name)
+    recipe = _recipe(recipe_name)
     label = f"{block_name}/{recipe_name}"
     generator = torch.Generator().manual_seed(6)
     shape = (64, 64) if "m_splits" in torch_call else (SEQ, BATCH, 64)  # "bshd" reads it as [B, S, D]: same size
@@ -353,17 +352,17 @@ def test_jax_blocks_match_torch_blocks(reference_kernels, monkeypatch, block_nam
     monkeypatch.setattr(torch_grouped_linear, "grouped_scaled_mm", recording_grouped)
     for _ in range(2 if recipe_name == "delayed" else 1):  # DelayedScaling: the second step has real scales
         weight_operands.clear()
-        jax_weights = _jax_weight_operands(jax_module, jax_r, gemm_weights) if jax_r is not None else []
-        expected = _torch_step(torch_module, torch_r, x, dy, **torch_call)
-        got = _jax_step(jax_module, jax_r, as_jax(x), as_jax(dy), **jax_call)
-    if jax_r is not None:
+        jax_weights = _jax_weight_operands(jax_module, recipe, gemm_weights) if recipe is not None else []
+        expected = _torch_step(torch_module, recipe, x, dy, **torch_call)
+        got = _jax_step(jax_module, recipe, as_jax(x), as_jax(dy), **jax_call)
+    if recipe is not None:
         assert len(weight_operands) == len(gemm_weights), f"{label}: {len(weight_operands)} forward GEMMs"
         for (path, kernel, _), torch_q, jax_q in zip(gemm_weights, weight_operands, jax_weights):
             weight = _submodule(torch_module, path).get_parameter(_torch_name(kernel, 2)).detach()
             assert_same_bytes(torch_q, _as_held(jax_q, torch_q), weight, f"{label}: {path}.{kernel} in fprop")
     expected = {name: as_jax(value.detach()) for name, value in expected.items()}
     assert set(got) == set(expected), f"{label}: gradients {sorted(got)} vs torch's {sorted(expected)}"
-    failed = mismatches(got, expected, jnp.float32, jax_r, slack=2.0)
+    failed = mismatches(got, expected, jnp.float32, recipe, slack=2.0)
     assert not failed, f"{label}: {failed}"
     if recipe_name == "delayed":
         for path, torch_sub in torch_module.named_modules():

@@ -9,25 +9,24 @@ sides as the same bits (bf16 through uint16 views). One jit compile per configur
 
 from __future__ import annotations
 
-import dataclasses
-import inspect
 from functools import partial
 
 import jax
 import jax.numpy as jnp
+import ml_dtypes
 import numpy as np
 import pytest
 import torch
 
 import jaxside.formats as JF
 import jaxside.quantize as JQ
-import jaxside.recipe as jax_recipe
 import fp8kernels.formats as TF
-import torchside.recipe as torch_recipe
 from fp8kernels import reference as R
 from tests.bridge.byte_compare import as_jax, assert_same_bytes, byte_view
 from tests.fp8kernels.format_models import edge_values
 from tests.selection import in_ci
+from twinspec.formats import FORMATS
+from twinspec.recipe import DelayedScaling, recipe_from_name, recipe_names
 
 SHAPES = ((64, 160), (3, 32, 64))  # partial 128-blocks; 3-D; every dim tiles 32 (MXFP8) and 16 (NVFP4)
 # The second shape runs for one configuration per scheme (a jit compile each): shape handling is per scheme.
@@ -84,7 +83,7 @@ def edge_inputs(fmt: str, shape) -> dict[str, np.ndarray]:
     """fp32 edge tensors of `shape` for element format `fmt` (named cases)."""
     rows, cols = int(np.prod(shape[:-1])), shape[-1]
     grid = edge_values(fmt).numpy()
-    fmax = np.float32(TF.FORMATS[fmt].max)
+    fmax = np.float32(FORMATS[fmt].max)
     finite = grid[np.isfinite(grid) & (np.abs(grid) <= fmax)]
     anchored = _tile(finite, (rows, cols))
     anchored[:, ::16] = np.where(np.arange(rows)[:, None] % 2, -fmax, fmax)  # every block's amax is fmax: scale 1
@@ -203,17 +202,12 @@ def test_empty_input_matches():
 # ----------------------------------------------------------------------------- element pieces and state
 
 
-def test_format_tables_agree():
-    for name, torch_format in TF.FORMATS.items():
-        jax_format = JF.FORMATS[name]
-        fields = ("name", "exponent_bits", "mantissa_bits", "max", "nan_code", "bias", "max_exponent")
-        assert [getattr(jax_format, f) for f in fields] == [getattr(torch_format, f) for f in fields]
-    assert JF.SCHEME_BLOCKS == TF.SCHEME_BLOCKS and JF.E2M1_MAGNITUDES == TF.E2M1_MAGNITUDES
-    assert (JF.HADAMARD_SIGN_BITS, JF.E8M0_INF_CODE, JF.NVFP4_GLOBAL_MAX) == (
-        TF.HADAMARD_SIGN_BITS,
-        TF.E8M0_INF_CODE,
-        TF.NVFP4_GLOBAL_MAX,
-    )
+def test_both_frameworks_cast_each_format_to_the_same_dtype_with_the_one_table():
+    assert {name: str(dtype).removeprefix("torch.") for name, dtype in TF.TORCH_DTYPES.items()} == {
+        name: dtype.name for name, dtype in JF.DTYPES.items()
+    }
+    for name, dtype in TF.TORCH_DTYPES.items():  # the table's max is each dtype's own
+        assert FORMATS[name].max == torch.finfo(dtype).max == float(ml_dtypes.finfo(JF.DTYPES[name]).max), name
 
 
 def test_stochastic_rounding_bits_match():
@@ -278,93 +272,18 @@ def test_quantize_numpy_gives_the_torch_buffers():
     np.testing.assert_array_equal(scaled["data"], R.quantize_tensorwise(x, "e5m2", torch.tensor([2.0])).data.numpy())
 
 
-# ----------------------------------------------------------------------------- recipes
+# ----------------------------------------------------------------------------- one recipe object, two frameworks
 
 
-def _public_classes(module):
-    return {
-        name: value
-        for name, value in vars(module).items()
-        if inspect.isclass(value) and value.__module__ == module.__name__
-    }
+@pytest.mark.parametrize("name", recipe_names(fp8_off=False))
+def test_both_frameworks_quantize_with_the_one_recipe_object_of_each_name(name):
+    """The object recipe_from_name makes enters both quantizers and gives the same values (a weight: no randomness)."""
+    import torchside
+    from jaxside.modules.functions import quantize_operand
 
-
-def test_recipes_have_the_same_names_fields_and_defaults():
-    torch_classes, jax_classes = _public_classes(torch_recipe), _public_classes(jax_recipe)
-    assert sorted(torch_classes) == sorted(jax_classes)
-    assert [r.__name__ for r in torch_recipe.RECIPE_CLASSES] == [r.__name__ for r in jax_recipe.RECIPE_CLASSES]
-    assert torch_recipe.ROLES == jax_recipe.ROLES
-    assert [(f.name, f.value) for f in torch_recipe.Format] == [(f.name, f.value) for f in jax_recipe.Format]
-    for torch_class in torch_recipe.RECIPE_CLASSES:
-        jax_class = jax_classes[torch_class.__name__]
-        as_jax = {
-            f.name: (f.default.name if isinstance(f.default, torch_recipe.Format) else f.default)
-            for f in dataclasses.fields(torch_class)
-        }
-        jax_defaults = {
-            f.name: (f.default.name if isinstance(f.default, jax_recipe.Format) else f.default)
-            for f in dataclasses.fields(jax_class)
-        }
-        assert jax_defaults == as_jax, torch_class.__name__
-        methods = {name for name in vars(torch_class) if not name.startswith("_")} - set(as_jax)
-        assert methods == {name for name in vars(jax_class) if not name.startswith("_")} - set(jax_defaults)
-        for role in torch_recipe.ROLES:
-            for method in methods:
-                assert getattr(jax_class(), method)(role) == getattr(torch_class(), method)(role), (torch_class, method)
-
-
-def _as_fields(recipe) -> tuple | None:
-    """(class name, field values) of a recipe from either framework, Formats by name; None for FP8 off."""
-    if recipe is None:
-        return None
-    values = {f.name: getattr(recipe, f.name) for f in dataclasses.fields(recipe)}
-    return type(recipe).__name__, {k: getattr(v, "name", v) for k, v in values.items()}
-
-
-def test_recipe_names_build_the_same_recipe_in_both_frameworks():
-    names = torch_recipe.recipe_names()
-    assert names == jax_recipe.recipe_names() and names[0] == "off"
-    assert torch_recipe.recipe_names(fp8_off=False) == jax_recipe.recipe_names(fp8_off=False) == names[1:]
-    assert {type(torch_recipe.recipe_from_name(n)) for n in names[1:]} == set(torch_recipe.RECIPE_CLASSES)
-    for name in names:
-        assert _as_fields(torch_recipe.recipe_from_name(name)) == _as_fields(jax_recipe.recipe_from_name(name)), name
-    options = {"amax_history_len": 4, "margin": 1}
-    as_torch = _as_fields(torch_recipe.recipe_from_name("delayed", **options))
-    assert as_torch == _as_fields(jax_recipe.recipe_from_name("delayed", **options))
-    assert as_torch[1]["amax_history_len"] == 4
-
-
-def _refusals(call) -> list[tuple[type, str]]:
-    """(error type, message) of `call(module)` for torchside.recipe and jaxside.recipe."""
-    errors = []
-    for module in (torch_recipe, jax_recipe):
-        with pytest.raises((ValueError, TypeError)) as error:
-            call(module)
-        errors.append((error.type, str(error.value)))
-    return errors
-
-
-@pytest.mark.parametrize("name, options", [("fp16", {}), ("off", {"margin": 1}), ("current", {"margin": 1})])
-def test_recipe_from_name_refuses_the_same_way_in_both_frameworks(name, options):
-    (torch_error, torch_message), jax_error = _refusals(lambda module: module.recipe_from_name(name, **options))
-    assert (torch_error, torch_message) == jax_error
-    assert name in torch_message or "margin" in torch_message
-
-
-@pytest.mark.parametrize(
-    "name, kwargs",
-    [
-        ("DelayedScaling", {"margin": -1}),
-        ("DelayedScaling", {"amax_compute_algo": "mean"}),
-        ("DelayedScaling", {"fp8_format": "e4m3"}),
-        ("Float8CurrentScaling", {"amax_epsilon": float("nan")}),
-        ("Float8BlockScaling", {"x_block_scaling_dim": 2}),
-        ("Float8BlockScaling", {"grad_block_scaling_dim": 3}),
-        ("MXFP8BlockScaling", {"scale_rounding": "down"}),
-        ("NVFP4BlockScaling", {"disable_rht": 1}),
-        ("NVFP4BlockScaling", {"stochastic_rounding_seed": -1}),
-    ],
-)
-def test_recipes_refuse_the_same_values_with_the_same_message(name, kwargs):
-    torch_error, jax_error = _refusals(lambda module: getattr(module, name)(**kwargs))
-    assert torch_error == jax_error
+    recipe = recipe_from_name(name)
+    x = _random((128, 128), torch.float32, seed=3)
+    expected = torchside.quantize(x, recipe, "weight").dequantize(torch.float32)  # a one-off DelayedScaling: scale 1
+    scale = jnp.ones(1, jnp.float32) if isinstance(recipe, DelayedScaling) else None
+    got = JQ.dequantize(quantize_operand(as_jax(x), recipe, "weight", scale=scale, columnwise=False))
+    np.testing.assert_array_equal(np.asarray(got).view(np.uint32), expected.numpy().view(np.uint32))

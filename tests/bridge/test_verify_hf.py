@@ -15,7 +15,7 @@ import torch
 
 from bridge.cli import main
 from bridge.numerics import TensorCheck, Tolerance, VerifyReport
-from jaxside.models import hf_llama
+from twinspec import hf_llama
 from tests.bridge.hf_cases import TOLERANCE, fp8_hf_checkpoint, hf_model, save
 
 

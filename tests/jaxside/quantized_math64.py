@@ -16,7 +16,7 @@ import numpy as np
 import jaxside.quantize as Q
 from bridge.numerics import relative_error
 from jaxside.modules import LayerNorm, LayerNormLinear, Linear, RMSNorm
-from jaxside.recipe import (
+from twinspec.recipe import (
     DelayedScaling,
     Float8BlockScaling,
     Float8CurrentScaling,

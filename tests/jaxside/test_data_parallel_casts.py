@@ -24,7 +24,7 @@ from bridge.numerics import FP32_ORDER, relative_error
 from jaxside import sharding as S
 from jaxside.modules import GRAD_FILTER, Linear, fp8_autocast, fp8_linear, place
 from jaxside.modules.tokens import batch_dim, data_parallel_groups
-from jaxside.recipe import Float8BlockScaling, Float8CurrentScaling
+from twinspec.recipe import Float8BlockScaling, Float8CurrentScaling
 from tests.selection import in_ci
 
 SEQ, BATCH, IN, OUT = 16, 8, 64, 32  # [S, B, I]: 32 tokens per shard on 4 DP shards

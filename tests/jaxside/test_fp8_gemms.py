@@ -16,7 +16,7 @@ from flax import nnx
 
 from jaxside.hlo import FP8_TYPES, gemm_operand_types
 from jaxside.modules import LayerNormMLP, Linear, fp8_autocast
-from jaxside.recipe import Float8CurrentScaling
+from twinspec.recipe import Float8CurrentScaling
 
 
 def _step_hlo(module, x) -> str:

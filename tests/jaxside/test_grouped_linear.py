@@ -15,7 +15,7 @@ from jax.sharding import PartitionSpec as P
 
 from jaxside import sharding as S
 from jaxside.modules import GRAD_FILTER, GroupedLinear, ModuleConfig, finish_backward, fp8_autocast, shardings
-from jaxside.recipe import DelayedScaling, MXFP8BlockScaling
+from twinspec.recipe import DelayedScaling, MXFP8BlockScaling
 from tests.jaxside.quantized_math64 import RECIPES, QuantizedMath64, mismatches
 from tests.selection import in_ci
 

@@ -31,8 +31,9 @@ from jaxside.modules import (
     place,
     shardings,
 )
+from jaxside.modules.base import resized_amax_history
 from jaxside.quantize import delayed_scaling_update, tensor_amax
-from jaxside.recipe import DelayedScaling, Float8CurrentScaling, NVFP4BlockScaling
+from twinspec.recipe import DelayedScaling, Float8CurrentScaling, NVFP4BlockScaling
 from tests.jaxside.quantized_math64 import mismatches
 
 HISTORY = 4
@@ -115,6 +116,33 @@ def test_delayed_scaling_updates_once_per_region_and_step_eagerly_and_under_jit(
         np.testing.assert_array_equal(module.fp8_backward_amax_history[...], expected_backward[0])
         np.testing.assert_array_equal(module.fp8_backward_scale[...], expected_backward[1])
         assert not module.fp8_grad_amax[...].any(), "the grad amax sink is cleared for the next step"
+
+
+def test_delayed_scaling_history_length_comes_from_the_recipe_unless_the_config_sets_one():
+    """torchside's test of the same name: DelayedScaling(amax_history_len=2) sizes the window, eagerly and under jit."""
+    x = jnp.asarray(np.random.default_rng(0).standard_normal((64, 64)), jnp.float32)
+    eager, jitted = (Linear(64, 64, rngs=nnx.Rngs(0)) for _ in range(2))
+    fixed = Linear(64, 64, config=ModuleConfig(amax_history_len=8), rngs=nnx.Rngs(0))
+
+    def forward(module, x):
+        with fp8_autocast(recipe=DelayedScaling(amax_history_len=2)):
+            return module(x)
+
+    for factor in (8.0, 4.0, 2.0):  # input amaxes 8a, 4a, 2a in three steps
+        forward(eager, x * factor), nnx.jit(forward)(jitted, x * factor), forward(fixed, x * factor)
+    amax = np.float32(np.max(np.abs(np.asarray(x))))
+    for module in (eager, jitted):
+        assert module.fp8_forward_amax_history[...].shape == (2, 2)
+        assert module.fp8_backward_amax_history[...].shape == (2, 1)
+        assert module.fp8_forward_scale[...][0] == np.float32(448.0) / (4 * amax)  # the max of steps 2 and 3
+    assert fixed.fp8_forward_amax_history[...].shape == (8, 2)
+    assert fixed.fp8_forward_scale[...][0] == np.float32(448.0) / (8 * amax)  # the max of all three
+
+
+def test_a_resized_amax_history_keeps_this_step_and_the_newest_past_rows():
+    history = jnp.asarray([[10.0], [1.0], [2.0], [3.0]])  # row 0 this step's, then the past, oldest first
+    assert resized_amax_history(history, 2).flatten().tolist() == [10.0, 3.0]
+    assert resized_amax_history(history, 6).flatten().tolist() == [10.0, 0.0, 0.0, 1.0, 2.0, 3.0]
 
 
 def test_a_module_that_did_not_run_keeps_its_backward_state():
@@ -219,7 +247,7 @@ def test_fsdp_x_tp_execution_equals_single_device():
         (lambda: LayerNormMLP(4, 4, activation="tanh", rngs=nnx.Rngs(0)), ValueError, r"use one of gelu"),
         (lambda: LayerNormMLP(4, 4, config=ROW, rngs=nnx.Rngs(0)), ValueError, r"row-parallel.*leave it None"),
         (lambda: LayerNormLinear(4, 4, normalization="BatchNorm", rngs=nnx.Rngs(0)), ValueError, r"'LayerNorm'"),
-        (lambda: fp8_autocast(recipe="delayed").__enter__(), TypeError, r"jaxside.recipe"),
+        (lambda: fp8_autocast(recipe="delayed").__enter__(), TypeError, r"twinspec.recipe"),
     ],
 )
 def test_mistakes_raise_errors_that_say_what_to_do(make, error, message):
@@ -230,9 +258,6 @@ def test_mistakes_raise_errors_that_say_what_to_do(make, error, message):
 def test_delayed_scaling_misuse_raises_with_the_fix():
     linear = Linear(64, 64, config=CONFIG, rngs=nnx.Rngs(0))
     x = jnp.ones((64, 64))
-    with pytest.raises(ValueError, match=r"ModuleConfig\(amax_history_len=8\)"):
-        with fp8_autocast(recipe=DelayedScaling(amax_history_len=8)):
-            linear(x)
     with pytest.raises(ValueError, match=r"ran twice in one fp8_autocast region"):
         with fp8_autocast(recipe=DELAYED):
             linear(linear(x))

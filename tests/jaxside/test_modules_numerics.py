@@ -48,7 +48,7 @@ from jaxside.modules import (
     finish_backward,
     fp8_autocast,
 )
-from jaxside.recipe import DelayedScaling
+from twinspec.recipe import DelayedScaling
 from tests.jaxside.quantized_math64 import RECIPES, QuantizedMath64, mismatches, model64, to_float64
 
 TOKENS = (2, 32)  # [B, S]: the modules flatten leading dims

@@ -20,7 +20,7 @@ import pytest
 from flax import nnx
 
 from jaxside.modules import GRAD_FILTER, LayerNormMLP, ModuleConfig, finish_backward, fp8_autocast
-from jaxside.recipe import DelayedScaling, Float8CurrentScaling, MXFP8BlockScaling
+from twinspec.recipe import DelayedScaling, Float8CurrentScaling, MXFP8BlockScaling
 from tests.selection import in_ci
 
 HIDDEN, FFN, TOKENS, STEPS = 32, 64, 256, 200

@@ -18,6 +18,7 @@ import pytest
 
 from jaxside import _fp32
 from jaxside import formats as F
+from twinspec import formats as spec
 from jaxside import quantize as Q
 from tests.transformer_engine_models import transformer_engine_e8m0
 
@@ -34,12 +35,12 @@ def _same_floats(got, expected) -> np.ndarray:
 def _clip_cast_model(values: np.ndarray, fmt: str) -> np.ndarray:
     """ml_dtypes' cast after clipping to +-max; NaN (and, but in e2m1, +-inf) -> the canonical code (the
     contract's rule: a cast never hides a non-finite value)."""
-    fmax = F.FORMATS[fmt].max
+    fmax = spec.FORMATS[fmt].max
     dtype = ML_DTYPES.get(fmt, ml_dtypes.float4_e2m1fn)
     with np.errstate(invalid="ignore"):
         codes = np.clip(values, -fmax, fmax).astype(dtype).view(np.uint8)
     non_finite = np.isnan(values) | (np.isinf(values) & (fmt != "e2m1"))
-    return np.where(non_finite, F.FORMATS[fmt].nan_code, codes).astype(np.uint8)
+    return np.where(non_finite, spec.FORMATS[fmt].nan_code, codes).astype(np.uint8)
 
 
 def _edge_values(fmt: str) -> np.ndarray:
@@ -98,7 +99,7 @@ def test_all_256_codes_and_edges_encode_like_ml_dtypes_after_the_clip(fmt):
 def _e8m0_model(amax: np.ndarray, fmt: str, rounding: str) -> np.ndarray:
     """float64 log2 model: up = ceil(log2(fp32(amax * fp32(1 / fmax)))), 0 for a ratio <= 2^-127 (TransformerEngine's
     float_to_e8m0), floor = floor(log2(amax)) - emax."""
-    f = F.FORMATS[fmt]
+    f = spec.FORMATS[fmt]
     codes = []
     for a in amax.astype(np.float32):
         if np.isnan(a):
@@ -140,7 +141,7 @@ def test_e8m0_multiplier_is_the_exact_power_of_two(rounding):
 def test_mxfp8_up_gives_a_tiny_block_code_0_and_leaves_it_unscaled(fmt):
     """Issue 29, finding 10: a block whose amax / fmax is at most 2^-127 gets E8M0 code 0 (not 1) and its
     elements are cast unscaled, so they are +-0, as TransformerEngine's MXFP8 cast writes them."""
-    fmax = F.FORMATS[fmt].max
+    fmax = spec.FORMATS[fmt].max
     boundary = np.float32(fmax * 2.0**-127)  # amax * fp32(1/fmax) lands near 2^-127 around here
     amaxes = [1e-45, 1e-40, 2.0**-126, boundary * np.float32(0.5), boundary, boundary * np.float32(1.01), 2.0**-110]
     x = np.zeros((len(amaxes), 32), np.float32)
@@ -200,7 +201,7 @@ def test_stochastic_e2m1_follows_the_rule_and_is_unbiased():
     bits = np.array(F.stochastic_rounding_bits(11, np.arange(values.size, dtype=np.uint32)))
     bits[-6:] = 0  # a zero draw rounds every value above its lower neighbour up, subnormals included
     got = np.asarray(jax.jit(F.encode_e2m1)(values, bits))
-    grid = np.array(F.E2M1_MAGNITUDES)
+    grid = np.array(spec.E2M1_MAGNITUDES)
     a = np.minimum(np.abs(values.astype(np.float64)), 6.0)
     lower = np.searchsorted(grid, a, side="right") - 1
     upper = np.minimum(lower + 1, 7)
@@ -309,7 +310,7 @@ def _random(shape, dtype=np.float32, seed=0) -> np.ndarray:
 
 def _half_ulp(scaled: np.ndarray, fmt: str) -> np.ndarray:
     """Half the grid spacing of `fmt` at |scaled| (the subnormal spacing below the normals)."""
-    f = F.FORMATS[fmt]
+    f = spec.FORMATS[fmt]
     binade = np.floor(np.log2(np.maximum(scaled, 2.0 ** (1 - f.bias))))
     return 0.5 * 2.0 ** (binade - f.mantissa_bits)
 
@@ -317,7 +318,7 @@ def _half_ulp(scaled: np.ndarray, fmt: str) -> np.ndarray:
 def _encode_factors(q: Q.Quantized, columnwise: bool, operand_shape) -> np.ndarray:
     """Per element of the operand: the factor that took it onto the element grid (float64)."""
     scale_inv = np.asarray(q.columnwise_scale_inv if columnwise else q.scale_inv)
-    block = F.SCHEME_BLOCKS[q.scheme]
+    block = spec.SCHEME_BLOCKS[q.scheme]
     if q.scheme == "mxfp8":
         per_block = 2.0 ** (127.0 - scale_inv.astype(np.float64))
     elif q.fmt == "e2m1":
@@ -356,7 +357,7 @@ def test_dequantize_stays_within_half_an_ulp(name):
             operand = x64.T if columnwise else x64
             dequantized = np.asarray(Q.dequantize(q, columnwise=columnwise)).astype(np.float64)
             encode = _encode_factors(q, columnwise, operand.shape)
-            fmax = F.FORMATS[q.fmt].max
+            fmax = spec.FORMATS[q.fmt].max
             scaled = np.abs(operand) * encode
             bound = (_half_ulp(np.minimum(scaled, fmax), q.fmt) + np.maximum(scaled - fmax, 0)) / encode
             bound = bound * (1 + 2.0**-18) + np.abs(operand) * 2.0**-20  # fp32 rounding of the scales

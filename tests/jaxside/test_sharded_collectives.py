@@ -26,7 +26,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from jaxside import sharding as S
 from jaxside.modules import GRAD_FILTER, fp8_autocast, place, shardings
-from jaxside.recipe import Float8CurrentScaling
+from twinspec.recipe import Float8CurrentScaling
 from tests.jaxside.layer_builders import BUILDERS, HIDDEN, SEQ
 from tests.selection import in_ci
 

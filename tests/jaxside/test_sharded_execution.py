@@ -52,7 +52,7 @@ from jaxside.modules import (
     place,
 )
 from jaxside.modules.tokens import data_parallel_groups
-from jaxside.recipe import DelayedScaling
+from twinspec.recipe import DelayedScaling
 from tests.jaxside.layer_builders import BUILDERS, GQA_GROUPS, HEAD_DIM, HEADS, SEQ
 from tests.jaxside.quantized_math64 import ELEMENT_TOLERANCE, RECIPES, mismatches
 from tests.selection import in_ci

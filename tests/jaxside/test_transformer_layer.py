@@ -33,7 +33,7 @@ from jaxside.modules import (
     fp8_autocast,
     shardings,
 )
-from jaxside.recipe import DelayedScaling
+from twinspec.recipe import DelayedScaling
 from tests.jaxside.attention64 import attention64, causal_keep, rotate64
 from tests.jaxside.layer_builders import BATCH, BUILDERS, FUSED_QKV, HEAD_DIM, HEADS, HIDDEN, SEPARATE_QKV, SEQ
 from tests.jaxside.quantized_math64 import RECIPES, QuantizedMath64, mismatches, model64, norm64

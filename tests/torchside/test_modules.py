@@ -28,6 +28,7 @@ from torchside.modules import (
     clear_high_precision_init_val,
     high_precision_init_val,
 )
+from torchside.modules.base import resized_amax_history
 from torchside.quantization import FALLBACK_CALLS, QuantizedTensor
 from torchside.recipe import DelayedScaling, Float8BlockScaling, Float8CurrentScaling, MXFP8BlockScaling
 
@@ -432,11 +433,28 @@ def test_bad_arguments_say_what_to_do(build, error, match):
         build()
 
 
-def test_delayed_scaling_history_must_fit_the_module_buffers():
-    module = Linear(HIDDEN, FFN)  # 1024 rows by default
-    with pytest.raises(ValueError, match=r"ModuleConfig\(amax_history_len=16\)"):
-        with fp8_autocast(recipe=DelayedScaling(amax_history_len=16)):
-            module(torch.randn(4, HIDDEN))
+def test_delayed_scaling_history_length_comes_from_the_recipe_unless_the_config_sets_one():
+    """TransformerEngine's DelayedScaling(amax_history_len=2) sizes the amax window; a ModuleConfig length wins."""
+    from_recipe, fixed = Linear(HIDDEN, FFN), Linear(HIDDEN, FFN, config=ModuleConfig(amax_history_len=8))
+    x = torch.randn(4, HIDDEN, generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        for factor in (8.0, 4.0, 2.0):  # input amaxes 8a, 4a, 2a in three steps
+            with fp8_autocast(recipe=DelayedScaling(amax_history_len=2)):
+                from_recipe(x * factor), fixed(x * factor)
+    amax = x.abs().max()
+    assert from_recipe.fp8_forward_amax_history.shape == (2, 2) and from_recipe.fp8_backward_amax_history.shape == (2, 1)
+    assert fixed.fp8_forward_amax_history.shape == (8, 2)
+    # the input's scale after step 3: E4M3's 448 over the max of the window's amaxes (steps 2 and 3, or all three)
+    assert from_recipe.fp8_forward_scale[0] == torch.tensor(448.0) / (4 * amax)
+    assert fixed.fp8_forward_scale[0] == torch.tensor(448.0) / (8 * amax)
+
+
+def test_a_resized_amax_history_keeps_this_step_and_the_newest_past_rows():
+    # rows: 0 is this step's, then past steps from the oldest (1) to the newest (3), as the update rolls them
+    history = torch.tensor([[10.0], [1.0], [2.0], [3.0]])
+    assert resized_amax_history(history, 2).flatten().tolist() == [10.0, 3.0]
+    assert resized_amax_history(history, 1).flatten().tolist() == [10.0]
+    assert resized_amax_history(history, 6).flatten().tolist() == [10.0, 0.0, 0.0, 1.0, 2.0, 3.0]
 
 
 def test_fp8_linear_refuses_float16_activations():

@@ -14,7 +14,7 @@ step can untie it. Untied, the head owns `lm_head.weight` [Vp, D], split like th
 head's GEMM runs in high precision whatever the recipe (as in torchtitan and most FP8 recipes: the
 logits feed a softmax over V).
 
-`LlamaConfig` (framework-free, shared with the JAX twin: jaxside.models.llama_config) carries the
+`LlamaConfig` (framework-free, shared with the JAX twin: twinspec.llama) carries the
 options real checkpoints need: head_dim, rope_theta, Llama 3 rope scaling, norm eps, biases, and
 the vocabulary padding: the embedding (and an untied head) hold Vp = `padded_vocab_size(tp)` rows
 so that TP splits them evenly; the logits of the padding ids are sliced off. `load_hf` reads a
@@ -35,8 +35,8 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 # Framework-free (no jax): the config and the HF table are shared with jaxside.models.llama.
-from jaxside.models.llama_config import LLAMA_CONFIGS, LlamaConfig, RopeScaling
 from torchside.modules import ModuleConfig, RMSNorm, RotaryPositionEmbedding, TransformerConfig, TransformerLayer
+from twinspec.llama import LLAMA_CONFIGS, LlamaConfig, RopeScaling
 from twinspec.plan import DEFAULT_PLAN, Plan
 
 

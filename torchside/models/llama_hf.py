@@ -1,6 +1,6 @@
 """`load_hf`: a Hugging Face LlamaForCausalLM directory into our torch `Llama`, each rank reading its own rows.
 
-The directory is checked first (jaxside.models.hf_llama.Checkpoint: architecture, config, index,
+The directory is checked first (twinspec.hf_llama.Checkpoint: architecture, config, index,
 every file's header, every tensor's name and shape), before any weight is read. Then the model is
 built on "meta", parallelized (`parallelize_llama`: TP, FSDP2, materialization), and each
 parameter's local shard is filled from the checkpoint: the shard's box (global row and column
@@ -9,7 +9,7 @@ name-and-layout table, which names the few row ranges of the HF tensors it is ma
 fused QKV: slices of q, k and v; for fc1: of gate and up), and only those rows and this shard's
 columns are read (`safe_open(...).get_slice`). A rank never reads another rank's bytes.
 
-An FP8 block-scaled checkpoint (jaxside.models.hf_llama's docstring) builds the model under
+An FP8 block-scaled checkpoint (twinspec.hf_llama's docstring) builds the model under
 `quantized_model_init(recipe=Float8BlockScaling())` with glu_interleave = 128: every projection
 weight is a Float8BlockScaling parameter whose `rowwise_data` and `rowwise_scale_inv` receive the
 HF bytes and scales of its shard as they are (no dequantization, no requantization); its
@@ -37,7 +37,7 @@ from torch import Tensor
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
-from jaxside.models.hf_llama import BLOCK, Checkpoint, Piece
+from twinspec.hf_llama import BLOCK, Checkpoint, Piece
 from torchside.autocast import quantized_model_init
 from torchside.checkpoint import quantized_params
 from torchside.models.llama import Llama

@@ -22,7 +22,7 @@ runs. The base then
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import torch.distributed as dist
@@ -30,7 +30,7 @@ from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
-from fp8kernels.formats import FORMATS
+from twinspec.formats import FORMATS
 from torchside import autocast
 from torchside.modules.config import ModuleConfig, check_params_dtype
 from torchside.modules.functions import BackwardHook, GemmQuantizers, gathers_fp8
@@ -90,6 +90,19 @@ def _share_state(quantizer: Quantizer, scale: Tensor, amax_history: Tensor) -> Q
     return quantizer
 
 
+def resized_amax_history(history: Tensor, length: int) -> Tensor:
+    """An amax history [rows, ...] with `length` rows: row 0 (this step's) and the newest past rows kept.
+
+    The update rolls the history up by one (fp8kernels.reference.delayed_scaling_update), so the past
+    steps run oldest to newest from row 1 to the last row: a longer history gets zero rows (no amax
+    yet) after row 0, a shorter one drops the oldest rows after row 0.
+    """
+    rows = history.shape[0]
+    if length >= rows:
+        return torch.cat([history[:1], history.new_zeros(length - rows, *history.shape[1:]), history[1:]])
+    return torch.cat([history[:1], history[rows - length + 1 :]])
+
+
 def _initial_weight_recipe(recipe: Recipe) -> Recipe:
     # An FP8 parameter is cast once, before any history exists: a DelayedScaling scale of 1 would
     # flush an init of std 0.023 into E4M3 subnormals, so the first cast scales from the weight itself.
@@ -125,7 +138,7 @@ class FP8Module(TensorParallelMixin, nn.Module):
         self._gemm_weight_names = {spec.gemm: name for name, spec in self._param_specs.items() if spec.gemm is not None}
         self._quantizer_cache: tuple | None = None  # (key, state buffers, quantizers) of the last FP8 forward
         if num_gemms:
-            history_len = self.config.amax_history_len
+            history_len = self.config.amax_history_len or DelayedScaling().amax_history_len  # None: a recipe's, later
             self.register_buffer("fp8_forward_scale", torch.ones(2 * num_gemms, device=device))
             self.register_buffer("fp8_forward_amax_history", torch.zeros(history_len, 2 * num_gemms, device=device))
             self.register_buffer("fp8_backward_scale", torch.ones(num_gemms, device=device))
@@ -233,11 +246,16 @@ class FP8Module(TensorParallelMixin, nn.Module):
         if frame is None or not self.num_gemms:
             return None
         recipe = frame.recipe
+        if isinstance(recipe, DelayedScaling) and self.config.amax_history_len is None:
+            self._fit_amax_histories(recipe.amax_history_len)
         forward_q, backward_q = self._quantizers(recipe, device)
         on_backward_done = None
         if isinstance(recipe, DelayedScaling):
             self._check_gathered_scales_agree(recipe, frame.amax_reduction_group)
-            forward_sync, backward_sync = frame.delayed_scaling_syncs()
+            # A history of another length than the recipe's (a ModuleConfig length) updates in a sync of its own.
+            rows = self.fp8_forward_amax_history.shape[0]
+            sync_recipe = recipe if rows == recipe.amax_history_len else replace(recipe, amax_history_len=rows)
+            forward_sync, backward_sync = frame.region.syncs(sync_recipe, frame.amax_reduction_group)
             fmax = {role: FORMATS[recipe.fp8_format.for_role(role)].max for role in ("input", "grad")}
             forward_sync.add(self, self.fp8_forward_amax_history, self.fp8_forward_scale, fmax["input"])
             if backward_sync.add(self, self.fp8_backward_amax_history, self.fp8_backward_scale, fmax["grad"]):
@@ -248,6 +266,13 @@ class FP8Module(TensorParallelMixin, nn.Module):
             weight_q = None if weight_is_fp8 else forward_q[2 * g + 1]  # an FP8 parameter is cast already
             gemms.append(GemmQuantizers(input=forward_q[2 * g], weight=weight_q, grad_output=backward_q[g]))
         return ForwardPlan(tuple(gemms), on_backward_done)
+
+    def _fit_amax_histories(self, length: int) -> None:
+        """Give both amax histories `length` rows (the recipe's, as TransformerEngine does), keeping the newest."""
+        for name in ("fp8_forward_amax_history", "fp8_backward_amax_history"):
+            history = getattr(self, name)
+            if history.shape[0] != length:
+                self.register_buffer(name, resized_amax_history(history, length))
 
     def _gathers_fp8(self, gemm: int, recipe: Recipe) -> bool:
         return gathers_fp8(self.linear_parallelism(self._gemm_weight_names[gemm]), recipe)
@@ -272,12 +297,6 @@ class FP8Module(TensorParallelMixin, nn.Module):
         cached = self._quantizer_cache
         if cached is not None and cached[0] == key and all(a is b for a, b in zip(cached[1], buffers, strict=True)):
             return cached[2]
-        if isinstance(recipe, DelayedScaling) and recipe.amax_history_len != self.config.amax_history_len:
-            raise ValueError(
-                f"DelayedScaling(amax_history_len={recipe.amax_history_len}) does not fit this "
-                f"{type(self).__name__}'s {self.config.amax_history_len}-row amax history: build the modules "
-                f"with config=ModuleConfig(amax_history_len={recipe.amax_history_len})"
-            )
         forward_q, backward_q = [], []
         for g, name in sorted(self._gemm_weight_names.items()):
             spec = self._param_specs[name]

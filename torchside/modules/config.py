@@ -16,6 +16,7 @@ import torch
 import torch.distributed as dist
 
 from twinspec.placement import PARALLEL_MODES
+from twinspec.recipe import check_amax_history_len
 
 PARAMS_DTYPES = (torch.float32, torch.bfloat16)  # what the FP8 GEMM and the norm kernels write
 
@@ -24,9 +25,11 @@ PARAMS_DTYPES = (torch.float32, torch.bfloat16)  # what the FP8 GEMM and the nor
 class ModuleConfig:
     """Shared module settings: DelayedScaling state size and tensor parallelism."""
 
-    # Rows of the DelayedScaling amax history buffers. Fixed at construction so that every
-    # state_dict has the same shapes; a DelayedScaling recipe must use the same length.
-    amax_history_len: int = 1024
+    # Rows of the DelayedScaling amax history buffers. None (the default): the DelayedScaling recipe's
+    # amax_history_len, as in TransformerEngine (the buffers take it at the first forward under it,
+    # 1024 rows before); a length here fixes the rows whatever the recipe says. A checkpoint saved with
+    # N rows loads into modules of N rows: build them with ModuleConfig(amax_history_len=N) when N != 1024.
+    amax_history_len: int | None = None
     tp_group: dist.ProcessGroup | None = None
     tp_size: int = 1
     parallel_mode: str | None = None
@@ -36,9 +39,10 @@ class ModuleConfig:
     fp8_all_gather: bool = True
 
     def __post_init__(self) -> None:
-        for name, value in (("amax_history_len", self.amax_history_len), ("tp_size", self.tp_size)):
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"ModuleConfig({name}={value!r}): pass an integer >= 1")
+        if self.amax_history_len is not None:
+            check_amax_history_len("ModuleConfig", self.amax_history_len)
+        if isinstance(self.tp_size, bool) or not isinstance(self.tp_size, int) or self.tp_size < 1:
+            raise ValueError(f"ModuleConfig(tp_size={self.tp_size!r}): pass an integer >= 1")
         if self.tp_group is not None and not isinstance(self.tp_group, dist.ProcessGroup):
             raise TypeError(f"ModuleConfig(tp_group={self.tp_group!r}): pass a ProcessGroup or None")
         if self.parallel_mode not in PARALLEL_MODES:

@@ -11,9 +11,6 @@ all-reduced over the TP group.
 
 from __future__ import annotations
 
-import math
-from dataclasses import dataclass
-
 import torch
 from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh
@@ -21,30 +18,12 @@ from torch.distributed.device_mesh import DeviceMesh
 from torchside.modules.base import FP8Module, ParamSpec
 from torchside.modules.config import ModuleConfig, check_parallel_mode, check_size
 from torchside.modules.functions import BackwardHook, normalize
+from twinspec import transformer_config
+from twinspec.transformer_config import NORMALIZATIONS
 
-NORMALIZATIONS = {"LayerNorm": True, "RMSNorm": False}  # name -> has a bias (and subtracts the mean)
 
-
-@dataclass(frozen=True)
-class NormSettings:
-    """Which norm, its epsilon and whether gamma is stored zero-centered."""
-
-    normalization: str = "LayerNorm"
-    eps: float = 1e-5
-    zero_centered_gamma: bool = False
-
-    def __post_init__(self) -> None:
-        if self.normalization not in NORMALIZATIONS:
-            raise ValueError(f"normalization={self.normalization!r}: use 'LayerNorm' or 'RMSNorm'")
-        eps = self.eps
-        if isinstance(eps, bool) or not isinstance(eps, int | float) or not math.isfinite(eps) or eps < 0:
-            raise ValueError(f"eps={eps!r}: pass a finite float >= 0, e.g. 1e-5")
-        if not isinstance(self.zero_centered_gamma, bool):
-            raise TypeError(f"zero_centered_gamma={self.zero_centered_gamma!r}: pass True or False")
-
-    @property
-    def has_bias(self) -> bool:
-        return NORMALIZATIONS[self.normalization]
+class NormSettings(transformer_config.NormSettings):
+    """Which norm, its epsilon and whether gamma is stored zero-centered (twinspec's checks), and its parameters."""
 
     def param_specs(self, hidden_size: int, prefix: str) -> dict[str, ParamSpec]:
         """`{prefix}weight` (ones, or zeros when zero-centered) and, for LayerNorm, `{prefix}bias` (zeros)."""
@@ -69,7 +48,7 @@ class NormSettings:
 
 
 class _Normalization(FP8Module):
-    normalization: str  # a key of NORMALIZATIONS, set by each subclass
+    normalization: str  # a key of twinspec's NORMALIZATIONS, set by each subclass
 
     def __init__(
         self,

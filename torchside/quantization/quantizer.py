@@ -27,7 +27,7 @@ from torch import Tensor
 
 from fp8kernels._backend import Backend, backend_for
 from fp8kernels._checks import check_splits, matrix_view
-from fp8kernels.formats import FORMATS
+from twinspec.formats import FORMATS
 from fp8kernels.reference import delayed_scaling_update, group_amaxes
 from torchside.quantization.storage import QuantizedStorage, from_quantized
 from torchside.quantization.tensor import QuantizedTensor

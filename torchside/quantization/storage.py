@@ -22,7 +22,7 @@ import torch
 from torch import Tensor
 
 from fp8kernels import reference
-from fp8kernels.formats import SCHEME_BLOCKS
+from twinspec.formats import SCHEME_BLOCKS
 
 
 class Buffer(NamedTuple):

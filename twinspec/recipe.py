@@ -1,9 +1,12 @@
-"""FP8/FP4 training recipes for the JAX twin: the same frozen configs as torchside/recipe.py.
+"""FP8/FP4 training recipes: frozen configs with the parameters TransformerEngine users know.
 
-Framework-free mirror (jaxside never imports torchside): the same class names, fields, defaults,
-role helpers and errors, so that a recipe means the same quantization on both sides
-(tests/bridge/test_quantize_cross.py checks that the two stay alike). A recipe holds no state;
-roles are "input" (activations), "weight" and "grad" (output gradients).
+One definition for both frameworks: torchside (which re-exports them as `torchside.recipe`, the path
+TransformerEngine users know) and jaxside take these very objects, so a recipe means the same
+quantization on both sides, and a recipe name becomes a recipe object in one place, `recipe_from_name`.
+
+A recipe says how each tensor role is quantized; it holds no state. Roles:
+"input" (activations), "weight", "grad" (output gradients). The formulas live in
+docs/quantization.md and fp8kernels/reference.py; this file only validates and names them.
 """
 
 from __future__ import annotations
@@ -11,7 +14,6 @@ from __future__ import annotations
 import enum
 import math
 from dataclasses import dataclass
-from typing import Union
 
 ROLES = ("input", "weight", "grad")
 
@@ -37,9 +39,6 @@ def check_role(role: str) -> None:
         raise ValueError(f"role={role!r} is not a tensor role: use one of {', '.join(map(repr, ROLES))}")
 
 
-# ----------------------------------------------------------------------------- field checks
-
-
 def _check_format(owner: str, value: object) -> None:
     if not isinstance(value, Format):
         raise TypeError(f"{owner}(fp8_format={value!r}): pass a Format member, e.g. fp8_format=Format.E4M3")
@@ -60,12 +59,9 @@ def _check_int(owner: str, name: str, value: object, minimum: int) -> None:
         raise ValueError(f"{owner}({name}={value!r}): pass an integer >= {minimum}")
 
 
-def _check_bools(recipe: object, names: tuple[str, ...]) -> None:
-    for name in names:
-        _check_bool(type(recipe).__name__, name, getattr(recipe, name))
-
-
-# ----------------------------------------------------------------------------- recipes
+def check_amax_history_len(owner: str, value: object) -> None:
+    """A DelayedScaling amax history length (of a recipe or a module config): an integer >= 1."""
+    _check_int(owner, "amax_history_len", value, 1)
 
 
 @dataclass(frozen=True)
@@ -74,7 +70,8 @@ class DelayedScaling:
 
     `scale = (fmax / amax) / 2**margin`, amax = max of the last `amax_history_len` amaxes
     ("max") or the latest one ("most_recent"); with `reduce_amax` the amaxes of an
-    autocast region are all-reduced (MAX) over its amax group before the update.
+    autocast region are all-reduced (MAX) over its amax group before the update. A module's
+    history takes `amax_history_len` rows unless its ModuleConfig sets another length.
     """
 
     margin: int = 0
@@ -85,9 +82,9 @@ class DelayedScaling:
 
     def __post_init__(self) -> None:
         _check_int("DelayedScaling", "margin", self.margin, 0)
-        _check_int("DelayedScaling", "amax_history_len", self.amax_history_len, 1)
+        check_amax_history_len("DelayedScaling", self.amax_history_len)
         _check_choice("DelayedScaling", "amax_compute_algo", self.amax_compute_algo, ("max", "most_recent"))
-        _check_bools(self, ("reduce_amax",))
+        _check_bool("DelayedScaling", "reduce_amax", self.reduce_amax)
         _check_format("DelayedScaling", self.fp8_format)
 
 
@@ -101,14 +98,10 @@ class Float8CurrentScaling:
 
     def __post_init__(self) -> None:
         _check_format("Float8CurrentScaling", self.fp8_format)
-        _check_bools(self, ("power_2_scale",))
+        _check_bool("Float8CurrentScaling", "power_2_scale", self.power_2_scale)
         eps = self.amax_epsilon
-        if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not math.isfinite(eps) or eps < 0:
+        if isinstance(eps, bool) or not isinstance(eps, int | float) or not math.isfinite(eps) or eps < 0:
             raise ValueError(f"Float8CurrentScaling(amax_epsilon={eps!r}): pass a finite float >= 0")
-
-
-# (a, b): the operands of one GEMM (forward, dgrad, wgrad); no GEMM may pair two 128x128 operands.
-_BLOCK_GEMM_PAIRS = (("x", "w"), ("grad", "w"), ("grad", "x"))
 
 
 @dataclass(frozen=True)
@@ -116,7 +109,7 @@ class Float8BlockScaling:
     """FP8 with one fp32 scale per block: 1x128 (block dim 1) or 128x128 (block dim 2).
 
     Defaults follow DeepSeek-V3 and TransformerEngine: 1x128 for inputs and grads,
-    128x128 for weights, power-of-2 scales.
+    128x128 for weights, power-of-2 scales. No GEMM may multiply two 128x128 operands.
     """
 
     fp8_format: Format = Format.E4M3
@@ -127,26 +120,28 @@ class Float8BlockScaling:
 
     def __post_init__(self) -> None:
         _check_format("Float8BlockScaling", self.fp8_format)
-        _check_bools(self, ("power_2_scale",))
-        dims = self._dims()
+        _check_bool("Float8BlockScaling", "power_2_scale", self.power_2_scale)
+        dims = {"x": self.x_block_scaling_dim, "w": self.w_block_scaling_dim, "grad": self.grad_block_scaling_dim}
         for name, dim in dims.items():
-            if isinstance(dim, bool) or dim not in (1, 2):
+            if dim not in (1, 2) or isinstance(dim, bool):
                 raise ValueError(f"Float8BlockScaling({name}_block_scaling_dim={dim!r}): use 1 (1x128) or 2 (128x128)")
-        for a, b in _BLOCK_GEMM_PAIRS:
+        # The three GEMMs pair (x, w), (grad, w) and (grad, x); none may be 2-D by 2-D.
+        for a, b in (("x", "w"), ("grad", "w"), ("grad", "x")):
             if dims[a] == 2 and dims[b] == 2:
                 raise ValueError(
                     f"Float8BlockScaling({a}_block_scaling_dim=2, {b}_block_scaling_dim=2): a GEMM of two "
                     f"128x128-scaled operands is not supported; set one of them to 1"
                 )
 
-    def _dims(self) -> dict[str, int]:
-        return {"x": self.x_block_scaling_dim, "w": self.w_block_scaling_dim, "grad": self.grad_block_scaling_dim}
-
     def block_for(self, role: str) -> tuple[int, int]:
         """The (rows, cols) block of one scale for a tensor of `role`."""
         check_role(role)
-        dim = self._dims()[{"input": "x", "weight": "w", "grad": "grad"}[role]]
-        return (128, 128) if dim == 2 else (1, 128)
+        dim = {
+            "input": self.x_block_scaling_dim,
+            "weight": self.w_block_scaling_dim,
+            "grad": self.grad_block_scaling_dim,
+        }
+        return (128, 128) if dim[role] == 2 else (1, 128)
 
 
 @dataclass(frozen=True)
@@ -180,7 +175,8 @@ class NVFP4BlockScaling:
     stochastic_rounding_seed: int = 0
 
     def __post_init__(self) -> None:
-        _check_bools(self, ("disable_rht", "disable_stochastic_rounding", "disable_2d_quantization"))
+        for name in ("disable_rht", "disable_stochastic_rounding", "disable_2d_quantization"):
+            _check_bool("NVFP4BlockScaling", name, getattr(self, name))
         _check_int("NVFP4BlockScaling", "stochastic_rounding_seed", self.stochastic_rounding_seed, 0)
 
     def block_for(self, role: str) -> tuple[int, int]:
@@ -199,11 +195,11 @@ class NVFP4BlockScaling:
         return role == "grad" and not self.disable_stochastic_rounding
 
 
-Recipe = Union[DelayedScaling, Float8CurrentScaling, Float8BlockScaling, MXFP8BlockScaling, NVFP4BlockScaling]
+Recipe = DelayedScaling | Float8CurrentScaling | Float8BlockScaling | MXFP8BlockScaling | NVFP4BlockScaling
 RECIPE_CLASSES = (DelayedScaling, Float8CurrentScaling, Float8BlockScaling, MXFP8BlockScaling, NVFP4BlockScaling)
 
 
-# ---- the recipe names of the command lines and options (the one name -> recipe table of this framework)
+# ---- the recipe names of the command lines and options (the one name -> recipe table of both frameworks)
 
 FP8_OFF = "off"  # the name for no recipe: FP8 off, the GEMMs run in the parameters' dtype
 _RECIPE_BY_NAME = {
@@ -229,3 +225,21 @@ def recipe_from_name(name: str, **options: object) -> Recipe | None:
     if name not in _RECIPE_BY_NAME:
         raise ValueError(f"recipe {name!r}: use one of {', '.join(recipe_names())}")
     return _RECIPE_BY_NAME[name](**options)
+
+
+__all__ = [
+    "FP8_OFF",
+    "RECIPE_CLASSES",
+    "ROLES",
+    "DelayedScaling",
+    "Float8BlockScaling",
+    "Float8CurrentScaling",
+    "Format",
+    "MXFP8BlockScaling",
+    "NVFP4BlockScaling",
+    "Recipe",
+    "check_amax_history_len",
+    "check_role",
+    "recipe_from_name",
+    "recipe_names",
+]

@@ -1,10 +1,11 @@
-"""Recipes carry TransformerEngine's defaults, derive per-role choices, and refuse bad arguments."""
+"""Recipes carry TransformerEngine's defaults, derive per-role choices, and refuse bad arguments; the name registry."""
 
 import dataclasses
 
 import pytest
 
-from torchside.recipe import (
+from twinspec.recipe import (
+    RECIPE_CLASSES,
     DelayedScaling,
     Float8BlockScaling,
     Float8CurrentScaling,
@@ -12,6 +13,8 @@ from torchside.recipe import (
     MXFP8BlockScaling,
     NVFP4BlockScaling,
     check_role,
+    recipe_from_name,
+    recipe_names,
 )
 
 # (recipe, field, TransformerEngine's default)
@@ -109,3 +112,27 @@ def test_unknown_role_is_refused():
         check_role("activation")
     with pytest.raises(ValueError, match="role"):
         Format.HYBRID.for_role("bias")
+
+
+def test_recipe_names_build_every_recipe_class_and_off_is_none():
+    assert recipe_names() == ("off", "current", "delayed", "block", "mxfp8", "nvfp4")
+    assert recipe_names(fp8_off=False) == recipe_names()[1:]
+    assert recipe_from_name("off") is None
+    assert [type(recipe_from_name(name)) for name in recipe_names()[1:]] == [
+        Float8CurrentScaling, DelayedScaling, Float8BlockScaling, MXFP8BlockScaling, NVFP4BlockScaling,
+    ]  # fmt: skip
+    assert set(map(type, map(recipe_from_name, recipe_names()[1:]))) == set(RECIPE_CLASSES)
+    assert recipe_from_name("delayed", amax_history_len=4, margin=1) == DelayedScaling(margin=1, amax_history_len=4)
+
+
+@pytest.mark.parametrize(
+    "name, options, message",
+    [
+        ("fp16", {}, "recipe 'fp16': use one of off, current, delayed, block, mxfp8, nvfp4"),
+        ("off", {"margin": 1}, "recipe 'off' (FP8 off) takes no options: drop margin"),
+        ("current", {"margin": 1}, "margin"),
+    ],
+)
+def test_recipe_from_name_refuses_unknown_names_and_options(name, options, message):
+    with pytest.raises((ValueError, TypeError), match=message.replace("(", r"\(").replace(")", r"\)")):
+        recipe_from_name(name, **options)

@@ -1,8 +1,8 @@
 """Hugging Face Llama checkpoints: config.json, the safetensors files, and the name-and-layout table.
 
-Framework-free (Python, numpy and safetensors' header reader only), like `llama_config`: the torch
-loader (torchside.models.llama_hf) and the JAX one (jaxside.models.llama) read through it, so the
-table exists once. Each reads box by box: torch with `safe_open(...).get_slice`, JAX ("numpy") from
+Framework-free (Python, numpy and safetensors' header reader only), like `twinspec.llama`: the
+torch loader (torchside.models.llama_hf) and the JAX one (jaxside.models.llama) read through it, so
+the table exists once. Each reads box by box: torch with `safe_open(...).get_slice`, JAX ("numpy") from
 views of the files' mappings, copied straight into its shards (`Checkpoint.read_box`).
 
 The table (our names are the torch model's; the JAX twin's follow bridge.params' rule: a 2-D
@@ -51,7 +51,7 @@ import math
 from dataclasses import dataclass
 from pathlib import Path
 
-from jaxside.models.llama_config import LlamaConfig, RopeScaling
+from twinspec.llama import LlamaConfig, RopeScaling
 
 ARCHITECTURE = "LlamaForCausalLM"
 CONFIG_FILE, SINGLE_FILE, INDEX_FILE = "config.json", "model.safetensors", "model.safetensors.index.json"

@@ -1,9 +1,7 @@
 """`LlamaConfig`: the sizes and options of the Llama-style decoder, shared by its torch and JAX builds.
 
-Framework-free on purpose (Python and the standard library only): torchside.models.llama and
-jaxside.models.llama both build from it, and torchside may import it without loading JAX
-(tests/test_imports.py checks that importing torchside loads no jax). `jaxside.models`'s
-`__init__` imports nothing for the same reason.
+Framework-free (Python and the standard library only): torchside.models.llama and
+jaxside.models.llama both build from it.
 
 Options real Llama-family checkpoints need (Hugging Face `config.json` names in brackets):
 `head_dim` [head_dim] when it is not hidden_size / num_heads; `tie_word_embeddings`
