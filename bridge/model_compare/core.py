@@ -16,6 +16,7 @@ from __future__ import annotations
 from collections import Counter
 from typing import Any
 
+import jax.numpy as jnp
 import torch
 from flax import nnx
 from torch import nn
@@ -47,8 +48,8 @@ def _copy_weights(torch_model: nn.Module, jax_model: nnx.Module, pairs: list[Par
     current = jax_parameters(jax_model)
     values = {}
     for pair in pairs:
-        value = pair.layout.to_jax(jax_calls.to_jax(torch_params[pair.torch_name]))
-        values[pair.jax_path] = value.astype(current[pair.jax_path].dtype)
+        value = pair.layout.to_jax(jax_calls.to_numpy(torch_params[pair.torch_name]))  # numpy: nothing to compile
+        values[pair.jax_path] = jnp.asarray(value.astype(current[pair.jax_path].dtype))
     load_into_jax(jax_model, values)
 
 

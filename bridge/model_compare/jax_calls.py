@@ -1,7 +1,7 @@
 """The JAX side of `bridge.compare`: a submodule of the NNX model called on torch's inputs, and its vjp.
 
-Each call runs functionally (nnx.split, then nnx.merge inside one jitted program): whatever the
-call writes (DelayedScaling's amax histories, the NVFP4 rounding step) lands in a throwaway copy,
+Each call runs functionally (nnx.split, then nnx.merge inside one jitted program, differentiated
+with nnx.grad of <y, dy>, whose gradient is the vjp of dy): whatever the call writes (DelayedScaling's amax histories, the NVFP4 rounding step) lands in a throwaway copy,
 so every teacher-forced call starts from the model's state as it was, as the torch call did at the
 model's first step. Programs are cached by (graph, argument structure, recipe): the blocks of a
 stack share one.
@@ -24,17 +24,22 @@ from bridge.model_compare.recorder import Call, float_leaves
 from jaxside.modules import fp8_autocast
 
 
-def to_jax(x: torch.Tensor) -> jax.Array:
-    """A JAX copy of a torch tensor, bit for bit (bf16 and FP8 included)."""
+def to_numpy(x: torch.Tensor) -> np.ndarray:
+    """A numpy copy of a torch tensor, bit for bit (bf16 and FP8 as ml_dtypes)."""
     x = x.detach().cpu().contiguous()
     if x.dtype in (torch.bfloat16, torch.float8_e4m3fn, torch.float8_e5m2):
         bits = {1: torch.uint8, 2: torch.uint16}[x.element_size()]
-        return jnp.asarray(x.view(bits).numpy().view(getattr(ml_dtypes, str(x.dtype).removeprefix("torch."))))
-    return jnp.asarray(x.numpy())
+        return x.view(bits).numpy().view(getattr(ml_dtypes, str(x.dtype).removeprefix("torch."))).copy()
+    return x.numpy().copy()
 
 
-def to_torch(x: jax.Array) -> torch.Tensor:
-    """A torch float tensor of a JAX array (bf16 and FP8 widened to fp32, exactly)."""
+def to_jax(x: torch.Tensor) -> jax.Array:
+    """A JAX copy of a torch tensor, bit for bit."""
+    return jnp.asarray(to_numpy(x))
+
+
+def to_torch(x: jax.Array | np.ndarray) -> torch.Tensor:
+    """A torch float tensor of a JAX or numpy array (bf16 and FP8 widened to fp32, exactly)."""
     array = np.asarray(x)
     if array.dtype.kind == "V" or array.dtype.type.__module__ == "ml_dtypes":
         array = array.astype(np.float32)
@@ -65,11 +70,12 @@ def _program(graphdef, treedef, statics: tuple, positions: tuple[int, ...], reci
     """out, vjp(cotangents) of one submodule call: the float output leaves and the grads of params and diff args."""
 
     def run(params, rest, diff_args, arrays, cotangents):
-        def call(params, diff_args):
-            module = nnx.merge(graphdef, params, rest)
-            leaves = list(arrays)
-            for index, value in statics:
-                leaves[index] = value
+        module = nnx.merge(graphdef, params, rest)
+        leaves = list(arrays)
+        for index, value in statics:
+            leaves[index] = value
+
+        def call(module, diff_args):
             args, kwargs = jax.tree.unflatten(treedef, leaves)
             args = list(args)
             for position, value in zip(positions, diff_args):
@@ -79,17 +85,22 @@ def _program(graphdef, treedef, statics: tuple, positions: tuple[int, ...], reci
                 out = module(*args, **kwargs)
             return [leaf for leaf in jax.tree.leaves(out) if _floating(leaf)]
 
-        outputs, vjp = jax.vjp(call, params, diff_args)
         if cotangents is None:
-            return outputs, None, None
-        param_grads, arg_grads = vjp([c.astype(o.dtype) for c, o in zip(cotangents, outputs)])
+            return call(module, diff_args), None, None
+
+        def pulled(module, diff_args):  # <y, dy>: its gradient is the vjp of dy, exactly
+            outputs = call(module, diff_args)
+            return sum(jnp.sum(o * c.astype(o.dtype), dtype=jnp.float32) for o, c in zip(outputs, cotangents)), outputs
+
+        grad = nnx.grad(pulled, argnums=(nnx.DiffState(0, nnx.Param), 1), has_aux=True)
+        (param_grads, arg_grads), outputs = grad(module, diff_args)
         return outputs, param_grads, arg_grads
 
     return jax.jit(run)
 
 
 def run_call(module: nnx.Module, args: tuple, kwargs: dict, positions: tuple[int, ...], recipe, cotangents):
-    """(outputs, {param path: JAX grad}, {position: grad}) of `module(*args, **kwargs)` (torch values), differentiating
+    """(outputs, {param path: numpy grad}, {position: grad}) of `module(*args, **kwargs)` (torch values), differentiating
     the params and the positional args at `positions` against `cotangents` (torch tensors, or None: forward only)."""
     graphdef, params, rest = nnx.split(module, nnx.Param, ...)
     placeholder = tuple(None if i in positions else a for i, a in enumerate(args))
@@ -103,7 +114,7 @@ def run_call(module: nnx.Module, args: tuple, kwargs: dict, positions: tuple[int
     outputs = [to_torch(o) for o in outputs]
     if cotangents is None:
         return outputs, {}, {}
-    flat = {tuple(path): v.get_value() for path, v in nnx.to_flat_state(param_grads)}
+    flat = {tuple(path): np.asarray(v.get_value()) for path, v in nnx.to_flat_state(param_grads)}
     return outputs, flat, {p: to_torch(g) for p, g in zip(positions, arg_grads)}
 
 
@@ -116,4 +127,4 @@ def run_recorded(call: Call, module: nnx.Module, recipe, backward: bool):
     return run_call(module, call.args, call.kwargs, positions, recipe, cotangents)
 
 
-__all__ = ["run_call", "run_recorded", "submodule", "to_jax", "to_torch", "tree_to_jax"]
+__all__ = ["run_call", "run_recorded", "submodule", "to_jax", "to_numpy", "to_torch", "tree_to_jax"]
