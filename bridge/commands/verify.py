@@ -80,6 +80,8 @@ def register(verbs) -> None:
     parser.add_argument(
         "--device", choices=("cpu", "cuda"), help="default: cuda where torch sees a GPU per process, else the CPU"
     )
+    parser.add_argument("--torch", metavar="PKG.MODULE:FACTORY", help="your torch model: a factory of (model, inputs)")
+    parser.add_argument("--jax", metavar="PKG.MODULE:FACTORY", help="its NNX twin, compared by bridge.compare")
     parser.add_argument("--json", action="store_true", help="print every check as JSON")
     parser.add_argument("--report", metavar="FILE", help="also write the JSON report here")
     parser.set_defaults(run=run)
@@ -88,6 +90,8 @@ def register(verbs) -> None:
 def run(args: argparse.Namespace, console: Console) -> int:
     from bridge import crosscheck, hf_check, plan_check
 
+    if args.torch or args.jax:
+        return _run_factories(args, console)
     if args.model == "llama" and args.hf is None and args.plan is not None:
         case = _plan_case(args)
         work, processes, worker = case, case.mesh.size, plan_check.verify_plan
@@ -111,6 +115,11 @@ def run(args: argparse.Namespace, console: Console) -> int:
         errors.print(escape(fallback))
     with errors.status(f"verifying in {processes} co-located torch+JAX processes"):
         reports = runtime.launch(worker, processes, work, device_type=device)[0]
+    return _finish(args, console, reports)
+
+
+def _finish(args: argparse.Namespace, console: Console, reports: list[dict]) -> int:
+    """Write --report, print the tables or --json, and raise CheckFailed naming the first divergence."""
     if args.report:
         with open(args.report, "w") as file:
             json.dump(reports, file, indent=1)
@@ -129,6 +138,24 @@ def run(args: argparse.Namespace, console: Console) -> int:
             f"(limit {limit['relative']}), max-abs {first['max_abs']:.3e} (limit {limit['max_abs']})"
         )
     return 0
+
+
+def _run_factories(args: argparse.Namespace, console: Console) -> int:
+    """--torch and --jax: bridge.compare of the factories' models on this process, one report per recipe."""
+    from bridge.model_compare.factories import compare_factories
+
+    if not (args.torch and args.jax):
+        raise ValueError("--torch and --jax go together: pass both factories (PKG.MODULE:FACTORY)")
+    stack_options = ("model", "hf", "plan", "mesh", "layers", "hidden", "steps", "batch_size", "seq_len", "device")
+    given = [f"--{name.replace('_', '-')}" for name in stack_options if getattr(args, name) not in (None, "mlp")]
+    if given:
+        raise ValueError(f"{', '.join(given)}: options of the built-in models, not of --torch/--jax")
+    if args.report:
+        from bridge.cli import check_output_path
+
+        check_output_path("--report", args.report)
+    reports = [r.to_json() for r in compare_factories(args.torch, args.jax, _recipes(args.recipe or "off"))]
+    return _finish(args, console, reports)
 
 
 def _recipes(text: str) -> tuple[str, ...]:
