@@ -62,7 +62,8 @@ Bounds of `bridge.compare` (derived, not tuned; docs/verification.md has the lon
     signs (an output that is ~0 by construction) is outside the bound;
   * 2 * u_out: one rounding to the output dtype can land one ulp apart (bf16: u = 2^-8);
   * ELEMENTWISE_ULPS * u_acc: the elementwise functions after the sum (exp, erf, tanh, rsqrt) of two
-    math libraries, each within a few ulp.
+    math libraries, each within a few ulp. Once more (with the output's 2 u_out) for the functions
+    after the last sum, or for a submodule without sums (an activation), and once more backward.
   Relative errors are carried through the rest of the submodule with gain 1 (ASSUMED: a residual
   add shrinks them, a norm keeps them, an activation's condition number is ~1 where inputs are O(1)).
   FP8 recipes add, at each GEMM whose input already differs by delta (relative), the flipped codes
@@ -318,17 +319,22 @@ def flip_error(delta: float, elements: int, mantissa_bits: int) -> float:
 
 
 def chain_bound(
-    reductions: Sequence[Reduction], *, mantissa_bits: tuple[int, int] | None, u_acc: float = FP32_U
+    reductions: Sequence[Reduction],
+    *,
+    mantissa_bits: tuple[int, int] | None,
+    u_acc: float = FP32_U,
+    output_unit: float = FP32_U,
 ) -> tuple[float, float]:
     """(forward, backward) relative bounds of a teacher-forced submodule (docstring); mantissa_bits: (forward, grad)
-    of the FP8 recipe, None with FP8 off."""
+    of the FP8 recipe, None with FP8 off; output_unit: the unit roundoff of the submodule's output dtype."""
+    elementwise = 2 * output_unit + ELEMENTWISE_ULPS * u_acc  # the functions after the last sum, or without any
     delta = 0.0
     for r in reductions:
         if mantissa_bits and r.kind == "gemm":
             delta += flip_error(delta, r.operand, mantissa_bits[0])
         delta += rounding_error(r.length, r.outputs, r.unit, positive=r.kind == "sum", u_acc=u_acc)
-    forward = max(delta, 2 * FP32_U)  # a submodule without sums still rounds its output
-    backward = forward
+    forward = delta + elementwise
+    backward = forward + elementwise  # the derivatives of those functions
     for r in reversed(reductions):
         for length in r.backward_lengths:
             if mantissa_bits and r.kind == "gemm":

@@ -24,7 +24,7 @@ from torch import nn
 from bridge.model_compare import jax_calls, pairing, recipes
 from bridge.model_compare.checks import distance_check
 from bridge.model_compare.end_to_end import end_to_end_checks
-from bridge.model_compare.recorder import Call, float_leaves
+from bridge.model_compare.recorder import Call, float_leaves, output_unit
 from bridge.model_compare.report import CompareReport
 from bridge.model_compare.torch_run import run_torch
 from bridge.numerics import FP8_CORE_U, FP8_TENSOR_CORE_RECIPES, FP32_U, chain_bound
@@ -92,7 +92,9 @@ def compare(
         index = seen[call.name]
         seen[call.name] += 1
         outputs, param_grads, arg_grads = jax_calls.run_recorded(call, common[call.name], jax_recipe, backward)
-        bound_forward, bound_backward = chain_bound(call.reductions, mantissa_bits=bits, u_acc=u_acc)
+        bound_forward, bound_backward = chain_bound(
+            call.reductions, mantissa_bits=bits, u_acc=u_acc, output_unit=output_unit(call.output)
+        )
         if call.name == "":
             jax_root = (outputs, param_grads, arg_grads)
             continue

@@ -14,7 +14,7 @@ import torch
 from bridge.model_compare import jax_calls
 from bridge.model_compare.checks import bounded_check, distance_check
 from bridge.model_compare.noise import noise_verdict
-from bridge.model_compare.recorder import float_leaves
+from bridge.model_compare.recorder import float_leaves, output_unit
 from bridge.model_compare.torch_run import TorchRun, run_torch
 from bridge.numerics import TensorCheck, chain_bound
 
@@ -55,12 +55,13 @@ def end_to_end_checks(
     """The end-to-end checks (module docstring); `run` and `jax_result` are the runs under `recipe`."""
     measured = _tensors(run, jax_result, pairs, backward)
     if recipe is None:
-        bounds = chain_bound(run.root.reductions, mantissa_bits=None, u_acc=u_acc)
+        bounds = chain_bound(run.root.reductions, mantissa_bits=None, u_acc=u_acc, output_unit=output_unit(run.root.output))
         return [distance_check(stage, name, [got], [want], _bound(stage, bounds)) for stage, name, got, want in measured]
     reference = run_torch(torch_model, inputs, None, set(), backward)
     jax_reference = jax_calls.run_recorded(reference.root, jax_model, None, backward)
     references = _tensors(reference, jax_reference, pairs, backward)
-    bounds = chain_bound(reference.root.reductions, mantissa_bits=None, u_acc=u_acc)
+    unit = output_unit(reference.root.output)
+    bounds = chain_bound(reference.root.reductions, mantissa_bits=None, u_acc=u_acc, output_unit=unit)
     checks = []
     for (stage, name, jax_fp8, torch_fp8), (_, _, jax_ref, torch_ref) in zip(measured, references):
         checks.append(distance_check(stage, f"{name} [FP8 off]", [jax_ref], [torch_ref], _bound(stage, bounds)))

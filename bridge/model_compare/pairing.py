@@ -59,11 +59,12 @@ def _closest(name: str, names: Iterable[str]) -> str:
 def _pair_by_choice(torch_shapes, jax_shapes, choose) -> list[ParamPair]:
     """Pairs from choose(torch name, shape, JAX names left) -> (JAX name, layout) | None; ValueError with every misfit."""
     jax_by_name = {dotted(path): path for path in jax_shapes}
+    every_jax_name = list(jax_by_name)
     pairs, problems = [], []
     for torch_name, shape in torch_shapes.items():
         choice = choose(torch_name, shape, jax_by_name)
         if choice is None:
-            problems.append(f"torch {torch_name!r} {list(shape)} has no JAX counterpart{_closest(torch_name, jax_by_name)}")
+            problems.append(f"torch {torch_name!r} {list(shape)} has no JAX counterpart{_closest(torch_name, every_jax_name)}")
             continue
         jax_name, layout = choice
         path = jax_by_name.pop(jax_name)

@@ -46,6 +46,11 @@ def float_leaves(tree: Any) -> list[torch.Tensor]:
     return [leaf for leaf in leaves if isinstance(leaf, torch.Tensor) and leaf.is_floating_point()]
 
 
+def output_unit(output: Any) -> float:
+    """The largest unit roundoff among an output's floating-point dtypes (fp32 when it has none)."""
+    return max((UNITS.get(leaf.dtype, FP32_U) for leaf in float_leaves(output)), default=FP32_U)
+
+
 def _detached(tree: Any) -> Any:
     return torch.utils._pytree.tree_map(lambda x: x.detach() if isinstance(x, torch.Tensor) else x, tree)
 
@@ -172,4 +177,4 @@ def _store(into: dict, key: int):
     return hook
 
 
-__all__ = ["Call", "float_leaves", "recording", "reductions_of"]
+__all__ = ["Call", "float_leaves", "output_unit", "recording", "reductions_of"]

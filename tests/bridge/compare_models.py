@@ -21,9 +21,10 @@ class TorchBlock(nn.Module):
         self.norm = nn.LayerNorm(width, eps=EPS)
         self.fc1 = (WrongWeightGradLinear if planted == "weight_grad" else linear)(width, 2 * width)
         self.fc2 = linear(2 * width, width)
+        self.act = nn.GELU()
 
     def forward(self, x_BSD: torch.Tensor) -> torch.Tensor:
-        h = nn.functional.gelu(self.fc1(self.norm(x_BSD)))
+        h = self.act(self.fc1(self.norm(x_BSD)))
         return x_BSD + self.fc2(h)
 
 
@@ -72,6 +73,16 @@ def _jaxside_linear(in_features: int, out_features: int, rngs: nnx.Rngs):
     return Linear(in_features, out_features, rngs=rngs)
 
 
+class Gelu(nnx.Module):
+    """GELU as a submodule, so that compare checks it on its own (tanh form: the planted difference)."""
+
+    def __init__(self, approximate: bool) -> None:
+        self.approximate = approximate
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        return jax.nn.gelu(x, approximate=self.approximate)
+
+
 class JaxBlock(nnx.Module):
     def __init__(self, width: int, fp8: bool, planted: str | None, rngs: nnx.Rngs) -> None:
         linear = _jaxside_linear if fp8 else (lambda i, o, rngs: nnx.Linear(i, o, rngs=rngs))
@@ -79,6 +90,7 @@ class JaxBlock(nnx.Module):
         self.norm = nnx.LayerNorm(width, epsilon=epsilon, rngs=rngs)
         self.fc1 = linear(width, 2 * width, rngs)
         self.fc2 = linear(2 * width, width, rngs)
+        self.act = Gelu(approximate=planted == "tanh_gelu")
         self.planted = planted
 
     def __call__(self, x_BSD: jax.Array) -> jax.Array:
@@ -88,7 +100,7 @@ class JaxBlock(nnx.Module):
             pre = normed @ kernel.T.reshape(kernel.shape) + self.fc1.bias[...]
         else:
             pre = self.fc1(normed)
-        h = jax.nn.gelu(pre, approximate=self.planted == "tanh_gelu")
+        h = self.act(pre)
         out = self.fc2(h)
         if self.planted == "dropped_bias":
             out = out - self.fc2.bias[...]
@@ -124,7 +136,7 @@ def jax_stack():
 
 
 def jax_stack_tanh_gelu():
-    """The twin with block 1's GELU in its tanh form: verify must fail and name blocks.1."""
+    """The twin with block 1's GELU in its tanh form: verify must fail and name blocks.1.act."""
     return JaxStack(32, 3, planted=(1, "tanh_gelu")), inputs(32, seq=8)
 
 

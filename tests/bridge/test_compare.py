@@ -39,7 +39,7 @@ def test_a_faithful_pair_passes_every_check():
     ("planted", "name", "stage"),
     [
         ((2, "epsilon"), "blocks.2.norm", "forward"),  # 1e-4 instead of 1e-5: 4.5e-5 relative at the norm
-        ((1, "tanh_gelu"), "blocks.1", "forward"),
+        ((1, "tanh_gelu"), "blocks.1.act", "forward"),  # its own bound: 2u, no sums inside
         ((3, "dropped_bias"), "blocks.3", "forward"),
         ((0, "transposed_weight"), "blocks.0", "forward"),
         ((2, "scaled_residual"), "blocks.2", "forward"),  # x * (1 + 2^-10)
@@ -76,7 +76,7 @@ def test_a_parameter_without_counterpart_is_a_value_error_naming_it():
     torch_model.register_forward_pre_hook(_never_runs)
     jax_model = JaxStack(WIDTH, 2)
     del jax_model.blocks[1].fc2.bias
-    with pytest.raises(ValueError, match=r"'blocks\.1\.fc2\.bias' \[32\] has no JAX counterpart \(closest: blocks\.1\.fc2"):
+    with pytest.raises(ValueError, match=r"'blocks\.1\.fc2\.bias' \[32\] has no JAX counterpart \(closest: blocks\.1\.fc1\.bias"):
         bridge.compare(torch_model, jax_model, inputs(WIDTH, seq=4))
 
 
