@@ -89,8 +89,9 @@ Bounds of `bridge.compare` (derived, not tuned; docs/verification.md has the lon
   frameworks make the same or independent FP8 errors, so ||e_t - e_j||^2 <= ||e_t||^2 + ||e_j||^2
   up to the test's margin; with the references' own distance (checked by the FP8-off bound) that
   bounds the torch-vs-JAX FP8 distance. Rows are taken as independent samples: tokens of the output
-  and input gradient; not a weight gradient's rows (each sums over the same tokens), which take (b) only. d_tj <= d_t + d_j + d_ref holds for any pair (the triangle
-  inequality), so a rule of that form alone could never fail.
+  and input gradient; not a weight gradient's rows (each sums over the same tokens), which take (b)
+  only. d_tj <= d_t + d_j + d_ref holds for any pair (the triangle inequality), so a rule of that
+  form alone could never fail.
 """
 
 from __future__ import annotations

@@ -103,8 +103,8 @@ def compare(
         for position, grad in arg_grads.items():
             if position in call.input_grads:
                 suffix = f" arg {position}" if len(call.grad_positions) > 1 else ""
-                check = distance_check("input_grad", label + suffix, [grad], [call.input_grads[position]], bound_backward)
-                input_grads.append(check)
+                expected = call.input_grads[position]
+                input_grads.append(distance_check("input_grad", label + suffix, [grad], [expected], bound_backward))
         _add_own_weight_grads(weight_grads, call, param_grads, bound_backward, pairs)
     report = CompareReport(
         model=f"{type(torch_model).__name__} / {type(jax_model).__name__}", mesh="1 process", recipe=name, steps=0,

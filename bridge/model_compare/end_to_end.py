@@ -3,7 +3,8 @@
 With FP8 off each is a distance against the whole model's chain bound (bridge.numerics). Under an
 FP8 recipe both frameworks run again with FP8 off, and each tensor gets three checks: the FP8-off
 pair against its chain bound (`[FP8 off]`), the two frameworks' distances to their own reference
-(`[distance to reference]`; not for weight gradients, whose rows are no independent sample) and torch-vs-JAX under the recipe against the noise-aware bound
+(`[distance to reference]`; not for weight gradients, whose rows are no independent sample) and
+torch-vs-JAX under the recipe against the noise-aware bound
 (bridge.model_compare.noise).
 """
 
@@ -24,13 +25,14 @@ def _tensors(run: TorchRun, jax_result, pairs, backward: bool) -> list[tuple[str
     root = run.root
     outputs, param_grads, arg_grads = jax_result
     torch_outputs = float_leaves(root.output)
+    if len(outputs) != len(torch_outputs):
+        counts = f"{len(torch_outputs)} floating-point outputs in torch, {len(outputs)} in JAX"
+        raise ValueError(f"the model returns {counts}; make them match")
     several = len(torch_outputs) > 1
     found = [
         ("end_to_end_forward", f"output {i}" if several else "output", got, expected)
         for i, (got, expected) in enumerate(zip(outputs, torch_outputs))
     ]
-    if len(outputs) != len(torch_outputs):
-        raise ValueError(f"the model returns {len(torch_outputs)} floating-point outputs in torch, {len(outputs)} in JAX")
     if not backward:
         return found
     for position, grad in arg_grads.items():
@@ -55,8 +57,11 @@ def end_to_end_checks(
     """The end-to-end checks (module docstring); `run` and `jax_result` are the runs under `recipe`."""
     measured = _tensors(run, jax_result, pairs, backward)
     if recipe is None:
-        bounds = chain_bound(run.root.reductions, mantissa_bits=None, u_acc=u_acc, output_unit=output_unit(run.root.output))
-        return [distance_check(stage, name, [got], [want], _bound(stage, bounds)) for stage, name, got, want in measured]
+        unit = output_unit(run.root.output)
+        bounds = chain_bound(run.root.reductions, mantissa_bits=None, u_acc=u_acc, output_unit=unit)
+        return [
+            distance_check(stage, name, [got], [want], _bound(stage, bounds)) for stage, name, got, want in measured
+        ]
     reference = run_torch(torch_model, inputs, None, set(), backward)
     jax_reference = jax_calls.run_recorded(reference.root, jax_model, None, backward)
     references = _tensors(reference, jax_reference, pairs, backward)
@@ -67,7 +72,8 @@ def end_to_end_checks(
         checks.append(distance_check(stage, f"{name} [FP8 off]", [jax_ref], [torch_ref], _bound(stage, bounds)))
         verdict = noise_verdict(torch_fp8, jax_fp8, torch_ref, jax_ref)
         if stage != "end_to_end_weight_grad":  # a weight gradient's rows share every token's flips: not a sample
-            checks.append(bounded_check(stage, f"{name} [distance to reference]", *verdict.same_distance, 0.0, verdict.nan))
+            same = verdict.same_distance
+            checks.append(bounded_check(stage, f"{name} [distance to reference]", *same, 0.0, verdict.nan))
         checks.append(bounded_check(stage, name, *verdict.apart, verdict.max_abs, verdict.nan))
     return checks
 

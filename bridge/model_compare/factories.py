@@ -30,7 +30,8 @@ def load_factory(option: str, spec: str) -> Callable[[], Any]:
     try:
         module = importlib.import_module(module_name)
     except ImportError as error:
-        raise ValueError(f"{option} {spec}: cannot import {module_name} ({error}); check the name and PYTHONPATH") from error
+        reason = f"cannot import {module_name} ({error})"
+        raise ValueError(f"{option} {spec}: {reason}; check the name and PYTHONPATH") from error
     factory = getattr(module, function_name, None)
     if not callable(factory):
         raise ValueError(f"{option} {spec}: {module_name} has no function {function_name!r}")
@@ -40,7 +41,8 @@ def load_factory(option: str, spec: str) -> Callable[[], Any]:
 def _model_and_inputs(option: str, spec: str) -> tuple[Any, tuple]:
     result = load_factory(option, spec)()
     if not (isinstance(result, tuple) and len(result) == 2):
-        raise TypeError(f"{option} {spec}: the factory must return (model, example_inputs), got {type(result).__name__}")
+        got = type(result).__name__
+        raise TypeError(f"{option} {spec}: the factory must return (model, example_inputs), got {got}")
     model, inputs = result
     inputs = inputs if isinstance(inputs, tuple) else (inputs,)
     return model, inputs

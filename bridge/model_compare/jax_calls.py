@@ -1,7 +1,8 @@
 """The JAX side of `bridge.compare`: a submodule of the NNX model called on torch's inputs, and its vjp.
 
 Each call runs functionally (nnx.split, then nnx.merge inside one jitted program, differentiated
-with nnx.grad of <y, dy>, whose gradient is the vjp of dy): whatever the call writes (DelayedScaling's amax histories, the NVFP4 rounding step) lands in a throwaway copy,
+with nnx.grad of <y, dy>, whose gradient is the vjp of dy): whatever the call writes
+(DelayedScaling's amax histories, the NVFP4 rounding step) lands in a throwaway copy,
 so every teacher-forced call starts from the model's state as it was, as the torch call did at the
 model's first step. Programs are cached by (graph, argument structure, recipe): the blocks of a
 stack share one.
@@ -100,8 +101,9 @@ def _program(graphdef, treedef, statics: tuple, positions: tuple[int, ...], reci
 
 
 def run_call(module: nnx.Module, args: tuple, kwargs: dict, positions: tuple[int, ...], recipe, cotangents):
-    """(outputs, {param path: numpy grad}, {position: grad}) of `module(*args, **kwargs)` (torch values), differentiating
-    the params and the positional args at `positions` against `cotangents` (torch tensors, or None: forward only)."""
+    """(outputs, {param path: numpy grad}, {position: grad}) of `module(*args, **kwargs)` (torch values),
+    differentiating the params and the positional args at `positions` against `cotangents` (torch tensors;
+    None: forward only)."""
     graphdef, params, rest = nnx.split(module, nnx.Param, ...)
     placeholder = tuple(None if i in positions else a for i, a in enumerate(args))
     leaves, treedef = jax.tree.flatten((tree_to_jax(placeholder), tree_to_jax(kwargs)))

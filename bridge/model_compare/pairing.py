@@ -3,15 +3,16 @@
 "auto" tries, for each torch parameter, the usual torch -> Flax names in order and takes the first
 the JAX model has (module paths are the same on both sides: `ModuleList` index = `nnx.List` index):
 
-    torch                         NNX                                   layout
-    `<stem>weight<g>` 2-D          `<stem>kernel<g>` (bridge.params.RULES)  transpose: [out, in] -> [in, out]
-    `weight` 3-D..5-D (conv)       `kernel`                              [out, in, *k] -> [*k, in, out]
-    `weight` 2-D (embedding)       `embedding`                           same
-    `weight` 1-D (norm)            `scale`                               same
-    anything else                  the same name                         same
+    torch                       NNX                                       layout
+    `<stem>weight<g>` 2-D       `<stem>kernel<g>` (bridge.params.RULES)   transpose: [out, in] -> [in, out]
+    `weight` 3-D..5-D (conv)    `kernel`                                  [out, in, *k] -> [*k, in, out]
+    `weight` 2-D (embedding)    `embedding`                               same
+    `weight` 1-D (norm)         `scale`                                   same
+    anything else               the same name                             same
 
-A dict {torch name: NNX dotted path} overrides "auto" for the names it holds, and takes the layout from the shapes (equal: same; reversed 2-D:
-transpose); a list of bridge.params.Rule is bridge.params.pair_parameters' first-match table.
+A dict {torch name: NNX dotted path} overrides "auto" for the names it holds, and takes the layout
+from the shapes (equal: same; reversed 2-D: transpose); a list of bridge.params.Rule is
+bridge.params.pair_parameters' first-match table.
 Every misfit is reported at once, with the names on the other side that come closest.
 """
 
@@ -57,14 +58,15 @@ def _closest(name: str, names: Iterable[str]) -> str:
 
 
 def _pair_by_choice(torch_shapes, jax_shapes, choose) -> list[ParamPair]:
-    """Pairs from choose(torch name, shape, JAX names left) -> (JAX name, layout) | None; ValueError with every misfit."""
+    """Pairs by choose(torch name, shape, JAX names left) -> (JAX name, layout) | None; ValueError listing misfits."""
     jax_by_name = {dotted(path): path for path in jax_shapes}
     every_jax_name = list(jax_by_name)
     pairs, problems = [], []
     for torch_name, shape in torch_shapes.items():
         choice = choose(torch_name, shape, jax_by_name)
         if choice is None:
-            problems.append(f"torch {torch_name!r} {list(shape)} has no JAX counterpart{_closest(torch_name, every_jax_name)}")
+            closest = _closest(torch_name, every_jax_name)
+            problems.append(f"torch {torch_name!r} {list(shape)} has no JAX counterpart{closest}")
             continue
         jax_name, layout = choice
         path = jax_by_name.pop(jax_name)

@@ -134,9 +134,7 @@ def recording(model: nn.Module, names: set[str]) -> Iterator[list[Call]]:
     def pre_hook(name: str):
         def hook(module, args, kwargs):
             call = Call(name, _detached(args), _detached(kwargs), None)
-            positions = tuple(
-                i for i, a in enumerate(args) if isinstance(a, torch.Tensor) and a.is_floating_point() and a.requires_grad
-            )
+            positions = tuple(i for i, a in enumerate(args) if _differentiable(a))
             call.grad_positions = positions
             args = list(args)
             for i in positions:
@@ -168,6 +166,10 @@ def recording(model: nn.Module, names: set[str]) -> Iterator[list[Call]]:
     finally:
         for handle in handles:
             handle.remove()
+
+
+def _differentiable(value: Any) -> bool:
+    return isinstance(value, torch.Tensor) and value.is_floating_point() and value.requires_grad
 
 
 def _store(into: dict, key: int):

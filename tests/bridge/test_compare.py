@@ -76,7 +76,8 @@ def test_a_parameter_without_counterpart_is_a_value_error_naming_it():
     torch_model.register_forward_pre_hook(_never_runs)
     jax_model = JaxStack(WIDTH, 2)
     del jax_model.blocks[1].fc2.bias
-    with pytest.raises(ValueError, match=r"'blocks\.1\.fc2\.bias' \[32\] has no JAX counterpart \(closest: blocks\.1\.fc1\.bias"):
+    message = r"'blocks\.1\.fc2\.bias' \[32\] has no JAX counterpart \(closest: blocks\.1\.fc1\.bias"
+    with pytest.raises(ValueError, match=message):
         bridge.compare(torch_model, jax_model, inputs(WIDTH, seq=4))
 
 

@@ -42,8 +42,7 @@ def test_verify_factories_bad_input_is_exit_2(capsys):
 
 def test_the_attention_example_passes():
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    result = subprocess.run(
-        [sys.executable, "examples/compare_attention.py"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600
-    )
+    command = [sys.executable, "examples/compare_attention.py"]
+    result = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stdout + result.stderr
     assert "agree" in result.stdout
