@@ -17,6 +17,10 @@ under the plan, in the JAX twin and in the unsharded model are compared (bridge/
 --model llama --hf HF_DIR: torchside's and jaxside's load_hf in each process (each reading its
 own shards, fp32), one forward of --batch-size x --seq-len random tokens under --recipe (default
 off), the logits against bridge.numerics' forward tolerance (bridge/hf_check.py, docs/hf.md).
+
+--torch PKG.MODULE:FACTORY --jax PKG.MODULE:FACTORY: your own pair of models, each factory returning
+(model, example inputs), compared by bridge.compare on this process, every common submodule
+teacher-forced (docs/verification.md); --recipe as above (default off), --json, --report.
 """
 
 from __future__ import annotations
