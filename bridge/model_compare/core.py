@@ -26,7 +26,7 @@ from bridge.model_compare.checks import distance_check
 from bridge.model_compare.end_to_end import end_to_end_checks
 from bridge.model_compare.recorder import Call, float_leaves, output_unit
 from bridge.model_compare.report import CompareReport
-from bridge.model_compare.torch_run import run_torch
+from bridge.model_compare.torch_run import TorchRun, run_torch
 from bridge.numerics import FP8_CORE_U, FP8_TENSOR_CORE_RECIPES, FP32_U, chain_bound
 from bridge.params import ParamPair, jax_parameters, load_into_jax
 
@@ -34,8 +34,8 @@ from bridge.params import ParamPair, jax_parameters, load_into_jax
 def _check_arguments(torch_model: Any, jax_model: Any, inputs: Any) -> tuple[torch.Tensor, ...]:
     if not isinstance(torch_model, nn.Module):
         raise TypeError(f"torch_model: pass a torch.nn.Module, not {type(torch_model).__name__}")
-    if not isinstance(jax_model, nnx.Module):
-        raise TypeError(f"jax_model: pass a flax.nnx.Module, not {type(jax_model).__name__}")
+    if not isinstance(jax_model, nnx.Module) or not callable(jax_model):
+        raise TypeError(f"jax_model: pass a callable flax.nnx.Module, not {type(jax_model).__name__}")
     inputs = (inputs,) if isinstance(inputs, torch.Tensor) else inputs
     if not isinstance(inputs, tuple) or not inputs or not all(isinstance(x, torch.Tensor) for x in inputs):
         raise TypeError("inputs: pass a torch.Tensor or a non-empty tuple of them (JAX gets the same values)")
@@ -84,6 +84,19 @@ def compare(
     bits = recipes.mantissa_bits(jax_recipe)
 
     run = run_torch(torch_model, inputs, torch_recipe, set(common), backward)
+    checks, jax_root = _teacher_forced_checks(run, common, pairs, jax_recipe, bits, u_acc, backward)
+    report = CompareReport(
+        model=f"{type(torch_model).__name__} / {type(jax_model).__name__}", mesh="1 process", recipe=name, steps=0,
+        device_type=device, checks=checks,
+    )  # fmt: skip
+    report.checks += end_to_end_checks(
+        torch_model, jax_model, inputs, run, jax_root, pairs, recipe=jax_recipe, u_acc=u_acc, backward=backward
+    )
+    return report
+
+
+def _teacher_forced_checks(run: TorchRun, common: dict, pairs: list[ParamPair], jax_recipe, bits, u_acc, backward):
+    """(the submodules' checks, the JAX results of the model's own call): outputs, input grads, weight grads."""
     counts = Counter(call.name for call in run.calls)
     seen: Counter = Counter()
     forward, input_grads, weight_grads = [], [], {}
@@ -106,22 +119,13 @@ def compare(
                 expected = call.input_grads[position]
                 input_grads.append(distance_check("input_grad", label + suffix, [grad], [expected], bound_backward))
         _add_own_weight_grads(weight_grads, call, param_grads, bound_backward, pairs)
-    report = CompareReport(
-        model=f"{type(torch_model).__name__} / {type(jax_model).__name__}", mesh="1 process", recipe=name, steps=0,
-        device_type=device,
-    )  # fmt: skip
-    report.checks += forward + input_grads
-    grads = run.grads
+    checks = forward + input_grads
     for pair in pairs:
         if pair.torch_name in weight_grads:
             got, bound = weight_grads[pair.torch_name]
-            expected = grads.get(pair.torch_name, torch.zeros_like(got))
-            report.checks.append(distance_check("weight_grad", pair.torch_name, [got], [expected], bound))
-    report.checks += end_to_end_checks(
-        torch_model, jax_model, inputs, run, jax_root, pairs, recipe=jax_recipe, bits=bits, u_acc=u_acc,
-        backward=backward,
-    )  # fmt: skip
-    return report
+            expected = run.grads.get(pair.torch_name, torch.zeros_like(got))
+            checks.append(distance_check("weight_grad", pair.torch_name, [got], [expected], bound))
+    return checks, jax_root
 
 
 def _owner(torch_name: str) -> str:

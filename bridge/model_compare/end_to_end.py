@@ -52,7 +52,7 @@ def _bound(stage: str, bounds: tuple[float, float]) -> float:
 
 
 def end_to_end_checks(
-    torch_model, jax_model, inputs, run: TorchRun, jax_result, pairs, *, recipe, bits, u_acc: float, backward: bool
+    torch_model, jax_model, inputs, run: TorchRun, jax_result, pairs, *, recipe, u_acc: float, backward: bool
 ) -> list[TensorCheck]:
     """The end-to-end checks (module docstring); `run` and `jax_result` are the runs under `recipe`."""
     measured = _tensors(run, jax_result, pairs, backward)
