@@ -2,7 +2,8 @@
 
 The block is a variant the project does not ship: multi-query attention (one key/value head shared
 by all query heads) with RMS-normalized queries and keys ("QK-norm"), then a GELU MLP, pre-norm and
-residual. Run it on one process:
+residual, written with torchside's and jaxside's Linear (FP8 GEMMs under a recipe) and each
+framework's own norms. Run it on one process:
 
     python examples/compare_attention.py                 # FP8 off
     python examples/compare_attention.py current         # each side under its own FP8 autocast
@@ -25,6 +26,9 @@ import torch
 from flax import nnx
 from torch import nn
 
+import torchside
+from jaxside.modules import Linear
+
 WIDTH, HEADS, BATCH, SEQ = 64, 4, 2, 16
 HEAD_DIM = WIDTH // HEADS
 
@@ -33,14 +37,14 @@ class TorchMQABlock(nn.Module):
     def __init__(self) -> None:
         super().__init__()
         self.norm = nn.LayerNorm(WIDTH)
-        self.query = nn.Linear(WIDTH, WIDTH)
-        self.key_value = nn.Linear(WIDTH, 2 * HEAD_DIM)  # one key head and one value head
+        self.query = torchside.Linear(WIDTH, WIDTH)
+        self.key_value = torchside.Linear(WIDTH, 2 * HEAD_DIM)  # one key head and one value head
         self.query_norm = nn.RMSNorm(HEAD_DIM, eps=1e-6)
         self.key_norm = nn.RMSNorm(HEAD_DIM, eps=1e-6)
-        self.out = nn.Linear(WIDTH, WIDTH)
+        self.out = torchside.Linear(WIDTH, WIDTH)
         self.mlp_norm = nn.LayerNorm(WIDTH)
-        self.up = nn.Linear(WIDTH, 4 * WIDTH)
-        self.down = nn.Linear(4 * WIDTH, WIDTH)
+        self.up = torchside.Linear(WIDTH, 4 * WIDTH)
+        self.down = torchside.Linear(4 * WIDTH, WIDTH)
 
     def attention(self, x_BSD: torch.Tensor) -> torch.Tensor:
         q_BSNH = self.query_norm(self.query(x_BSD).unflatten(-1, (HEADS, HEAD_DIM)))
@@ -59,14 +63,14 @@ class TorchMQABlock(nn.Module):
 class JaxMQABlock(nnx.Module):
     def __init__(self, rngs: nnx.Rngs) -> None:
         self.norm = nnx.LayerNorm(WIDTH, epsilon=1e-5, rngs=rngs)
-        self.query = nnx.Linear(WIDTH, WIDTH, rngs=rngs)
-        self.key_value = nnx.Linear(WIDTH, 2 * HEAD_DIM, rngs=rngs)
+        self.query = Linear(WIDTH, WIDTH, rngs=rngs)
+        self.key_value = Linear(WIDTH, 2 * HEAD_DIM, rngs=rngs)
         self.query_norm = nnx.RMSNorm(HEAD_DIM, epsilon=1e-6, rngs=rngs)
         self.key_norm = nnx.RMSNorm(HEAD_DIM, epsilon=1e-6, rngs=rngs)
-        self.out = nnx.Linear(WIDTH, WIDTH, rngs=rngs)
+        self.out = Linear(WIDTH, WIDTH, rngs=rngs)
         self.mlp_norm = nnx.LayerNorm(WIDTH, epsilon=1e-5, rngs=rngs)
-        self.up = nnx.Linear(WIDTH, 4 * WIDTH, rngs=rngs)
-        self.down = nnx.Linear(4 * WIDTH, WIDTH, rngs=rngs)
+        self.up = Linear(WIDTH, 4 * WIDTH, rngs=rngs)
+        self.down = Linear(4 * WIDTH, WIDTH, rngs=rngs)
 
     def attention(self, x_BSD: jax.Array) -> jax.Array:
         q_BSNH = self.query_norm(self.query(x_BSD).reshape(*x_BSD.shape[:-1], HEADS, HEAD_DIM))
