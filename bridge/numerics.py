@@ -53,7 +53,7 @@ Bounds of `bridge.compare` (derived, not tuned; docs/verification.md has the lon
   bit, so nothing compounds across submodules: only the submodule's own arithmetic can differ.
   Quantizers are bit-exact (docs/quantization.md), so what is left is the order of accumulation
   and the GEMM kernels. `chain_bound` walks the submodule's reductions (GEMMs, norms, softmax: what
-  torch ran inside it, bridge.compare.recorder) in order, adding for each:
+  torch ran inside it, bridge.model_compare.recorder) in order, adding for each:
   * 2 * lambda * sqrt(K) * rho * u_acc: each side's length-K sum is within lambda*sqrt(K)*u_acc of
     exact times sum |terms| with probability >= 1 - 2 n K exp(-lambda^2 / 2) (Higham & Mary, SIAM
     J. Sci. Comput. 41(5), 2019, Thm. 3.1; lambda from FALSE_ALARM for all n outputs), and
@@ -81,7 +81,7 @@ Bounds of `bridge.compare` (derived, not tuned; docs/verification.md has the lon
   size below its bound (typically 1e-5..1e-4 with FP8 off for K <= 1024; percents under FP8 in
   small tensors, where a few flips are a large fraction) passes; anything larger is named there.
 - End to end with FP8 off: the whole model's chain (the same walk over all its reductions).
-- End to end under an FP8 recipe, noise-aware (bridge.compare.noise): both frameworks also run with
+- End to end under an FP8 recipe, noise-aware (bridge.model_compare.noise): both frameworks also run with
   FP8 off (the references). With per-row errors e_t = torch_fp8 - torch_ref and e_j = jax_fp8 -
   jax_ref, pass when (a) a paired t-test on ||e_t,r||^2 - ||e_j,r||^2 over the rows r accepts equal
   means (two-sided, FALSE_ALARM), i.e. both frameworks are as far from their reference, and (b) the
@@ -346,8 +346,14 @@ def chain_bound(
 
 
 __all__ = [
+    "BF16_U",
     "BITWISE",
+    "ELEMENTWISE_ULPS",
     "FALSE_ALARM",
+    "FP16_U",
+    "FP32_U",
+    "FP8_CORE_U",
+    "MANTISSA_BITS",
     "Reduction",
     "chain_bound",
     "flip_error",
