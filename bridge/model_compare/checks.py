@@ -19,7 +19,7 @@ def distance_check(
     for a, b in zip(got, expected):
         if tuple(a.shape) != tuple(b.shape):
             raise ValueError(f"{name} ({stage}): torch's is {list(b.shape)}, JAX's {list(a.shape)}; make them match")
-        rows.append(local_stats(a, b, 1))
+        rows.append(local_stats(a.cpu(), b.cpu(), 1))  # JAX's results come back on the CPU
     stacked = torch.stack(rows)
     summed = torch.cat([stacked[:, :3].sum(0), stacked[:, 3].max().reshape(1)])
     relative, max_abs, nan = reduce_stats(summed[None])[0]

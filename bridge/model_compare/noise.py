@@ -33,7 +33,7 @@ class NoiseVerdict:
 
 
 def _rows(x: torch.Tensor) -> torch.Tensor:
-    x = x.detach().to(torch.float64)
+    x = x.detach().cpu().to(torch.float64)
     return x.reshape(-1, x.shape[-1]) if x.ndim >= 2 else x.reshape(-1, 1)
 
 

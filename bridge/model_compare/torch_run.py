@@ -31,7 +31,7 @@ class TorchRun:
 
 def seeded_dy(outputs: list[torch.Tensor]) -> list[torch.Tensor]:
     generator = torch.Generator().manual_seed(DY_SEED)
-    return [torch.randn(o.shape, generator=generator, dtype=torch.float32).to(o.dtype) for o in outputs]
+    return [torch.randn(o.shape, generator=generator).to(device=o.device, dtype=o.dtype) for o in outputs]
 
 
 def run_torch(model: nn.Module, inputs: tuple[torch.Tensor, ...], recipe, names: set[str], backward: bool) -> TorchRun:
