@@ -111,3 +111,17 @@ def test_bad_arguments_are_type_errors():
         bridge.compare(TorchStack(WIDTH, 1), TorchStack(WIDTH, 1), inputs(WIDTH))
     with pytest.raises(ValueError, match="recipe='fp7'"):
         bridge.compare(TorchStack(WIDTH, 1), JaxStack(WIDTH, 1), inputs(WIDTH), recipe="fp7")
+
+
+def test_a_recipe_object_of_either_framework_names_its_twin():
+    import jaxside.recipe
+    import torchside.recipe
+    from bridge.model_compare.recipes import mantissa_bits, resolve
+
+    torch_recipe = torchside.recipe.DelayedScaling(amax_history_len=16, fp8_format=torchside.recipe.Format.E4M3)
+    name, same, twin = resolve(torch_recipe)
+    assert (name, same) == ("delayed", torch_recipe)
+    assert twin == jaxside.recipe.DelayedScaling(amax_history_len=16, fp8_format=jaxside.recipe.Format.E4M3)
+    assert mantissa_bits(twin) == (3, 3)  # E4M3 gradients too
+    name, twin, same = resolve(jaxside.recipe.NVFP4BlockScaling())
+    assert (name, type(twin)) == ("nvfp4", torchside.recipe.NVFP4BlockScaling) and mantissa_bits(same) == (1, 1)
