@@ -8,10 +8,11 @@ import json
 
 import pytest
 import torch
+from flax import nnx
 
 import bridge
 from bridge.params import SAME, TRANSPOSE, Rule
-from tests.bridge.compare_models import JaxStack, TorchStack, inputs
+from tests.bridge.compare_models import JaxBlock, JaxStack, TorchBlock, TorchStack, inputs
 
 WIDTH, DEPTH = 32, 4
 
@@ -125,3 +126,31 @@ def test_a_recipe_object_of_either_framework_names_its_twin():
     assert mantissa_bits(twin) == (3, 3)  # E4M3 gradients too
     name, twin, same = resolve(jaxside.recipe.NVFP4BlockScaling())
     assert (name, type(twin)) == ("nvfp4", torchside.recipe.NVFP4BlockScaling) and mantissa_bits(same) == (1, 1)
+
+
+class _TorchTwice(torch.nn.Module):
+    """One block applied twice: each call is checked, its weight gradients summed over both."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.block = TorchBlock(WIDTH, fp8=False)
+
+    def forward(self, x):
+        return self.block(self.block(x))
+
+
+class _JaxTwice(nnx.Module):
+    def __init__(self) -> None:
+        self.block = JaxBlock(WIDTH, fp8=False, planted=None, rngs=nnx.Rngs(0))
+
+    def __call__(self, x):
+        return self.block(self.block(x))
+
+
+def test_a_submodule_called_twice_is_checked_per_call():
+    torch.manual_seed(0)
+    report = bridge.compare(_TorchTwice(), _JaxTwice(), inputs(WIDTH, seq=8))
+    assert report.passed, report.first_divergence
+    forward = [c.name for c in report.checks if c.stage == "forward" and c.name.startswith("block (")]
+    assert forward == ["block (call 1)", "block (call 2)"]
+    assert "block.fc1.weight" in {c.name for c in report.checks if c.stage == "weight_grad"}
