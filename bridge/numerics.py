@@ -46,6 +46,52 @@ Tolerances, from the arithmetic (u: unit roundoff, 2^-24 fp32, 2^-4 E4M3, 2^-3 E
   each framework. A wrong mapping moves parameters by their initial values instead. Adam's exp_avg
   adds (1 - beta1) of this step's gradient to the common moment (the gradient's tolerance),
   exp_avg_sq its square ((1 + g)^2 - 1).
+
+Bounds of `bridge.compare` (derived, not tuned; docs/verification.md has the long form):
+
+- Teacher forcing: each common submodule's JAX twin gets torch's inputs to that submodule bit for
+  bit, so nothing compounds across submodules: only the submodule's own arithmetic can differ.
+  Quantizers are bit-exact (docs/quantization.md), so what is left is the order of accumulation
+  and the GEMM kernels. `chain_bound` walks the submodule's reductions (GEMMs, norms, softmax: what
+  torch ran inside it, bridge.model_compare.recorder) in order, adding for each:
+  * 2 * lambda * sqrt(K) * rho * u_acc: each side's length-K sum is within lambda*sqrt(K)*u_acc of
+    exact times sum |terms| with probability >= 1 - 2 n K exp(-lambda^2 / 2) (Higham & Mary, SIAM
+    J. Sci. Comput. 41(5), 2019, Thm. 3.1; lambda from FALSE_ALARM for all n outputs), and
+    sum |terms| / |sum| is rho = sqrt(K) for terms of random sign (1 for sums of positive terms:
+    variances, softmax denominators). ASSUMED: structured data with more cancellation than random
+    signs (an output that is ~0 by construction) is outside the bound;
+  * 2 * u_out: one rounding to the output dtype can land one ulp apart (bf16: u = 2^-8);
+  * ELEMENTWISE_ULPS * u_acc: the elementwise functions after the sum (exp, erf, tanh, rsqrt) of two
+    math libraries, each within a few ulp. Once more (with the output's 2 u_out) for the functions
+    after the last sum, or for a submodule without sums (an activation), and once more backward.
+  Relative errors are carried through the rest of the submodule with gain 1 (ASSUMED: a residual
+  add shrinks them, a norm keeps them, an activation's condition number is ~1 where inputs are O(1)).
+  FP8 recipes add, at each GEMM whose input already differs by delta (relative), the flipped codes
+  of its cast: an element within delta |x| of a rounding boundary flips, which for boundaries
+  2^-(m+1) |x| apart or more (m mantissa bits: E4M3 3, E5M2 2, E2M1 1) happens with probability
+  p <= delta * 2^(m+1); the number of flips among n elements is Binomial(n, p), below its
+  1 - FALSE_ALARM quantile k; each flip moves an element by one code, <= 2^-m relative, so the
+  operand moves by sqrt(k / n) * 2^-m. A GEMM whose inputs are exact (the submodule's own inputs,
+  the weights) casts the same codes: no flips, which keeps a leaf FP8 Linear's bound at fp32 level.
+  The backward chain starts where the forward ended (saved activations differ by that much) and
+  walks the reductions backwards with the backward sums' lengths (dgrad: N, wgrad: M of an
+  [M, K] x [K, N] GEMM) and the grad format.
+  False alarms: a correct pair exceeds a bound only through a rounding tail (FALSE_ALARM each) or a
+  violated ASSUMED line; depth plays no part. Misses: a difference inside one submodule of relative
+  size below its bound (typically 1e-5..1e-4 with FP8 off for K <= 1024; percents under FP8 in
+  small tensors, where a few flips are a large fraction) passes; anything larger is named there.
+- End to end with FP8 off: the whole model's chain (the same walk over all its reductions).
+- End to end under an FP8 recipe, noise-aware (bridge.model_compare.noise): both frameworks also run with
+  FP8 off (the references). With per-row errors e_t = torch_fp8 - torch_ref and e_j = jax_fp8 -
+  jax_ref, pass when (a) a paired t-test on ||e_t,r||^2 - ||e_j,r||^2 over the rows r accepts equal
+  means (two-sided, FALSE_ALARM), i.e. both frameworks are as far from their reference, and (b) the
+  cross term -2 <e_t, e_j> is not significantly positive (one-sided t-test): two faithful
+  frameworks make the same or independent FP8 errors, so ||e_t - e_j||^2 <= ||e_t||^2 + ||e_j||^2
+  up to the test's margin; with the references' own distance (checked by the FP8-off bound) that
+  bounds the torch-vs-JAX FP8 distance. Rows are taken as independent samples: tokens of the output
+  and input gradient; not a weight gradient's rows (each sums over the same tokens), which take (b)
+  only. d_tj <= d_t + d_j + d_ref holds for any pair (the triangle inequality), so a rule of that
+  form alone could never fail.
 """
 
 from __future__ import annotations
@@ -259,8 +305,83 @@ def collect(
         )
 
 
+# ----------------------------------------------------------------------------- bridge.compare's bounds (docstring)
+
+FALSE_ALARM = 1e-6  # probability that one rounding tail, flip count or noise test of a correct pair exceeds its bound
+ELEMENTWISE_ULPS = 4  # two math libraries' exp, erf, tanh, rsqrt: each within a few ulp of exact
+FP32_U, BF16_U, FP16_U = 2.0**-24, 2.0**-8, 2.0**-11
+FP8_CORE_U = 2.0**-14  # Hopper's FP8 tensor-core accumulator keeps about 14 bits (module docstring)
+MANTISSA_BITS = {"e4m3": 3, "e5m2": 2, "e2m1": 1}
+
+
+@dataclass(frozen=True)
+class Reduction:
+    """One sum inside a submodule, as torch ran it: a GEMM [M, K] x [K, N], or a norm's or softmax's sum of K."""
+
+    kind: str  # "gemm" | "sum"
+    length: int  # K
+    backward_lengths: tuple[int, ...]  # the backward's sums: (N, M) for a GEMM (dgrad, wgrad), (K,) for a sum
+    outputs: int  # elements it writes
+    operand: int  # elements of the activation operand a GEMM casts under FP8
+    unit: float  # unit roundoff of its output dtype
+
+
+def rounding_error(length: int, outputs: int, unit: float, *, positive: bool, u_acc: float = FP32_U) -> float:
+    """Relative distance of two length-K sums in different orders, plus the output's ulp and libm's (docstring)."""
+    lam = math.sqrt(2 * math.log(2 * max(outputs, 1) * max(length, 1) / FALSE_ALARM))
+    rho = 1.0 if positive else math.sqrt(length)
+    return 2 * lam * math.sqrt(length) * rho * u_acc + 2 * unit + ELEMENTWISE_ULPS * u_acc
+
+
+def flip_error(delta: float, elements: int, mantissa_bits: int) -> float:
+    """Relative move of an FP8 cast of `elements` values whose inputs differ by `delta` (relative) between sides."""
+    if delta <= 0 or elements <= 0:
+        return 0.0
+    from scipy.stats import binom
+
+    p = min(1.0, delta * 2.0 ** (mantissa_bits + 1))
+    flips = min(float(binom.isf(FALSE_ALARM, elements, p)) + 1, elements)  # P(more than this) <= FALSE_ALARM
+    return math.sqrt(flips / elements) * 2.0**-mantissa_bits
+
+
+def chain_bound(
+    reductions: Sequence[Reduction],
+    *,
+    mantissa_bits: tuple[int, int] | None,
+    u_acc: float = FP32_U,
+    output_unit: float = FP32_U,
+) -> tuple[float, float]:
+    """(forward, backward) relative bounds of a teacher-forced submodule (docstring); mantissa_bits: (forward, grad)
+    of the FP8 recipe, None with FP8 off; output_unit: the unit roundoff of the submodule's output dtype."""
+    elementwise = 2 * output_unit + ELEMENTWISE_ULPS * u_acc  # the functions after the last sum, or without any
+    delta = 0.0
+    for r in reductions:
+        if mantissa_bits and r.kind == "gemm":
+            delta += flip_error(delta, r.operand, mantissa_bits[0])
+        delta += rounding_error(r.length, r.outputs, r.unit, positive=r.kind == "sum", u_acc=u_acc)
+    forward = delta + elementwise
+    backward = forward + elementwise  # the derivatives of those functions
+    for r in reversed(reductions):
+        for length in r.backward_lengths:
+            if mantissa_bits and r.kind == "gemm":
+                backward += flip_error(backward, r.outputs, mantissa_bits[1])
+            backward += rounding_error(length, r.outputs, r.unit, positive=r.kind == "sum", u_acc=u_acc)
+    return forward, backward
+
+
 __all__ = [
+    "BF16_U",
     "BITWISE",
+    "ELEMENTWISE_ULPS",
+    "FALSE_ALARM",
+    "FP16_U",
+    "FP32_U",
+    "FP8_CORE_U",
+    "MANTISSA_BITS",
+    "Reduction",
+    "chain_bound",
+    "flip_error",
+    "rounding_error",
     "RECIPES",
     "SAME_SCALE_TOLERANCES",
     "STAGES",

@@ -19,6 +19,10 @@ under the plan, in the JAX twin and in the unsharded model are compared (bridge/
 --model llama --hf HF_DIR: torchside's and jaxside's load_hf in each process (each reading its
 own shards, fp32), one forward of --batch-size x --seq-len random tokens under --recipe (default
 off), the logits against bridge.numerics' forward tolerance (bridge/hf_check.py, docs/hf.md).
+
+--torch PKG.MODULE:FACTORY --jax PKG.MODULE:FACTORY: your own pair of models, each factory returning
+(model, example inputs), compared by bridge.compare on this process, every common submodule
+teacher-forced (docs/verification.md); --recipe as above (default off), --json, --report.
 """
 
 from __future__ import annotations
@@ -85,6 +89,8 @@ def register(verbs) -> None:
     parser.add_argument(
         "--device", choices=("cpu", "cuda"), help="default: cuda where torch sees a GPU per process, else the CPU"
     )
+    parser.add_argument("--torch", metavar="PKG.MODULE:FACTORY", help="your torch model: a factory of (model, inputs)")
+    parser.add_argument("--jax", metavar="PKG.MODULE:FACTORY", help="its NNX twin, compared by bridge.compare")
     parser.add_argument("--json", action="store_true", help="print every check as JSON")
     parser.add_argument("--report", metavar="FILE", help="also write the JSON report here")
     parser.set_defaults(run=run)
@@ -94,6 +100,8 @@ def run(args: argparse.Namespace, console: Console) -> int:
     from bridge import crosscheck, hf_check, plan_check
     from bridge.plan.build import read_plan
 
+    if args.torch or args.jax:
+        return _run_factories(args, console)
     plan = None if args.plan is None or args.hf is not None else read_plan(args.plan)  # --hf refuses --plan
     args.model, chosen = _model(args, plan)
     if args.model == "llama" and args.hf is None and plan is not None:
@@ -121,6 +129,11 @@ def run(args: argparse.Namespace, console: Console) -> int:
         errors.print(escape(fallback))
     with errors.status(f"verifying in {processes} co-located torch+JAX processes"):
         reports = runtime.launch(worker, processes, work, device_type=device)[0]
+    return _finish(args, console, reports)
+
+
+def _finish(args: argparse.Namespace, console: Console, reports: list[dict]) -> int:
+    """Write --report, print the tables or --json, and raise CheckFailed naming the first divergence."""
     if args.report:
         with open(args.report, "w") as file:
             json.dump(reports, file, indent=1)
@@ -139,6 +152,24 @@ def run(args: argparse.Namespace, console: Console) -> int:
             f"(limit {limit['relative']}), max-abs {first['max_abs']:.3e} (limit {limit['max_abs']})"
         )
     return 0
+
+
+def _run_factories(args: argparse.Namespace, console: Console) -> int:
+    """--torch and --jax: bridge.compare of the factories' models on this process, one report per recipe."""
+    from bridge.model_compare.factories import compare_factories
+
+    if not (args.torch and args.jax):
+        raise ValueError("--torch and --jax go together: pass both factories (PKG.MODULE:FACTORY)")
+    stack_options = ("model", "hf", "plan", "mesh", "layers", "hidden", "steps", "batch_size", "seq_len", "device")
+    given = [f"--{name.replace('_', '-')}" for name in stack_options if getattr(args, name) not in (None, "mlp")]
+    if given:
+        raise ValueError(f"{', '.join(given)}: options of the built-in models, not of --torch/--jax")
+    if args.report:
+        from bridge.cli import check_output_path
+
+        check_output_path("--report", args.report)
+    reports = [r.to_json() for r in compare_factories(args.torch, args.jax, _recipes(args.recipe or "off"))]
+    return _finish(args, console, reports)
 
 
 def _recipes(text: str) -> tuple[str, ...]:

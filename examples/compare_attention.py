@@ -1,0 +1,114 @@
+"""Verify a user-written attention block, in torch and in Flax NNX, with `bridge.compare`.
+
+The block is a variant the project does not ship: multi-query attention (one key/value head shared
+by all query heads) with RMS-normalized queries and keys ("QK-norm"), then a GELU MLP, pre-norm and
+residual, written with torchside's and jaxside's Linear (FP8 GEMMs under a recipe) and each
+framework's own norms. Run it on one process:
+
+    python examples/compare_attention.py                 # FP8 off
+    python examples/compare_attention.py current         # each side under its own FP8 autocast
+
+or through the CLI, whose factories are `torch_block` and `jax_block` below:
+
+    shardbridge verify --torch examples.compare_attention:torch_block --jax examples.compare_attention:jax_block
+
+Shape legend: B batch, S sequence, D model width, N query heads, H head dim.
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+
+import jax
+import jax.numpy as jnp
+import torch
+from flax import nnx
+from torch import nn
+
+import torchside
+from jaxside.modules import Linear
+
+WIDTH, HEADS, BATCH, SEQ = 64, 4, 2, 16
+HEAD_DIM = WIDTH // HEADS
+
+
+class TorchMQABlock(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(WIDTH)
+        self.query = torchside.Linear(WIDTH, WIDTH)
+        self.key_value = torchside.Linear(WIDTH, 2 * HEAD_DIM)  # one key head and one value head
+        self.query_norm = nn.RMSNorm(HEAD_DIM, eps=1e-6)
+        self.key_norm = nn.RMSNorm(HEAD_DIM, eps=1e-6)
+        self.out = torchside.Linear(WIDTH, WIDTH)
+        self.mlp_norm = nn.LayerNorm(WIDTH)
+        self.up = torchside.Linear(WIDTH, 4 * WIDTH)
+        self.down = torchside.Linear(4 * WIDTH, WIDTH)
+
+    def attention(self, x_BSD: torch.Tensor) -> torch.Tensor:
+        q_BSNH = self.query_norm(self.query(x_BSD).unflatten(-1, (HEADS, HEAD_DIM)))
+        k_BSH, v_BSH = self.key_value(x_BSD).split(HEAD_DIM, dim=-1)
+        k_BSH = self.key_norm(k_BSH)
+        scores_BNSS = torch.einsum("bqnh,bkh->bnqk", q_BSNH, k_BSH) / math.sqrt(HEAD_DIM)
+        causal = torch.ones(SEQ, SEQ, dtype=torch.bool).tril()
+        weights_BNSS = scores_BNSS.masked_fill(~causal, float("-inf")).softmax(-1)
+        return self.out(torch.einsum("bnqk,bkh->bqnh", weights_BNSS, v_BSH).flatten(-2))
+
+    def forward(self, x_BSD: torch.Tensor) -> torch.Tensor:
+        x_BSD = x_BSD + self.attention(self.norm(x_BSD))
+        return x_BSD + self.down(nn.functional.gelu(self.up(self.mlp_norm(x_BSD))))
+
+
+class JaxMQABlock(nnx.Module):
+    def __init__(self, rngs: nnx.Rngs) -> None:
+        self.norm = nnx.LayerNorm(WIDTH, epsilon=1e-5, rngs=rngs)
+        self.query = Linear(WIDTH, WIDTH, rngs=rngs)
+        self.key_value = Linear(WIDTH, 2 * HEAD_DIM, rngs=rngs)
+        self.query_norm = nnx.RMSNorm(HEAD_DIM, epsilon=1e-6, rngs=rngs)
+        self.key_norm = nnx.RMSNorm(HEAD_DIM, epsilon=1e-6, rngs=rngs)
+        self.out = Linear(WIDTH, WIDTH, rngs=rngs)
+        self.mlp_norm = nnx.LayerNorm(WIDTH, epsilon=1e-5, rngs=rngs)
+        self.up = Linear(WIDTH, 4 * WIDTH, rngs=rngs)
+        self.down = Linear(4 * WIDTH, WIDTH, rngs=rngs)
+
+    def attention(self, x_BSD: jax.Array) -> jax.Array:
+        q_BSNH = self.query_norm(self.query(x_BSD).reshape(*x_BSD.shape[:-1], HEADS, HEAD_DIM))
+        k_BSH, v_BSH = jnp.split(self.key_value(x_BSD), 2, axis=-1)
+        k_BSH = self.key_norm(k_BSH)
+        scores_BNSS = jnp.einsum("bqnh,bkh->bnqk", q_BSNH, k_BSH) / math.sqrt(HEAD_DIM)
+        causal = jnp.tril(jnp.ones((SEQ, SEQ), dtype=bool))
+        weights_BNSS = jax.nn.softmax(jnp.where(causal, scores_BNSS, -jnp.inf), axis=-1)
+        return self.out(jnp.einsum("bnqk,bkh->bqnh", weights_BNSS, v_BSH).reshape(x_BSD.shape))
+
+    def __call__(self, x_BSD: jax.Array) -> jax.Array:
+        x_BSD = x_BSD + self.attention(self.norm(x_BSD))
+        return x_BSD + self.down(jax.nn.gelu(self.up(self.mlp_norm(x_BSD)), approximate=False))
+
+
+def _inputs() -> torch.Tensor:
+    return torch.randn(BATCH, SEQ, WIDTH, generator=torch.Generator().manual_seed(0))
+
+
+def torch_block() -> tuple[nn.Module, torch.Tensor]:
+    """The factory `shardbridge verify --torch` calls: (model, example inputs)."""
+    torch.manual_seed(0)
+    return TorchMQABlock(), _inputs()
+
+
+def jax_block() -> tuple[nnx.Module, torch.Tensor]:
+    """The factory `shardbridge verify --jax` calls (the inputs only give the shapes: JAX gets torch's values)."""
+    return JaxMQABlock(nnx.Rngs(0)), _inputs()
+
+
+def main(recipe: str = "off") -> int:
+    import bridge
+
+    (torch_model, inputs), (jax_model, _) = torch_block(), jax_block()
+    report = bridge.compare(torch_model, jax_model, inputs, recipe=recipe)
+    print(report.table())
+    return 0 if report.passed else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main(*sys.argv[1:]))

@@ -1,0 +1,48 @@
+"""`shardbridge verify --torch/--jax` (bridge.compare from the command line) and examples/compare_attention.py."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+from bridge.cli import main
+
+ROOT = Path(__file__).resolve().parents[2]
+MODELS = "tests.bridge.compare_models"
+
+
+def _verify(capsys, *args: str) -> tuple[int, str, str]:
+    code = main(["verify", *args])
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def test_verify_factories_pass_and_fail_with_the_exit_contract(capsys):
+    code, out, err = _verify(capsys, "--torch", f"{MODELS}:torch_stack", "--jax", f"{MODELS}:jax_stack", "--json")
+    assert code == 0, err
+    (report,) = json.loads(out)
+    assert report["passed"] and report["recipe"] == "off"
+    code, out, err = _verify(capsys, "--torch", f"{MODELS}:torch_stack", "--jax", f"{MODELS}:jax_stack_tanh_gelu")
+    assert code == 1
+    assert "blocks.1.act" in out and err.startswith("error: torch and JAX diverge")
+    assert "Traceback" not in err
+
+
+def test_verify_factories_bad_input_is_exit_2(capsys):
+    code, _, err = _verify(capsys, "--torch", f"{MODELS}:nothing", "--jax", f"{MODELS}:jax_stack")
+    assert code == 2 and "--torch tests.bridge.compare_models:nothing" in err
+    code, _, err = _verify(capsys, "--torch", f"{MODELS}:torch_stack")
+    assert code == 2 and "--torch and --jax go together" in err
+    code, _, err = _verify(capsys, "--torch", f"{MODELS}:torch_stack", "--jax", f"{MODELS}:jax_stack", "--mesh", "dp=2")
+    assert code == 2 and "--mesh" in err
+
+
+def test_the_attention_example_passes():
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    command = [sys.executable, "examples/compare_attention.py"]
+    result = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "agree" in result.stdout
