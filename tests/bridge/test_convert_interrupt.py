@@ -130,7 +130,15 @@ def test_ctrl_c_at_any_point_of_the_write_leaves_nothing(source, fmt, share, tmp
     check_left_nothing(source, fmt, share, tmp_path)
 
 
-def test_a_deferred_sigint_is_raised_at_the_next_check_or_at_the_end():
+@pytest.fixture
+def python_sigint_handler():
+    """A fresh CLI process has Python's own SIGINT handler; an earlier test in this worker may have left torch's."""
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    yield
+    signal.signal(signal.SIGINT, previous)
+
+
+def test_a_deferred_sigint_is_raised_at_the_next_check_or_at_the_end(python_sigint_handler):
     steps = []
     with pytest.raises(KeyboardInterrupt):
         with deferred_interrupts() as interrupts:

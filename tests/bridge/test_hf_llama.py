@@ -27,10 +27,11 @@ from flax import nnx
 from transformers import LlamaConfig as HFConfig
 from transformers import LlamaForCausalLM
 
-from twinspec import hf_llama
+from bridge.numerics import relative_error
 from jaxside.models import llama as jax_llama
-from twinspec.llama import LlamaConfig
 from jaxside.sharding import make_mesh
+from twinspec import hf_llama
+from twinspec.llama import LlamaConfig
 from tests.bridge.hf_cases import (
     CASES,
     FP8_DEFECTS,
@@ -42,7 +43,6 @@ from tests.bridge.hf_cases import (
     our_rows,
     random_tokens,
     reference_logits,
-    relative,
     save,
     torch_logits,
 )
@@ -85,7 +85,7 @@ def checkpoints(tmp_path_factory) -> dict[str, tuple[Path, np.ndarray, torch.Ten
 def test_torch_load_hf_gives_transformers_logits(checkpoints, case):
     directory, reference, tokens = checkpoints[case]
     model = torch_llama.load_hf(directory)
-    assert relative(torch_logits(model, tokens), reference) <= TOLERANCE
+    assert relative_error(torch_logits(model, tokens), reference) <= TOLERANCE
 
 
 # The tied odd-vocabulary case runs sharded below; one device adds only a compilation (~5 s here).
@@ -95,7 +95,7 @@ def test_torch_load_hf_gives_transformers_logits(checkpoints, case):
 def test_jax_load_hf_gives_transformers_logits(checkpoints, case):
     directory, reference, tokens = checkpoints[case]
     model = jax_llama.load_hf(directory)
-    assert relative(jax_logits(model, tokens), reference) <= TOLERANCE
+    assert relative_error(jax_logits(model, tokens), reference) <= TOLERANCE
 
 
 def test_the_llama3_case_depends_on_its_rope_scaling(checkpoints):
@@ -105,14 +105,14 @@ def test_the_llama3_case_depends_on_its_rope_scaling(checkpoints):
     config = scaled.config.to_dict() | {"rope_parameters": {"rope_type": "default", "rope_theta": 500000.0}}
     unscaled = LlamaForCausalLM(HFConfig(**config)).eval()
     unscaled.load_state_dict(scaled.state_dict())
-    assert relative(reference_logits(unscaled, tokens), reference) > 1e-3
+    assert relative_error(reference_logits(unscaled, tokens), reference) > 1e-3
 
 
 def test_jax_twin_on_an_8_device_mesh_pads_the_vocab_and_shards_by_the_rules(checkpoints):
     directory, reference, tokens = checkpoints["gqa_tied_odd_vocab"]
     mesh = make_mesh(dp_shard=4, tp=2)
     model = jax_llama.load_hf(directory, mesh=mesh)
-    assert relative(jax_logits(model, tokens), reference) <= TOLERANCE
+    assert relative_error(jax_logits(model, tokens), reference) <= TOLERANCE
     kernel = model.embedding.kernel.get_value()
     assert kernel.shape == (64, 136)  # 129 rounded up to a multiple of tp x dp_shard = 8
     assert tuple(kernel.sharding.spec) == (None, ("tp", "dp_shard"))
@@ -136,7 +136,7 @@ def test_jax_load_reads_each_devices_shard_on_its_own(checkpoints, monkeypatch):
     model = jax_llama.load_hf(directory, mesh=make_mesh(dp_shard=4, tp=2))
     params = [v.get_value() for _, v in nnx.to_flat_state(nnx.state(model, nnx.Param))]
     assert read[0] == sum(shard.data.size for p in params for shard in p.addressable_shards)
-    assert relative(jax_logits(model, tokens), reference) <= TOLERANCE
+    assert relative_error(jax_logits(model, tokens), reference) <= TOLERANCE
 
 
 @pytest.mark.grid
@@ -145,7 +145,7 @@ def test_jax_load_reads_each_devices_shard_on_its_own(checkpoints, monkeypatch):
 def test_jax_twin_on_every_mesh(checkpoints, case, axes):
     directory, reference, tokens = checkpoints[case]
     model = jax_llama.load_hf(directory, mesh=make_mesh(*axes))
-    assert relative(jax_logits(model, tokens), reference) <= TOLERANCE
+    assert relative_error(jax_logits(model, tokens), reference) <= TOLERANCE
 
 
 def _load_on_fsdp_tp(rank: int, world_size: int, directory: Path, tokens: torch.Tensor, read: dict):
@@ -199,7 +199,7 @@ def test_torch_fsdp2_x_tp_load_gives_transformers_logits(checkpoints, monkeypatc
     monkeypatch.setattr(safetensors, "safe_open", counting(safetensors.safe_open))  # undone after the test
     results = run_threads(_load_on_fsdp_tp, 4, directory, tokens, read, timeout=120)
     for logits, shape, placements, local_elements, local_bytes, read_bytes, read_elements in results:
-        assert relative(logits, reference) <= TOLERANCE
+        assert relative_error(logits, reference) <= TOLERANCE
         assert shape == (-(-config.vocab_size // 4) * 4, config.hidden_size)  # a multiple of dp x tp = 4
         assert placements == ("_StridedShard", "Shard")
         assert read_elements == local_elements
@@ -214,7 +214,7 @@ def test_fsdp2_x_tp_ranks_on_gloo_processes_read_only_their_own_bytes(checkpoint
     directory, reference, tokens = checkpoints["gqa_tied_odd_vocab"]  # sharded over a dozen files, vocab padded
     results = run_processes(load_on_fsdp_tp_rank, 4, str(directory), tokens, timeout=120)
     for logits, shape, placements, _, local_bytes, read_bytes in results:
-        assert relative(logits, reference) <= TOLERANCE
+        assert relative_error(logits, reference) <= TOLERANCE
         assert shape == (132, 64) and placements == ("_StridedShard", "Shard")
         _assert_reads_its_own_bytes(read_bytes, local_bytes, _checkpoint_bytes(directory))
 
@@ -226,8 +226,8 @@ def test_wider_models_match(tmp_path, case):
     directory = save(model, tmp_path, sharded=True)
     tokens = random_tokens(1000, batch=2, seq=64)
     reference = reference_logits(model, tokens)
-    assert relative(torch_logits(torch_llama.load_hf(directory), tokens), reference) <= TOLERANCE
-    assert relative(jax_logits(jax_llama.load_hf(directory, mesh=make_mesh(2, 2, 2)), tokens), reference) <= TOLERANCE
+    assert relative_error(torch_logits(torch_llama.load_hf(directory), tokens), reference) <= TOLERANCE
+    assert relative_error(jax_logits(jax_llama.load_hf(directory, mesh=make_mesh(2, 2, 2)), tokens), reference) <= TOLERANCE
 
 
 # ---- the table
@@ -418,9 +418,9 @@ def test_fp8_checkpoint_gives_the_logits_of_its_dequantized_weights(fp8_checkpoi
     """FP8 off: our FP8 parameters dequantize in the GEMMs; transformers holds the float64-dequantized weights."""
     directory, reference_model, tensors, tokens = fp8_checkpoint
     reference = reference_logits(reference_model, tokens)
-    assert relative(torch_logits(torch_llama.load_hf(directory, dtype=torch.float32), tokens), reference) <= TOLERANCE
+    assert relative_error(torch_logits(torch_llama.load_hf(directory, dtype=torch.float32), tokens), reference) <= TOLERANCE
     twin = jax_llama.load_hf(directory, dtype=jnp.float32)  # (on 8 devices: 1e-6, 10 s more here)
-    assert relative(jax_logits(twin, tokens), reference) <= TOLERANCE
+    assert relative_error(jax_logits(twin, tokens), reference) <= TOLERANCE
     config = hf_llama.Checkpoint(directory).config
     fc1 = torch.tensor(np.asarray(twin.layers[0].layernorm_mlp.fc1_kernel.get_value()).T)  # glu_interleave 128
     for hf_name, rows in _hf_rows_of(fc1, hf_llama.sources(config)["layers.0.layernorm_mlp.fc1_weight"], config).items():
@@ -472,7 +472,7 @@ def test_torch_fsdp2_x_tp_fp8_load_keeps_every_shards_bytes_and_scales(tmp_path)
             full[name] = (storage.rowwise_data, storage.rowwise_scale_inv)
     reference = reference_logits(reference_model, tokens)
     for logits, differ, fc1_rows in run_threads(_load_fp8_on_fsdp_tp, 4, directory, tokens, full, timeout=120):
-        assert relative(logits, reference) <= TOLERANCE
+        assert relative_error(logits, reference) <= TOLERANCE
         assert differ == []
         assert fc1_rows == 128  # 512 rows over tp 2 x dp 2: one 128-row block, one HF block-row, per rank
 
@@ -498,7 +498,7 @@ def test_the_bridge_moves_a_torch_llama_into_the_twin_with_the_same_logits():
         values[pair.jax_path] = jnp.asarray((tensor.T if pair.layout.transposes else tensor).numpy())
     load_into_jax(twin, values)
     tokens = random_tokens(config.vocab_size)
-    assert relative(jax_logits(twin, tokens), torch_logits(model, tokens)) <= TOLERANCE
+    assert relative_error(jax_logits(twin, tokens), torch_logits(model, tokens)) <= TOLERANCE
 
 
 # ---- bad input: ValueError naming the file and the tensor, before anything is built
