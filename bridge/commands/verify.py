@@ -32,10 +32,10 @@ import json
 
 from rich.console import Console
 from rich.markup import escape
-from rich.table import Table
 
 from bridge.errors import CheckFailed
 from bridge.numerics import RECIPES
+from bridge.report_table import render
 
 RECIPE_CHOICES = f"{', '.join(RECIPES)} (comma-separated) or all"
 STACK_DEFAULTS = {"layers": 2, "hidden": 256, "steps": 5}  # the built-in stacks' options (bridge/twins.py)
@@ -300,37 +300,3 @@ def _check_tp_divides(case) -> None:
             raise ValueError(
                 f"--mesh {case.mesh}: tp={tp} does not divide {what}; pick a tp that divides it or another --hidden"
             )
-
-
-def render(console: Console, report: dict) -> None:
-    """One table per (mesh, recipe): the worst check of each stage, and the first divergence."""
-    steps = f", {report['steps']} steps" if report["steps"] else ""  # none: a forward only (--hf)
-    title = f"{report['model']} on {report['mesh']}, recipe {report['recipe']}{steps}"
-    table = Table(title=escape(title))
-    table.add_column("stage", style="bold")
-    table.add_column("checks", justify="right")
-    table.add_column("worst relative", justify="right")
-    table.add_column("worst max-abs", justify="right")
-    table.add_column("worst tensor", overflow="fold")
-    table.add_column("verdict")
-    stages: dict[str, list[dict]] = {}
-    for check in report["checks"]:
-        stages.setdefault(check["stage"], []).append(check)
-    for stage, checks in stages.items():
-        worst = max(checks, key=lambda c: (not c["passed"], c["relative"]))
-        failed = sum(not c["passed"] for c in checks)
-        verdict = "[green]ok[/]" if not failed else f"[red]{failed} diverge[/]"
-        table.add_row(stage, str(len(checks)), f"{worst['relative']:.2e}", f"{worst['max_abs']:.2e}",
-                      escape(f"{worst['name']} (step {worst['step']})"), verdict)  # fmt: skip
-    console.print(table)
-    first = report["first_divergence"]
-    if first is None:
-        console.print("[bold green]verdict[/] torch and JAX agree within bridge.numerics' tolerances")
-        return
-    limit = first["tolerance"]
-    console.print(
-        f"[bold red]first divergence[/] step {first['step']}, {first['stage']}, layer {escape(first['layer'])}, "
-        f"tensor {escape(first['name'])}: relative {first['relative']:.3e} (limit {limit['relative']}), "
-        f"max-abs {first['max_abs']:.3e} (limit {limit['max_abs']}){', NaN' if first['nan'] else ''}",
-        soft_wrap=True,
-    )
