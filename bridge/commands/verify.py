@@ -22,7 +22,8 @@ off), the logits against bridge.numerics' forward tolerance (bridge/hf_check.py,
 
 --torch PKG.MODULE:FACTORY --jax PKG.MODULE:FACTORY: your own pair of models, each factory returning
 (model, example inputs), compared by bridge.compare on this process, every common submodule
-teacher-forced (docs/verification.md); --recipe as above (default off), --json, --report.
+teacher-forced (docs/verification.md); --recipe as above (default off), --steps (default 0: Adam steps,
+parameters and moments compared after each), --json, --report.
 """
 
 from __future__ import annotations
@@ -77,7 +78,8 @@ def register(verbs) -> None:
     parser.add_argument(
         "--steps",
         type=int,
-        help=f"optimizer steps compared (default {STACK_DEFAULTS['steps']}; not with --model llama)",
+        help=f"optimizer steps compared (default {STACK_DEFAULTS['steps']}, with --torch/--jax 0; not with --model "
+        "llama)",
     )
     parser.add_argument(
         "--batch-size", type=int,
@@ -160,7 +162,7 @@ def _run_factories(args: argparse.Namespace, console: Console) -> int:
 
     if not (args.torch and args.jax):
         raise ValueError("--torch and --jax go together: pass both factories (PKG.MODULE:FACTORY)")
-    stack_options = ("model", "hf", "plan", "mesh", "layers", "hidden", "steps", "batch_size", "seq_len", "device")
+    stack_options = ("model", "hf", "plan", "mesh", "layers", "hidden", "batch_size", "seq_len", "device")
     given = [f"--{name.replace('_', '-')}" for name in stack_options if getattr(args, name) not in (None, "mlp")]
     if given:
         raise ValueError(f"{', '.join(given)}: options of the built-in models, not of --torch/--jax")
@@ -168,7 +170,8 @@ def _run_factories(args: argparse.Namespace, console: Console) -> int:
         from bridge.cli import check_output_path
 
         check_output_path("--report", args.report)
-    reports = [r.to_json() for r in compare_factories(args.torch, args.jax, _recipes(args.recipe or "off"))]
+    recipes, steps = _recipes(args.recipe or "off"), args.steps or 0
+    reports = [r.to_json() for r in compare_factories(args.torch, args.jax, recipes, steps=steps)]
     return _finish(args, console, reports)
 
 

@@ -8,12 +8,15 @@ that call back through it (jax.vjp). The model itself is the end-to-end check; u
 that one is judged noise-aware (bridge.model_compare.noise) against both frameworks run with FP8 off.
 Bounds: bridge.numerics.chain_bound. Order of the checks (the first failing one is
 `first_divergence`): submodule outputs, input gradients, weight gradients (teacher-forced,
-children before parents), then the end-to-end ones.
+children before parents), then the end-to-end ones; with steps > 0, then the parameters and Adam moments
+after one step on both sides from torch's state (bridge.model_compare.adam_steps), and all of it again
+at the new parameters, up to `steps` steps.
 """
 
 from __future__ import annotations
 
 from collections import Counter
+from dataclasses import replace
 from typing import Any
 
 import jax.numpy as jnp
@@ -21,7 +24,7 @@ import torch
 from flax import nnx
 from torch import nn
 
-from bridge.model_compare import jax_calls, pairing, recipes
+from bridge.model_compare import adam_steps, jax_calls, pairing, recipes
 from bridge.model_compare.checks import distance_check
 from bridge.model_compare.end_to_end import end_to_end_checks
 from bridge.model_compare.recorder import Call, float_leaves, output_unit
@@ -29,6 +32,9 @@ from bridge.model_compare.report import CompareReport
 from bridge.model_compare.torch_run import TorchRun, run_torch
 from bridge.numerics import FP8_CORE_U, FP8_TENSOR_CORE_RECIPES, FP32_U, chain_bound
 from bridge.params import ParamPair, jax_parameters, load_into_jax
+
+# Recipes whose per-model state advances with each torch step while the JAX twin's calls start afresh.
+STATEFUL_RECIPES = ("delayed", "nvfp4")
 
 
 def _check_arguments(torch_model: Any, jax_model: Any, inputs: Any) -> tuple[torch.Tensor, ...]:
@@ -65,34 +71,60 @@ def _label(call: Call, index: int, counts: Counter) -> str:
 
 def compare(
     torch_model: nn.Module, jax_model: nnx.Module, inputs: torch.Tensor | tuple[torch.Tensor, ...], *,
-    recipe: Any = "off", params: Any = "auto", backward: bool = True,
+    recipe: Any = "off", params: Any = "auto", backward: bool = True, steps: int = 0,
 ) -> CompareReport:  # fmt: skip
     """Compare a torch model with its NNX twin on `inputs`, every common submodule teacher-forced (module docstring).
 
     recipe: "off", "current", "delayed", "block", "mxfp8", "nvfp4" or a recipe object (the same object
     under each side's own fp8_autocast). params: "auto", {torch name: NNX dotted path} or a list of
-    bridge.params.Rule. torch's parameter values are copied into the JAX model. Both models should be fresh
-    (DelayedScaling's histories are not copied) and deterministic (no dropout: put them in eval mode).
+    bridge.params.Rule. steps: Adam steps after the checks (torchside FusedAdam / jaxside fused_adam, both
+    from torch's state: bridge.model_compare.adam_steps), each followed by the checks again at the new
+    parameters; `.step` of a check says which. torch's parameter values are copied into the JAX model; the
+    torch model's are put back at the end. Both models should be fresh (DelayedScaling's histories are not
+    copied) and deterministic (no dropout: put them in eval mode).
     """
     inputs = _check_arguments(torch_model, jax_model, inputs)
     name, recipe = recipes.resolve(recipe)
+    _check_steps(steps, backward, name)
     pairs = pairing.pair(torch_model, jax_model, params)
-    _copy_weights(torch_model, jax_model, pairs)
     common = _common_names(torch_model, jax_model)
     device = next((p.device.type for p in torch_model.parameters()), "cpu")
     u_acc = FP8_CORE_U if device == "cuda" and name in FP8_TENSOR_CORE_RECIPES else FP32_U
     bits = recipes.mantissa_bits(recipe)
-
-    run = run_torch(torch_model, inputs, recipe, set(common), backward)
-    checks, jax_root = _teacher_forced_checks(run, common, pairs, recipe, bits, u_acc, backward)
     report = CompareReport(
-        model=f"{type(torch_model).__name__} / {type(jax_model).__name__}", mesh="1 process", recipe=name, steps=0,
-        device_type=device, checks=checks,
+        model=f"{type(torch_model).__name__} / {type(jax_model).__name__}", mesh="1 process", recipe=name,
+        steps=steps, device_type=device,
     )  # fmt: skip
-    report.checks += end_to_end_checks(
-        torch_model, jax_model, inputs, run, jax_root, pairs, recipe=recipe, u_acc=u_acc, backward=backward
-    )
+    initial = {key: value.detach().clone() for key, value in torch_model.state_dict().items()}
+    optimizer = adam_steps.torch_adam(torch_model) if steps else None
+    try:
+        for step in range(steps + 1):
+            _copy_weights(torch_model, jax_model, pairs)  # each step starts both sides from torch's parameters
+            run = run_torch(torch_model, inputs, recipe, set(common), backward)
+            checks, jax_root = _teacher_forced_checks(run, common, pairs, recipe, bits, u_acc, backward)
+            checks += end_to_end_checks(
+                torch_model, jax_model, inputs, run, jax_root, pairs, recipe=recipe, u_acc=u_acc, backward=backward
+            )
+            if step < steps:
+                checks += adam_steps.adam_step(torch_model, optimizer, pairs, run.grads, jax_root[1])
+            report.checks += [replace(check, step=step) for check in checks]
+    finally:
+        if steps:  # the optimizer moved torch's parameters: put them back, and JAX's with them
+            torch_model.load_state_dict(initial)
+            _copy_weights(torch_model, jax_model, pairs)
     return report
+
+
+def _check_steps(steps: Any, backward: bool, recipe: str) -> None:
+    if isinstance(steps, bool) or not isinstance(steps, int) or steps < 0:
+        raise ValueError(f"steps={steps!r}: pass a whole number >= 0 of optimizer steps")
+    if steps and not backward:
+        raise ValueError(f"steps={steps} needs the gradients: pass backward=True, or steps=0")
+    if steps and recipe in STATEFUL_RECIPES:
+        raise ValueError(
+            f"steps={steps} with recipe {recipe!r}: its state (amax history, rounding step) advances in torch but is "
+            "not carried to the JAX side between steps; compare one step (steps=0) or use off, current, block or mxfp8"
+        )
 
 
 def _teacher_forced_checks(run: TorchRun, common: dict, pairs: list[ParamPair], recipe, bits, u_acc, backward):

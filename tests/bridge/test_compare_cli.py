@@ -31,6 +31,14 @@ def test_verify_factories_pass_and_fail_with_the_exit_contract(capsys):
     assert "Traceback" not in err
 
 
+def test_verify_factories_take_steps(capsys):
+    factories = ("--torch", f"{MODELS}:torch_stack", "--jax", f"{MODELS}:jax_stack")
+    code, out, err = _verify(capsys, *factories, "--steps", "1", "--json")
+    assert code == 0, err
+    (report,) = json.loads(out)
+    assert report["steps"] == 1 and {"param", "exp_avg", "exp_avg_sq"} <= {c["stage"] for c in report["checks"]}
+
+
 def test_verify_factories_bad_input_is_exit_2(capsys):
     code, _, err = _verify(capsys, "--torch", f"{MODELS}:nothing", "--jax", f"{MODELS}:jax_stack")
     assert code == 2 and "--torch tests.bridge.compare_models:nothing" in err
