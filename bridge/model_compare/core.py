@@ -86,10 +86,10 @@ def compare(
     `inputs` split along dim 0; the models are then given as factories the processes can import
     ("package.module:function" or a module-level function returning the model).
     """
+    options = {"recipe": recipe, "params": params, "backward": backward, "steps": steps}
     if mesh is None:
-        return compare_here(torch_model, jax_model, inputs, recipe=recipe, params=params, backward=backward, steps=steps)
-    return _compare_on_mesh((torch_model, jax_model), inputs, mesh, recipe=recipe, params=params, backward=backward,
-                            steps=steps)  # fmt: skip
+        return compare_here(torch_model, jax_model, inputs, **options)
+    return _compare_on_mesh((torch_model, jax_model), inputs, mesh, **options)
 
 
 def _compare_on_mesh(factories: tuple, inputs, mesh, **options) -> CompareReport:

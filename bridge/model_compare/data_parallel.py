@@ -152,4 +152,11 @@ def worker(runtime, factories: tuple[Any, Any], inputs: tuple[torch.Tensor, ...]
     return compare_here(torch_model, jax_model, local, dp=dp, **options)
 
 
-__all__ = ["DataParallel", "data_parallel_size", "load_model_factory", "summed_jax_grads", "summed_torch_grads", "worker"]
+__all__ = [
+    "DataParallel",
+    "data_parallel_size",
+    "load_model_factory",
+    "summed_jax_grads",
+    "summed_torch_grads",
+    "worker",
+]

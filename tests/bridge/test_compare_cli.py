@@ -8,6 +8,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from bridge.cli import main
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -48,9 +50,20 @@ def test_verify_factories_bad_input_is_exit_2(capsys):
     assert code == 2 and "--mesh" in err
 
 
-def test_the_attention_example_passes():
+def _run_example(*args: str) -> str:
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    command = [sys.executable, "examples/compare_attention.py"]
+    command = [sys.executable, "examples/compare_attention.py", *args]
     result = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stdout + result.stderr
-    assert "agree" in result.stdout
+    return result.stdout
+
+
+def test_the_attention_example_passes():
+    assert "agree" in _run_example()
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+def test_the_attention_example_passes_on_two_data_parallel_processes():
+    out = _run_example("--mesh", "dp=2")
+    assert "on dp=2 (2 processes)" in out and "agree" in out
