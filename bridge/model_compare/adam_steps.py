@@ -69,7 +69,7 @@ def adam_step(
             continue
         got = {stage: jax_calls.to_torch(pair.layout.to_torch(jax_new[stage][pair.jax_path])) for stage in checks}
         torch_new = {"param": params[name].detach(), **_moments(optimizer, params[name])}
-        g_torch = torch_grads[name].double()
+        g_torch = torch_grads[name].cpu().double()
         g_jax = jax_calls.to_torch(pair.layout.to_torch(jax_grads[pair.jax_path])).double()
         m, v = (before[name][k].double() for k in ("exp_avg", "exp_avg_sq"))
         bounds = {

@@ -32,6 +32,7 @@ from bridge.model_compare.report import CompareReport
 from bridge.model_compare.torch_run import TorchRun, run_torch
 from bridge.numerics import FP8_CORE_U, FP8_TENSOR_CORE_RECIPES, FP32_U, chain_bound
 from bridge.params import ParamPair, jax_parameters, load_into_jax
+from twinspec.mesh import MeshShape
 
 # Recipes whose per-model state advances with each torch step while the JAX twin's calls start afresh.
 STATEFUL_RECIPES = ("delayed", "nvfp4")
@@ -71,7 +72,8 @@ def _label(call: Call, index: int, counts: Counter) -> str:
 
 def compare(
     torch_model: nn.Module | Any, jax_model: nnx.Module | Any, inputs: torch.Tensor | tuple[torch.Tensor, ...], *,
-    recipe: Any = "off", params: Any = "auto", backward: bool = True, steps: int = 0, mesh: str | None = None,
+    recipe: Any = "off", params: Any = "auto", backward: bool = True, steps: int = 0,
+    mesh: str | MeshShape | None = None,
 ) -> CompareReport:  # fmt: skip
     """Compare a torch model with its NNX twin on `inputs`, every common submodule teacher-forced (module docstring).
 
@@ -220,4 +222,4 @@ def _add_own_weight_grads(into: dict, call: Call, param_grads: dict, bound: floa
             into[pair.torch_name] = (value, bound)
 
 
-__all__ = ["compare"]
+__all__ = ["compare", "compare_here"]
