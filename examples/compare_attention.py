@@ -8,6 +8,11 @@ framework's own norms. Run it on one process:
     python examples/compare_attention.py                 # FP8 off
     python examples/compare_attention.py current         # each side under its own FP8 autocast
 
+or data-parallel on 2 co-located CPU processes (the batch split between them, each framework summing
+the weight gradients with its own collective; both build the block from `torch_mqa` / `jax_mqa`):
+
+    python examples/compare_attention.py --mesh dp=2
+
 or through the CLI, whose factories are `torch_block` and `jax_block` below:
 
     shardbridge verify --torch examples.compare_attention:torch_block --jax examples.compare_attention:jax_block
@@ -17,8 +22,9 @@ Shape legend: B batch, S sequence, D model width, N query heads, H head dim.
 
 from __future__ import annotations
 
+import argparse
 import math
-import sys
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -30,6 +36,8 @@ import torchside
 from jaxside.modules import Linear
 
 WIDTH, HEADS, BATCH, SEQ = 64, 4, 2, 16
+# How the processes of a --mesh run import this file's factories: by its name when run as a script.
+MODULE = Path(__file__).stem if __name__ == "__main__" else __name__
 HEAD_DIM = WIDTH // HEADS
 
 
@@ -90,25 +98,41 @@ def _inputs() -> torch.Tensor:
     return torch.randn(BATCH, SEQ, WIDTH, generator=torch.Generator().manual_seed(0))
 
 
+def torch_mqa() -> TorchMQABlock:
+    """The torch block, seeded (each process of a --mesh run builds its own)."""
+    torch.manual_seed(0)
+    return TorchMQABlock()
+
+
+def jax_mqa() -> JaxMQABlock:
+    return JaxMQABlock(nnx.Rngs(0))
+
+
 def torch_block() -> tuple[nn.Module, torch.Tensor]:
     """The factory `shardbridge verify --torch` calls: (model, example inputs)."""
-    torch.manual_seed(0)
-    return TorchMQABlock(), _inputs()
+    return torch_mqa(), _inputs()
 
 
 def jax_block() -> tuple[nnx.Module, torch.Tensor]:
     """The factory `shardbridge verify --jax` calls (the inputs only give the shapes: JAX gets torch's values)."""
-    return JaxMQABlock(nnx.Rngs(0)), _inputs()
+    return jax_mqa(), _inputs()
 
 
-def main(recipe: str = "off") -> int:
+def main() -> int:
     import bridge
 
-    (torch_model, inputs), (jax_model, _) = torch_block(), jax_block()
-    report = bridge.compare(torch_model, jax_model, inputs, recipe=recipe)
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("recipe", nargs="?", default="off", help="off (default), current, block, ...")
+    parser.add_argument("--mesh", help="e.g. dp=2: data-parallel co-located CPU processes")
+    args = parser.parse_args()
+    if args.mesh:
+        models = f"{MODULE}:torch_mqa", f"{MODULE}:jax_mqa"
+        report = bridge.compare(*models, _inputs(), recipe=args.recipe, mesh=args.mesh)
+    else:
+        report = bridge.compare(torch_mqa(), jax_mqa(), _inputs(), recipe=args.recipe)
     print(report.table())
     return 0 if report.passed else 1
 
 
 if __name__ == "__main__":
-    sys.exit(main(*sys.argv[1:]))
+    raise SystemExit(main())

@@ -134,6 +134,19 @@ def test_no_import_in_a_package_goes_against_the_direction(package):
     assert not wrong, f"{package} must not import {sorted(FORBIDDEN_IMPORTS[package])}:\n" + "\n".join(wrong)
 
 
+def test_only_the_command_line_imports_the_command_modules():
+    """Library code returns data (bridge/cli.py): a library caller must not load a CLI verb's module."""
+    commands = ("bridge/cli.py", "bridge/__main__.py", "bridge/commands/")
+    wrong = [
+        f"{path.relative_to(REPO)}:{line}: {name}"
+        for path in python_files("bridge")
+        if not str(path.relative_to(REPO)).startswith(commands)
+        for line, name in imported_modules(path)
+        if name == "bridge.commands" or name.startswith("bridge.commands.")
+    ]
+    assert not wrong, "library modules import a command module:\n" + "\n".join(wrong)
+
+
 def is_test_module(name: str) -> bool:
     return name.split(".")[0] == "tests" and name.split(".")[-1].startswith("test_")
 

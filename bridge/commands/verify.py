@@ -22,7 +22,8 @@ off), the logits against bridge.numerics' forward tolerance (bridge/hf_check.py,
 
 --torch PKG.MODULE:FACTORY --jax PKG.MODULE:FACTORY: your own pair of models, each factory returning
 (model, example inputs), compared by bridge.compare on this process, every common submodule
-teacher-forced (docs/verification.md); --recipe as above (default off), --json, --report.
+teacher-forced (docs/verification.md); --recipe as above (default off), --steps (default 0: Adam steps,
+parameters and moments compared after each), --json, --report.
 """
 
 from __future__ import annotations
@@ -32,10 +33,10 @@ import json
 
 from rich.console import Console
 from rich.markup import escape
-from rich.table import Table
 
 from bridge.errors import CheckFailed
 from bridge.numerics import RECIPES
+from bridge.report_table import render
 
 RECIPE_CHOICES = f"{', '.join(RECIPES)} (comma-separated) or all"
 STACK_DEFAULTS = {"layers": 2, "hidden": 256, "steps": 5}  # the built-in stacks' options (bridge/twins.py)
@@ -77,7 +78,8 @@ def register(verbs) -> None:
     parser.add_argument(
         "--steps",
         type=int,
-        help=f"optimizer steps compared (default {STACK_DEFAULTS['steps']}; not with --model llama)",
+        help=f"optimizer steps compared (default {STACK_DEFAULTS['steps']}, with --torch/--jax 0; not with --model "
+        "llama)",
     )
     parser.add_argument(
         "--batch-size", type=int,
@@ -160,7 +162,7 @@ def _run_factories(args: argparse.Namespace, console: Console) -> int:
 
     if not (args.torch and args.jax):
         raise ValueError("--torch and --jax go together: pass both factories (PKG.MODULE:FACTORY)")
-    stack_options = ("model", "hf", "plan", "mesh", "layers", "hidden", "steps", "batch_size", "seq_len", "device")
+    stack_options = ("model", "hf", "plan", "mesh", "layers", "hidden", "batch_size", "seq_len", "device")
     given = [f"--{name.replace('_', '-')}" for name in stack_options if getattr(args, name) not in (None, "mlp")]
     if given:
         raise ValueError(f"{', '.join(given)}: options of the built-in models, not of --torch/--jax")
@@ -168,7 +170,8 @@ def _run_factories(args: argparse.Namespace, console: Console) -> int:
         from bridge.cli import check_output_path
 
         check_output_path("--report", args.report)
-    reports = [r.to_json() for r in compare_factories(args.torch, args.jax, _recipes(args.recipe or "off"))]
+    recipes, steps = _recipes(args.recipe or "off"), args.steps or 0
+    reports = [r.to_json() for r in compare_factories(args.torch, args.jax, recipes, steps=steps)]
     return _finish(args, console, reports)
 
 
@@ -300,37 +303,3 @@ def _check_tp_divides(case) -> None:
             raise ValueError(
                 f"--mesh {case.mesh}: tp={tp} does not divide {what}; pick a tp that divides it or another --hidden"
             )
-
-
-def render(console: Console, report: dict) -> None:
-    """One table per (mesh, recipe): the worst check of each stage, and the first divergence."""
-    steps = f", {report['steps']} steps" if report["steps"] else ""  # none: a forward only (--hf)
-    title = f"{report['model']} on {report['mesh']}, recipe {report['recipe']}{steps}"
-    table = Table(title=escape(title))
-    table.add_column("stage", style="bold")
-    table.add_column("checks", justify="right")
-    table.add_column("worst relative", justify="right")
-    table.add_column("worst max-abs", justify="right")
-    table.add_column("worst tensor", overflow="fold")
-    table.add_column("verdict")
-    stages: dict[str, list[dict]] = {}
-    for check in report["checks"]:
-        stages.setdefault(check["stage"], []).append(check)
-    for stage, checks in stages.items():
-        worst = max(checks, key=lambda c: (not c["passed"], c["relative"]))
-        failed = sum(not c["passed"] for c in checks)
-        verdict = "[green]ok[/]" if not failed else f"[red]{failed} diverge[/]"
-        table.add_row(stage, str(len(checks)), f"{worst['relative']:.2e}", f"{worst['max_abs']:.2e}",
-                      escape(f"{worst['name']} (step {worst['step']})"), verdict)  # fmt: skip
-    console.print(table)
-    first = report["first_divergence"]
-    if first is None:
-        console.print("[bold green]verdict[/] torch and JAX agree within bridge.numerics' tolerances")
-        return
-    limit = first["tolerance"]
-    console.print(
-        f"[bold red]first divergence[/] step {first['step']}, {first['stage']}, layer {escape(first['layer'])}, "
-        f"tensor {escape(first['name'])}: relative {first['relative']:.3e} (limit {limit['relative']}), "
-        f"max-abs {first['max_abs']:.3e} (limit {limit['max_abs']}){', NaN' if first['nan'] else ''}",
-        soft_wrap=True,
-    )

@@ -8,12 +8,15 @@ that call back through it (jax.vjp). The model itself is the end-to-end check; u
 that one is judged noise-aware (bridge.model_compare.noise) against both frameworks run with FP8 off.
 Bounds: bridge.numerics.chain_bound. Order of the checks (the first failing one is
 `first_divergence`): submodule outputs, input gradients, weight gradients (teacher-forced,
-children before parents), then the end-to-end ones.
+children before parents), then the end-to-end ones; with steps > 0, then the parameters and Adam moments
+after one step on both sides from torch's state (bridge.model_compare.adam_steps), and all of it again
+at the new parameters, up to `steps` steps.
 """
 
 from __future__ import annotations
 
 from collections import Counter
+from dataclasses import replace
 from typing import Any
 
 import jax.numpy as jnp
@@ -21,7 +24,7 @@ import torch
 from flax import nnx
 from torch import nn
 
-from bridge.model_compare import jax_calls, pairing, recipes
+from bridge.model_compare import adam_steps, data_parallel, jax_calls, pairing, recipes
 from bridge.model_compare.checks import distance_check
 from bridge.model_compare.end_to_end import end_to_end_checks
 from bridge.model_compare.recorder import Call, float_leaves, output_unit
@@ -29,6 +32,10 @@ from bridge.model_compare.report import CompareReport
 from bridge.model_compare.torch_run import TorchRun, run_torch
 from bridge.numerics import FP8_CORE_U, FP8_TENSOR_CORE_RECIPES, FP32_U, chain_bound
 from bridge.params import ParamPair, jax_parameters, load_into_jax
+from twinspec.mesh import MeshShape
+
+# Recipes whose per-model state advances with each torch step while the JAX twin's calls start afresh.
+STATEFUL_RECIPES = ("delayed", "nvfp4")
 
 
 def _check_arguments(torch_model: Any, jax_model: Any, inputs: Any) -> tuple[torch.Tensor, ...]:
@@ -64,38 +71,101 @@ def _label(call: Call, index: int, counts: Counter) -> str:
 
 
 def compare(
-    torch_model: nn.Module, jax_model: nnx.Module, inputs: torch.Tensor | tuple[torch.Tensor, ...], *,
-    recipe: Any = "off", params: Any = "auto", backward: bool = True,
+    torch_model: nn.Module | Any, jax_model: nnx.Module | Any, inputs: torch.Tensor | tuple[torch.Tensor, ...], *,
+    recipe: Any = "off", params: Any = "auto", backward: bool = True, steps: int = 0,
+    mesh: str | MeshShape | None = None,
 ) -> CompareReport:  # fmt: skip
     """Compare a torch model with its NNX twin on `inputs`, every common submodule teacher-forced (module docstring).
 
     recipe: "off", "current", "delayed", "block", "mxfp8", "nvfp4" or a recipe object (the same object
     under each side's own fp8_autocast). params: "auto", {torch name: NNX dotted path} or a list of
-    bridge.params.Rule. torch's parameter values are copied into the JAX model. Both models should be fresh
-    (DelayedScaling's histories are not copied) and deterministic (no dropout: put them in eval mode).
+    bridge.params.Rule. steps: Adam steps after the checks (torchside FusedAdam / jaxside fused_adam, both
+    from torch's state: bridge.model_compare.adam_steps), each followed by the checks again at the new
+    parameters; `.step` of a check says which. torch's parameter values are copied into the JAX model; the
+    torch model's are put back at the end. Both models should be fresh (DelayedScaling's histories are not
+    copied) and deterministic (no dropout: put them in eval mode).
+    mesh: e.g. "dp=2": run in that many co-located data-parallel processes (bridge.model_compare.data_parallel),
+    `inputs` split along dim 0; the models are then given as factories the processes can import
+    ("package.module:function" or a module-level function returning the model).
     """
+    options = {"recipe": recipe, "params": params, "backward": backward, "steps": steps}
+    if mesh is None:
+        return compare_here(torch_model, jax_model, inputs, **options)
+    return _compare_on_mesh((torch_model, jax_model), inputs, mesh, **options)
+
+
+def _compare_on_mesh(factories: tuple, inputs, mesh, **options) -> CompareReport:
+    """Check everything in this process (the models built once, on the CPU), then run `compare_here` per rank."""
+    from bridge import runtime
+
+    processes = data_parallel.data_parallel_size(mesh)
+    loaded = [data_parallel.load_model_factory(n, f) for n, f in zip(("torch_model", "jax_model"), factories)]
+    torch_model, jax_model = (factory() for factory in loaded)
+    inputs = _check_arguments(torch_model, jax_model, inputs)
+    uneven = [list(x.shape) for x in inputs if x.ndim == 0 or x.shape[0] % processes]
+    if uneven:
+        raise ValueError(f"mesh {mesh!r}: inputs {uneven} do not split along dim 0 over {processes} ranks")
+    name, _ = recipes.resolve(options["recipe"])
+    _check_steps(options["steps"], options["backward"], name)
+    pairing.pair(torch_model, jax_model, options["params"])
+    device, _ = runtime.choose_device_type(None, processes, torch.cuda.device_count())
+    inputs = tuple(x.detach().cpu() for x in inputs)
+    return runtime.launch(data_parallel.worker, processes, factories, inputs, options, device_type=device)[0]
+
+
+def compare_here(
+    torch_model: nn.Module, jax_model: nnx.Module, inputs, *, recipe: Any = "off", params: Any = "auto",
+    backward: bool = True, steps: int = 0, dp: data_parallel.DataParallel | None = None,
+) -> CompareReport:  # fmt: skip
+    """`compare` in this process; with `dp`, as one data-parallel rank of several (data_parallel's docstring)."""
     inputs = _check_arguments(torch_model, jax_model, inputs)
     name, recipe = recipes.resolve(recipe)
+    _check_steps(steps, backward, name)
     pairs = pairing.pair(torch_model, jax_model, params)
-    _copy_weights(torch_model, jax_model, pairs)
     common = _common_names(torch_model, jax_model)
     device = next((p.device.type for p in torch_model.parameters()), "cpu")
     u_acc = FP8_CORE_U if device == "cuda" and name in FP8_TENSOR_CORE_RECIPES else FP32_U
     bits = recipes.mantissa_bits(recipe)
-
-    run = run_torch(torch_model, inputs, recipe, set(common), backward)
-    checks, jax_root = _teacher_forced_checks(run, common, pairs, recipe, bits, u_acc, backward)
     report = CompareReport(
-        model=f"{type(torch_model).__name__} / {type(jax_model).__name__}", mesh="1 process", recipe=name, steps=0,
-        device_type=device, checks=checks,
+        model=f"{type(torch_model).__name__} / {type(jax_model).__name__}",
+        mesh="1 process" if dp is None else f"dp={dp.size} ({dp.size} processes)", recipe=name, steps=steps,
+        device_type=device,
     )  # fmt: skip
-    report.checks += end_to_end_checks(
-        torch_model, jax_model, inputs, run, jax_root, pairs, recipe=recipe, u_acc=u_acc, backward=backward
-    )
+    initial = {key: value.detach().clone() for key, value in torch_model.state_dict().items()}
+    optimizer = adam_steps.torch_adam(torch_model) if steps else None
+    try:
+        for step in range(steps + 1):
+            _copy_weights(torch_model, jax_model, pairs)  # each step starts both sides from torch's parameters
+            run = data_parallel.summed_torch_grads(run_torch(torch_model, inputs, recipe, set(common), backward), dp)
+            checks, jax_root = _teacher_forced_checks(run, common, pairs, recipe, bits, u_acc, backward, dp)
+            jax_root = data_parallel.summed_jax_grads(jax_root, dp)
+            checks += end_to_end_checks(
+                torch_model, jax_model, inputs, run, jax_root, pairs, recipe=recipe, u_acc=u_acc, backward=backward,
+                dp=dp,
+            )  # fmt: skip
+            if step < steps:
+                checks += adam_steps.adam_step(torch_model, optimizer, pairs, run.grads, jax_root[1])
+            report.checks += [replace(check, step=step) for check in checks]
+    finally:
+        if steps:  # the optimizer moved torch's parameters: put them back, and JAX's with them
+            torch_model.load_state_dict(initial)
+            _copy_weights(torch_model, jax_model, pairs)
     return report
 
 
-def _teacher_forced_checks(run: TorchRun, common: dict, pairs: list[ParamPair], recipe, bits, u_acc, backward):
+def _check_steps(steps: Any, backward: bool, recipe: str) -> None:
+    if isinstance(steps, bool) or not isinstance(steps, int) or steps < 0:
+        raise ValueError(f"steps={steps!r}: pass a whole number >= 0 of optimizer steps")
+    if steps and not backward:
+        raise ValueError(f"steps={steps} needs the gradients: pass backward=True, or steps=0")
+    if steps and recipe in STATEFUL_RECIPES:
+        raise ValueError(
+            f"steps={steps} with recipe {recipe!r}: its state (amax history, rounding step) advances in torch but is "
+            "not carried to the JAX side between steps; compare one step (steps=0) or use off, current, block or mxfp8"
+        )
+
+
+def _teacher_forced_checks(run: TorchRun, common: dict, pairs: list[ParamPair], recipe, bits, u_acc, backward, dp):
     """(the submodules' checks, the JAX results of the model's own call): outputs, input grads, weight grads."""
     counts = Counter(call.name for call in run.calls)
     seen: Counter = Counter()
@@ -124,6 +194,9 @@ def _teacher_forced_checks(run: TorchRun, common: dict, pairs: list[ParamPair], 
         if pair.torch_name in weight_grads:
             got, bound = weight_grads[pair.torch_name]
             expected = run.grads.get(pair.torch_name, torch.zeros_like(got))
+            if dp is not None:  # JAX's sum over the ranks (torch's is in run.grads already)
+                got = torch.from_numpy(dp.jax_sum(got.numpy()))
+                bound += dp.sum_error(got.numel())
             checks.append(distance_check("weight_grad", pair.torch_name, [got], [expected], bound))
     return checks, jax_root
 
@@ -149,4 +222,4 @@ def _add_own_weight_grads(into: dict, call: Call, param_grads: dict, bound: floa
             into[pair.torch_name] = (value, bound)
 
 
-__all__ = ["compare"]
+__all__ = ["compare", "compare_here"]

@@ -52,7 +52,9 @@ def _shapes(inputs: tuple) -> list[tuple[int, ...]]:
     return [tuple(getattr(x, "shape", ())) for x in inputs]
 
 
-def compare_factories(torch_spec: str, jax_spec: str, recipes: tuple[str, ...]) -> list[CompareReport]:
+def compare_factories(
+    torch_spec: str, jax_spec: str, recipes: tuple[str, ...], *, steps: int = 0
+) -> list[CompareReport]:
     """One compare() per recipe of the models the two factories build (fresh models for each recipe)."""
     reports = []
     for recipe in recipes:
@@ -65,7 +67,7 @@ def compare_factories(torch_spec: str, jax_spec: str, recipes: tuple[str, ...]) 
             )
         if not all(isinstance(x, torch.Tensor) for x in torch_inputs):
             raise TypeError(f"--torch {torch_spec}: the example inputs must be torch tensors")
-        reports.append(compare(torch_model, jax_model, torch_inputs, recipe=recipe))
+        reports.append(compare(torch_model, jax_model, torch_inputs, recipe=recipe, steps=steps))
     return reports
 
 

@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-import io
 from dataclasses import dataclass
 
 from bridge.numerics import VerifyReport
+from bridge.report_table import report_text
 
 
 @dataclass
@@ -14,13 +14,7 @@ class CompareReport(VerifyReport):
 
     def table(self, width: int = 120) -> str:
         """The table `shardbridge verify` prints (the worst check of each stage, then the verdict), as text."""
-        from rich.console import Console
-
-        from bridge.commands.verify import render
-
-        buffer = io.StringIO()
-        render(Console(file=buffer, width=width, color_system=None, soft_wrap=True), self.to_json())
-        return buffer.getvalue()
+        return report_text(self.to_json(), width)
 
 
 __all__ = ["CompareReport"]

@@ -140,4 +140,37 @@ def jax_stack_tanh_gelu():
     return JaxStack(32, 3, planted=(1, "tanh_gelu")), inputs(32, seq=8)
 
 
-__all__ = ["JaxStack", "TorchStack", "inputs", "jax_stack", "jax_stack_tanh_gelu", "torch_stack"]
+def torch_stack_model() -> TorchStack:
+    """Model factories for `bridge.compare(..., mesh=...)`, whose processes build the models themselves."""
+    return TorchStack(32, 2)
+
+
+def jax_stack_model() -> JaxStack:
+    return JaxStack(32, 2)
+
+
+def torch_fp8_stack_model() -> TorchStack:
+    return TorchStack(32, 2, fp8=True)
+
+
+def jax_fp8_stack_model() -> JaxStack:
+    return JaxStack(32, 2, fp8=True)
+
+
+def jax_stack_model_tanh_gelu() -> JaxStack:
+    return JaxStack(32, 2, planted=(1, "tanh_gelu"))
+
+
+__all__ = [
+    "JaxStack",
+    "TorchStack",
+    "inputs",
+    "jax_fp8_stack_model",
+    "jax_stack",
+    "jax_stack_model",
+    "jax_stack_model_tanh_gelu",
+    "jax_stack_tanh_gelu",
+    "torch_fp8_stack_model",
+    "torch_stack",
+    "torch_stack_model",
+]

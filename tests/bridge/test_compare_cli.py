@@ -8,6 +8,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from bridge.cli import main
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -31,6 +33,14 @@ def test_verify_factories_pass_and_fail_with_the_exit_contract(capsys):
     assert "Traceback" not in err
 
 
+def test_verify_factories_take_steps(capsys):
+    factories = ("--torch", f"{MODELS}:torch_stack", "--jax", f"{MODELS}:jax_stack")
+    code, out, err = _verify(capsys, *factories, "--steps", "1", "--json")
+    assert code == 0, err
+    (report,) = json.loads(out)
+    assert report["steps"] == 1 and {"param", "exp_avg", "exp_avg_sq"} <= {c["stage"] for c in report["checks"]}
+
+
 def test_verify_factories_bad_input_is_exit_2(capsys):
     code, _, err = _verify(capsys, "--torch", f"{MODELS}:nothing", "--jax", f"{MODELS}:jax_stack")
     assert code == 2 and "--torch tests.bridge.compare_models:nothing" in err
@@ -40,9 +50,20 @@ def test_verify_factories_bad_input_is_exit_2(capsys):
     assert code == 2 and "--mesh" in err
 
 
-def test_the_attention_example_passes():
+def _run_example(*args: str) -> str:
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    command = [sys.executable, "examples/compare_attention.py"]
+    command = [sys.executable, "examples/compare_attention.py", *args]
     result = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stdout + result.stderr
-    assert "agree" in result.stdout
+    return result.stdout
+
+
+def test_the_attention_example_passes():
+    assert "agree" in _run_example()
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+def test_the_attention_example_passes_on_two_data_parallel_processes():
+    out = _run_example("--mesh", "dp=2")
+    assert "on dp=2 (2 processes)" in out and "agree" in out

@@ -19,7 +19,7 @@ import pytest
 from rich.console import Console
 
 from bridge.cli import main
-from bridge.commands.verify import render
+from bridge.report_table import render
 from bridge.numerics import TensorCheck, Tolerance, VerifyReport
 
 PLANS = Path(__file__).parents[2] / "examples" / "plans"
