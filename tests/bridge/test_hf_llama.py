@@ -27,6 +27,7 @@ from flax import nnx
 from transformers import LlamaConfig as HFConfig
 from transformers import LlamaForCausalLM
 
+from bridge.numerics import relative_error as relative
 from twinspec import hf_llama
 from jaxside.models import llama as jax_llama
 from twinspec.llama import LlamaConfig
@@ -42,7 +43,6 @@ from tests.bridge.hf_cases import (
     our_rows,
     random_tokens,
     reference_logits,
-    relative,
     save,
     torch_logits,
 )
