@@ -176,12 +176,6 @@ def _read(checkpoint: Checkpoint, name: str, shape: tuple[int, ...], index: tupl
     return box
 
 
-@functools.cache
-def _transposer(sharding: NamedSharding):
-    """A compiled `x.T` whose result has `sharding`: each device transposes its own shard (no communication)."""
-    return jax.jit(jnp.transpose, out_shardings=sharding)
-
-
 def _load_param(
     checkpoint: Checkpoint, name: str, shape: tuple[int, ...], sharding: NamedSharding, dtype, *, device_transpose: bool
 ) -> Array:
@@ -201,7 +195,7 @@ def _load_param(
     spec = (*sharding.spec, *[None] * (2 - len(sharding.spec)))
     file_sharding = NamedSharding(sharding.mesh, PartitionSpec(*spec[::-1]))
     rows = jax.make_array_from_callback(file_shape, file_sharding, functools.partial(read, file_shape))
-    return _transposer(sharding)(rows)
+    return jax.jit(jnp.transpose, out_shardings=sharding)(rows)  # (each device its own shard; JAX caches the program)
 
 
 def _abstract_init(key, shape, dtype=jnp.float32) -> jax.ShapeDtypeStruct:
@@ -239,7 +233,8 @@ def load_hf(path: str | Path, *, mesh: Mesh | None = None, dtype=None) -> Llama:
     for path, variable in params:
         shape = tuple(variable.get_value().shape)
         sharding = placements[path].get_value()
-        variable.set_value(_load_param(checkpoint, names[path], shape, sharding, dtype, device_transpose=device_transpose))
+        value = _load_param(checkpoint, names[path], shape, sharding, dtype, device_transpose=device_transpose)
+        variable.set_value(value)
     rest = nnx.state(model, nnx.Not(nnx.Param))
     rest_placement = nnx.from_flat_state({path: placements[path] for path, _ in nnx.to_flat_state(rest)})
     nnx.update(model, jax.device_put(rest, rest_placement))

@@ -157,7 +157,8 @@ def test_jax_shards_are_the_files_values_whether_transposed_on_the_host_or_on_th
         for hf_name, rows in our_rows(checkpoint.sources[ours], checkpoint.config, expected.shape[0]).items():
             expected[rows] = files[hf_name]
         expected = expected.T
-        on_devices = jax_llama._load_param(checkpoint, ours, loaded.shape, loaded.sharding, dtype, device_transpose=True)
+        placed = (loaded.shape, loaded.sharding, dtype)
+        on_devices = jax_llama._load_param(checkpoint, ours, *placed, device_transpose=True)
         for array in (loaded, on_devices):
             assert array.dtype == dtype and array.sharding == loaded.sharding
             for shard in array.addressable_shards:

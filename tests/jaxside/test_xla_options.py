@@ -26,7 +26,7 @@ def test_the_environments_xla_flags_is_read_when_called(monkeypatch):
 
 
 def test_jit_compiles_with_the_options_whichever_way_it_is_compiled(monkeypatch):
-    """XLA knows every option's name (a CPU compile accepts the GPU ones) and gets them on a call and on lower().compile()."""
+    """XLA knows every option's name (a CPU compile accepts the GPU ones) and gets them called or lower().compile()d."""
     double = xla_options.jit(lambda x: 2 * x)
     assert double.lower(jnp.ones(3)).compile()(jnp.ones(3)).tolist() == [2.0, 2.0, 2.0]
     monkeypatch.setattr(xla_options, "FP8_STEP_OPTIONS", {"xla_gpu_no_such_option": False})
