@@ -12,8 +12,8 @@ Floor: the projections' GEMM flops (2 * T * in * out, x3 for forward + backward)
 at the bf16 peak.
 
 Run on a CUDA machine:  XLA_PYTHON_CLIENT_PREALLOCATE=false PYTHONPATH=. python3 benchmarks/bench/bench_jax_layer.py
-(the steps compile with jaxside.xla_options: with XLA's Triton GEMMs on, the H200 spent over 260 s compiling
-the FP8 step, 6 s with them off)
+(the twin's steps compile with jaxside.xla_options, the peer with XLA's defaults: with XLA's Triton GEMMs on,
+the H200 spent over 260 s compiling the FP8 step, 6 s with them off)
 (add `--compile-cache /tmp/jax-cache` so that a second run in the same machine session skips compiling).
 Times: benchmarks.harness.wall_ms of the compiled step up to jax.block_until_ready, after one warm call.
 """
@@ -97,7 +97,7 @@ def build_plain_step(args):
     def step(p, x, dy):
         return jax.value_and_grad(lambda p, x: jnp.sum(layer(p, x).astype(jnp.float32) * dy), argnums=(0, 1))(p, x)
 
-    return xla_options.jit(step), (params, x, dy)
+    return jax.jit(step), (params, x, dy)  # (XLA's default options: what plain JAX gets)
 
 
 def compile_step(name: str, step, arguments):
