@@ -210,10 +210,11 @@ def load_hf(path: str | Path, *, mesh: Mesh | None = None, dtype=None) -> Llama:
     """The twin with an HF LlamaForCausalLM directory's weights, every parameter a NamedSharding'd array on `mesh`.
 
     mesh: from jaxside.sharding.make_mesh (None: one device). Each device's shard is read on its own
-    (`jax.make_array_from_callback`): only the rows and columns of that shard (twinspec.hf_llama), and
-    each byte once, from the files' mappings straight to the device (a dtype other than the file's is
-    converted shard by shard on the host). The model is built eagerly with kernels that are only shapes
-    (no trace or compile of its construction); its small FP8 state is the fresh model's.
+    (`jax.make_array_from_callback`): only the rows and columns of that shard (twinspec.hf_llama), each
+    byte read once, from the files' mappings to the device (through a host box only where our tensor
+    fuses HF tensors, pads the vocabulary or converts the dtype: `_read`). The model is built eagerly
+    with kernels that are only shapes (no trace or compile of its construction); its small FP8 state is
+    a fresh model's.
     dtype: the parameters' dtype; None keeps the checkpoint's. ValueError naming the file for bad input.
     """
     checkpoint = Checkpoint(path)
