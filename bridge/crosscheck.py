@@ -325,6 +325,7 @@ def _jax_step(recipe):
     from jax.sharding import NamedSharding, PartitionSpec
 
     import jaxside.modules as JM
+    from jaxside import xla_options
 
     def loss(model, x, dy, placed: _Placement):
         with JM.fp8_autocast(enabled=recipe is not None, recipe=recipe):
@@ -343,7 +344,7 @@ def _jax_step(recipe):
         new_state = jax.lax.with_sharding_constraint(nnx.state((model, optimizer)), placed.state)
         return new_state, outputs, dx, param_grads
 
-    jitted = jax.jit(step, static_argnums=(0, 4))
+    jitted = xla_options.jit(step, static_argnums=(0, 4))  # (the options FP8 steps compile with)
     compiled: dict[tuple, Any] = {}
 
     def run(model, optimizer, x, dy):

@@ -69,6 +69,7 @@ def _jax_logits(recipe: Recipe | None, twin, tokens):
     from flax import nnx
 
     import jaxside.modules as JM
+    from jaxside import xla_options
 
     graphdef, state = nnx.split(twin)
 
@@ -76,7 +77,7 @@ def _jax_logits(recipe: Recipe | None, twin, tokens):
         with JM.fp8_autocast(enabled=recipe is not None, recipe=recipe):
             return nnx.merge(graphdef, state)(tokens)
 
-    compiled = jax.jit(forward).lower(state, tokens).compile()
+    compiled = xla_options.jit(forward).lower(state, tokens).compile()
     dist.barrier()  # XLA's gloo collectives give up on a peer still compiling (as bridge.crosscheck's step)
     return compiled(state, tokens)
 

@@ -11,9 +11,9 @@ Floor: the projections' GEMM flops (2 * T * in * out, x3 for forward + backward)
 (bf16 788 TFLOP/s, FP8 1425, benchmarks/harness.py) plus attention's (4 * B * S^2 * N * D, causal halves it, x3)
 at the bf16 peak.
 
-Run on a CUDA machine:  XLA_PYTHON_CLIENT_PREALLOCATE=false XLA_FLAGS=--xla_gpu_enable_triton_gemm=false \
-    PYTHONPATH=. python3 benchmarks/bench/bench_jax_layer.py
-(with XLA's Triton GEMMs on, the H200 spent over 260 s compiling the FP8 step, 6 s with them off)
+Run on a CUDA machine:  XLA_PYTHON_CLIENT_PREALLOCATE=false PYTHONPATH=. python3 benchmarks/bench/bench_jax_layer.py
+(the twin's steps compile with jaxside.xla_options, the peer with XLA's defaults: with XLA's Triton GEMMs on,
+the H200 spent over 260 s compiling the FP8 step, 6 s with them off)
 (add `--compile-cache /tmp/jax-cache` so that a second run in the same machine session skips compiling).
 Times: benchmarks.harness.wall_ms of the compiled step up to jax.block_until_ready, after one warm call.
 """
@@ -27,6 +27,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from benchmarks.harness import PEAK_TFLOPS, Result, argument_parser, report, wall_ms
+from jaxside import xla_options
 from jaxside.hlo import fp8_gemm_count
 from jaxside.modules import ModuleConfig, TransformerConfig, TransformerLayer, fp8_autocast
 from twinspec.recipe import Float8CurrentScaling
@@ -55,7 +56,7 @@ def build_step(args, recipe):
 
         return jax.value_and_grad(loss, argnums=(0, 1))(params, x)
 
-    return jax.jit(step), (params, rest, x, dy)
+    return xla_options.jit(step), (params, rest, x, dy)
 
 
 def build_plain_step(args):
@@ -96,7 +97,7 @@ def build_plain_step(args):
     def step(p, x, dy):
         return jax.value_and_grad(lambda p, x: jnp.sum(layer(p, x).astype(jnp.float32) * dy), argnums=(0, 1))(p, x)
 
-    return jax.jit(step), (params, x, dy)
+    return jax.jit(step), (params, x, dy)  # (XLA's default options: what plain JAX gets)
 
 
 def compile_step(name: str, step, arguments):

@@ -22,6 +22,7 @@ import torch
 from flax import nnx
 
 from bridge.model_compare.recorder import Call, float_leaves
+from jaxside import xla_options
 from jaxside.modules import fp8_autocast
 
 
@@ -97,7 +98,7 @@ def _program(graphdef, treedef, statics: tuple, positions: tuple[int, ...], reci
         (param_grads, arg_grads), outputs = grad(module, diff_args)
         return outputs, param_grads, arg_grads
 
-    return jax.jit(run)
+    return xla_options.jit(run)
 
 
 def run_call(module: nnx.Module, args: tuple, kwargs: dict, positions: tuple[int, ...], recipe, cotangents):

@@ -31,7 +31,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 from jax import Array
-from jax.sharding import Mesh
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from twinspec.hf_llama import Checkpoint, Piece
 from twinspec.llama import LLAMA_CONFIGS, LlamaConfig, RopeScaling
@@ -154,30 +154,53 @@ class Llama(nnx.Module):
 
 
 def _read(checkpoint: Checkpoint, name: str, shape: tuple[int, ...], index: tuple[slice, ...], *, dtype) -> np.ndarray:
-    """The values at `index` of the JAX parameter `name` (torch name) of global `shape`, read from the checkpoint.
+    """The box `index` of our tensor `name` (torch's layout, global `shape`) in `dtype`, read from the checkpoint.
 
-    The file's bytes are copied once, into a box in torch's layout; a kernel is that box transposed (a view:
-    the transfer to the device transposes it). A kernel that is one HF tensor's box in our dtype needs no
-    box: the transfer copies it from the file's mapping.
+    A box that is one HF tensor's rows in our dtype is a view of the file's mapping: the transfer to the
+    device reads its bytes, nothing copies them before. Any other box (the fused QKV and fc1, the padded
+    vocabulary, a dtype to convert) is assembled on the host, each piece read once into it.
     """
-    bounds = [s.indices(n)[:2] for s, n in zip(index, shape)]
-    if len(shape) == 2:  # a kernel [in, out]: torch rows are its columns
-        (c0, c1), (r0, r1) = bounds
-        box_shape, cols = (r1 - r0, c1 - c0), (c0, c1)
-    else:
-        ((r0, r1),) = bounds
-        box_shape, cols = (r1 - r0,), None
+    rows, *cols = [s.indices(n)[:2] for s, n in zip(index, shape)]
+    cols = cols[0] if cols else None
     pieces: list[tuple[Piece, np.ndarray | None]] = []
-    checkpoint.read_box(name, (r0, r1), cols, "numpy", lambda piece, values: pieces.append((piece, values)))
-    if len(shape) == 2 and len(pieces) == 1:
+    checkpoint.read_box(name, rows, cols, "numpy", lambda piece, values: pieces.append((piece, values)))
+    box_shape = (rows[1] - rows[0], *([cols[1] - cols[0]] if cols else []))
+    if len(pieces) == 1 and cols is not None:  # (a 1-D box is copied: tiny, and then never an alias of the file)
         values = pieces[0][1]
         if values is not None and values.dtype == dtype and values.shape == box_shape:
-            return values.T
+            return values
     box = np.zeros(box_shape, dtype)
     for piece, values in pieces:
         if values is not None:
             box[piece.dest : piece.dest + (piece.stop - piece.start) * piece.step : piece.step] = values
-    return box.T if len(shape) == 2 else box
+    return box
+
+
+def _load_param(
+    checkpoint: Checkpoint, name: str, shape: tuple[int, ...], sharding: NamedSharding, dtype, *, device_transpose: bool
+) -> Array:
+    """One parameter of global `shape` with `sharding`, each device's shard read from the file on its own.
+
+    A kernel [in, out] is the transpose of the rows the file holds. device_transpose: send the rows as
+    they are (sharded by the reversed spec) and transpose on the devices, in device memory (a GPU's);
+    else hand the transfer the transposed view, which it copies once, transposing (on a CPU, where the
+    device's memory is the host's, that is one pass instead of two).
+    """
+    read = functools.partial(_read, checkpoint, name, dtype=np.dtype(dtype))
+    if len(shape) == 1:
+        return jax.make_array_from_callback(shape, sharding, functools.partial(read, shape))
+    file_shape = shape[::-1]
+    if not device_transpose:
+        return jax.make_array_from_callback(shape, sharding, lambda index: read(file_shape, index[::-1]).T)
+    spec = (*sharding.spec, *[None] * (2 - len(sharding.spec)))
+    file_sharding = NamedSharding(sharding.mesh, PartitionSpec(*spec[::-1]))
+    rows = jax.make_array_from_callback(file_shape, file_sharding, functools.partial(read, file_shape))
+    return jax.jit(jnp.transpose, out_shardings=sharding)(rows)  # (each device its own shard; JAX caches the program)
+
+
+def _abstract_init(key, shape, dtype=jnp.float32) -> jax.ShapeDtypeStruct:
+    """A kernel initializer that allocates nothing: the model's skeleton, its kernels read later."""
+    return jax.ShapeDtypeStruct(shape, dtype)
 
 
 DTYPES = {"F32": jnp.float32, "BF16": jnp.bfloat16}
@@ -187,7 +210,11 @@ def load_hf(path: str | Path, *, mesh: Mesh | None = None, dtype=None) -> Llama:
     """The twin with an HF LlamaForCausalLM directory's weights, every parameter a NamedSharding'd array on `mesh`.
 
     mesh: from jaxside.sharding.make_mesh (None: one device). Each device's shard is read on its own
-    (`jax.make_array_from_callback`): only the rows and columns of that shard (twinspec.hf_llama).
+    (`jax.make_array_from_callback`): only the rows and columns of that shard (twinspec.hf_llama), each
+    byte read once, from the files' mappings to the device (through a host box only where our tensor
+    fuses HF tensors, pads the vocabulary or converts the dtype: `_read`). The model is built eagerly
+    with kernels that are only shapes (no trace or compile of its construction); its small FP8 state is
+    a fresh model's.
     dtype: the parameters' dtype; None keeps the checkpoint's. ValueError naming the file for bad input.
     """
     checkpoint = Checkpoint(path)
@@ -197,31 +224,22 @@ def load_hf(path: str | Path, *, mesh: Mesh | None = None, dtype=None) -> Llama:
         if checkpoint.dtype() not in DTYPES:
             raise ValueError(f"{path}: the checkpoint is {checkpoint.dtype()}; pass dtype=jnp.float32 or jnp.bfloat16")
         dtype = DTYPES[checkpoint.dtype()]
-    zeros = nnx.initializers.zeros
-
-    traced = {}
-
-    def fresh_model_state() -> nnx.State:
-        """A fresh model's FP8 state (scales, amax histories); its graph and parameter shapes go to `traced`."""
-        model = Llama(config, params_dtype=dtype, kernel_init=zeros, rngs=nnx.Rngs(0))
-        traced["graphdef"], traced["params"], rest = nnx.split(model, nnx.Param, ...)
-        return rest
-
-    # One trace of the model's construction gives both (tracing a 16-layer Llama takes about a second).
-    rest = jax.jit(fresh_model_state)()
-    graphdef = traced["graphdef"]
-    params = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), traced.pop("params"))  # (its tracers)
-    placements = dict(nnx.to_flat_state(shardings(nnx.merge(graphdef, params, rest), mesh)))
-    flat_params = dict(nnx.to_flat_state(params))
-    names = {path: torch_name(".".join(map(str, path)), v.get_value().ndim) for path, v in flat_params.items()}
+    model = Llama(config, params_dtype=dtype, kernel_init=_abstract_init, rngs=nnx.Rngs(0))
+    placements = dict(nnx.to_flat_state(shardings(model, mesh)))
+    params = nnx.to_flat_state(nnx.state(model, nnx.Param))
+    names = {path: torch_name(".".join(map(str, path)), v.get_value().ndim) for path, v in params}
     unmapped = sorted(set(names.values()) ^ set(checkpoint.sources))
     assert not unmapped, f"the HF table and the JAX model disagree on {unmapped}"
-    for path, variable in flat_params.items():  # each device's shard read on its own
+    device_transpose = mesh.devices.flat[0].platform != "cpu"  # (_load_param says why)
+    for path, variable in params:
         shape = tuple(variable.get_value().shape)
-        read = functools.partial(_read, checkpoint, names[path], shape, dtype=np.dtype(dtype))
-        variable.set_value(jax.make_array_from_callback(shape, placements[path].get_value(), read))
+        sharding = placements[path].get_value()
+        value = _load_param(checkpoint, names[path], shape, sharding, dtype, device_transpose=device_transpose)
+        variable.set_value(value)
+    rest = nnx.state(model, nnx.Not(nnx.Param))
     rest_placement = nnx.from_flat_state({path: placements[path] for path, _ in nnx.to_flat_state(rest)})
-    return nnx.merge(graphdef, nnx.from_flat_state(flat_params), jax.device_put(rest, rest_placement))
+    nnx.update(model, jax.device_put(rest, rest_placement))
+    return model
 
 
 __all__ = [

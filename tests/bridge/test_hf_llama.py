@@ -14,11 +14,13 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 import math
 import shutil
 import threading
 from pathlib import Path
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -137,6 +139,40 @@ def test_jax_load_reads_each_devices_shard_on_its_own(checkpoints, monkeypatch):
     params = [v.get_value() for _, v in nnx.to_flat_state(nnx.state(model, nnx.Param))]
     assert read[0] == sum(shard.data.size for p in params for shard in p.addressable_shards)
     assert relative_error(jax_logits(model, tokens), reference) <= TOLERANCE
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
+def test_jax_shards_are_the_files_values_whether_transposed_on_the_host_or_on_the_devices(tmp_path, dtype):
+    """dp_shard 4 x tp 2, a bf16 checkpoint: every device's shard of every parameter, as load_hf reads it on a CPU
+    (the transfer transposes) and as on a GPU (the devices transpose), is the file's values at that shard's index."""
+    hf = hf_model("mha_untied_bias").to(torch.bfloat16)
+    directory = save(hf, tmp_path, sharded=True)
+    files = {name: tensor.float().numpy() for name, tensor in hf.state_dict().items()}
+    model = jax_llama.load_hf(directory, mesh=make_mesh(dp_shard=4, tp=2), dtype=dtype)
+    checkpoint = hf_llama.Checkpoint(directory)
+    for path, variable in nnx.to_flat_state(nnx.state(model, nnx.Param)):
+        loaded = variable.get_value()
+        ours = jax_llama.torch_name(".".join(map(str, path)), loaded.ndim)
+        expected = np.zeros(loaded.shape[::-1], np.float32)  # torch's layout; the padded vocabulary's rows stay 0
+        for hf_name, rows in our_rows(checkpoint.sources[ours], checkpoint.config, expected.shape[0]).items():
+            expected[rows] = files[hf_name]
+        expected = expected.T
+        placed = (loaded.shape, loaded.sharding, dtype)
+        on_devices = jax_llama._load_param(checkpoint, ours, *placed, device_transpose=True)
+        for array in (loaded, on_devices):
+            assert array.dtype == dtype and array.sharding == loaded.sharding
+            for shard in array.addressable_shards:
+                assert np.array_equal(np.asarray(shard.data).astype(np.float32), expected[shard.index]), ours
+
+
+def test_a_second_jax_load_compiles_nothing(checkpoints, caplog):
+    """No program is built from the model's construction: loading again finds every program it needs compiled."""
+    directory, _, _ = checkpoints["mha_untied_bias"]
+    mesh = make_mesh(dp_shard=4, tp=2)
+    jax_llama.load_hf(directory, mesh=mesh)
+    with jax.log_compiles(True), caplog.at_level(logging.WARNING):
+        jax_llama.load_hf(directory, mesh=mesh)
+    assert not [record.getMessage() for record in caplog.records if "ompil" in record.getMessage()]
 
 
 @pytest.mark.grid
