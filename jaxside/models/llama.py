@@ -31,7 +31,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 from jax import Array
-from jax.sharding import Mesh, NamedSharding, PartitionSpec
+from jax.sharding import Mesh, NamedSharding
 
 from twinspec.hf_llama import Checkpoint, Piece
 from twinspec.llama import LLAMA_CONFIGS, LlamaConfig, RopeScaling
@@ -176,26 +176,18 @@ def _read(checkpoint: Checkpoint, name: str, shape: tuple[int, ...], index: tupl
     return box
 
 
-def _load_param(
-    checkpoint: Checkpoint, name: str, shape: tuple[int, ...], sharding: NamedSharding, dtype, *, device_transpose: bool
-) -> Array:
+def _load_param(checkpoint: Checkpoint, name: str, shape: tuple[int, ...], sharding: NamedSharding, dtype) -> Array:
     """One parameter of global `shape` with `sharding`, each device's shard read from the file on its own.
 
-    A kernel [in, out] is the transpose of the rows the file holds. device_transpose: send the rows as
-    they are (sharded by the reversed spec) and transpose on the devices, in device memory (a GPU's);
-    else hand the transfer the transposed view, which it copies once, transposing (on a CPU, where the
-    device's memory is the host's, that is one pass instead of two).
+    A kernel [in, out] is the transpose of the rows the file holds: the transfer gets the transposed view
+    and copies it once, transposing. (Sending the rows and transposing on the GPU was measured slower on
+    the H200: 0.73 s hot / 2.93 s cold against 0.50 / 1.53 for a 0.75B checkpoint, benchmarks/RESULTS.md.)
     """
     read = functools.partial(_read, checkpoint, name, dtype=np.dtype(dtype))
     if len(shape) == 1:
         return jax.make_array_from_callback(shape, sharding, functools.partial(read, shape))
     file_shape = shape[::-1]
-    if not device_transpose:
-        return jax.make_array_from_callback(shape, sharding, lambda index: read(file_shape, index[::-1]).T)
-    spec = (*sharding.spec, *[None] * (2 - len(sharding.spec)))
-    file_sharding = NamedSharding(sharding.mesh, PartitionSpec(*spec[::-1]))
-    rows = jax.make_array_from_callback(file_shape, file_sharding, functools.partial(read, file_shape))
-    return jax.jit(jnp.transpose, out_shardings=sharding)(rows)  # (each device its own shard; JAX caches the program)
+    return jax.make_array_from_callback(shape, sharding, lambda index: read(file_shape, index[::-1]).T)
 
 
 def _abstract_init(key, shape, dtype=jnp.float32) -> jax.ShapeDtypeStruct:
@@ -230,11 +222,10 @@ def load_hf(path: str | Path, *, mesh: Mesh | None = None, dtype=None) -> Llama:
     names = {path: torch_name(".".join(map(str, path)), v.get_value().ndim) for path, v in params}
     unmapped = sorted(set(names.values()) ^ set(checkpoint.sources))
     assert not unmapped, f"the HF table and the JAX model disagree on {unmapped}"
-    device_transpose = mesh.devices.flat[0].platform != "cpu"  # (_load_param says why)
     for path, variable in params:
         shape = tuple(variable.get_value().shape)
         sharding = placements[path].get_value()
-        value = _load_param(checkpoint, names[path], shape, sharding, dtype, device_transpose=device_transpose)
+        value = _load_param(checkpoint, names[path], shape, sharding, dtype)
         variable.set_value(value)
     rest = nnx.state(model, nnx.Not(nnx.Param))
     rest_placement = nnx.from_flat_state({path: placements[path] for path, _ in nnx.to_flat_state(rest)})
