@@ -36,7 +36,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from fp8kernels import norm as norm_kernels
-from fp8kernels.gemm import scaled_mm
+from fp8kernels.ops import scaled_mm
 from fp8kernels.gemm_reference import OUT_DTYPES
 from torchside.parallel.tp_comm import LinearParallelism, TPComm, has_per_tensor_scale, reduce_scatter_dim0
 from torchside.quantization import QuantizedStorage, QuantizedTensor, Quantizer, reduce_amaxes
