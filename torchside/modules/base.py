@@ -290,11 +290,15 @@ class FP8Module(TensorParallelMixin, nn.Module):
             )
 
     def _quantizers(self, recipe: Recipe, device: torch.device) -> tuple[tuple[Quantizer, ...], tuple[Quantizer, ...]]:
-        """(forward slots, backward slots), reused while the recipe, usage, groups and state buffers stay the same."""
+        """(forward slots, backward slots), reused while the recipe, usage, groups and state buffers stay the same.
+
+        torch.compile traces them once per compiled graph: there a cache would only add a guard on it, and
+        with it a recompile on the second call."""
         columnwise = torch.is_grad_enabled()  # the copies dgrad and wgrad read
         buffers = tuple(getattr(self, name) for name in FP8_STATE_BUFFERS)
         key = (recipe, torch.device(device), columnwise, id(self.tp_comm))
-        cached = self._quantizer_cache
+        caching = not torch.compiler.is_compiling()
+        cached = self._quantizer_cache if caching else None
         if cached is not None and cached[0] == key and all(a is b for a, b in zip(cached[1], buffers, strict=True)):
             return cached[2]
         forward_q, backward_q = [], []
@@ -319,7 +323,8 @@ class FP8Module(TensorParallelMixin, nn.Module):
             if q.stochastic_step is not None:  # the counter lives in a buffer, so a checkpoint resumes it
                 object.__setattr__(q, "stochastic_step", self.fp8_stochastic_step[slot : slot + 1])
         quantizers = (tuple(forward_q), tuple(backward_q))
-        self._quantizer_cache = (key, buffers, quantizers)
+        if caching:
+            self._quantizer_cache = (key, buffers, quantizers)
         return quantizers
 
 
