@@ -10,8 +10,9 @@ format, shape); the Quantized objects are built on the traced side. Which backen
 interpreter, the torch reference) is decided when it runs, as eagerly.
 
 A quantize op's fake implementation is its `*_layout` function: every output's shape, dtype and strides. The
-real implementation returns its outputs so laid out (Inductor asserts both): an absent copy is an empty
-placeholder, and a reference result that is a transposed view is copied into the layout the fake promises.
+real implementation returns its outputs so laid out (Inductor asserts both; the layout is computed on meta
+tensors, allocating nothing): an absent copy is an empty placeholder, and a reference result that is a
+transposed view is copied into the layout the fake promises (the Triton kernels write it already).
 NVFP4 has no op yet: compiling it traces into its Triton launcher and fails.
 """
 
@@ -72,7 +73,9 @@ def _tensorwise_layout(x: Tensor, rowwise: bool, columnwise: bool) -> QuantizeOu
     )
 
 
-def _blockwise_layout(x: Tensor, block: list[int], rowwise: bool, columnwise: bool, backend: Backend) -> QuantizeOutputs:
+def _blockwise_layout(
+    x: Tensor, block: list[int], rowwise: bool, columnwise: bool, backend: Backend
+) -> QuantizeOutputs:
     (M, K), device = _matrix(x), x.device
 
     def scales(wanted: bool, rows: int, cols: int) -> Tensor:
@@ -105,16 +108,21 @@ def _mxfp8_layout(x: Tensor, rowwise: bool, columnwise: bool) -> QuantizeOutputs
     )
 
 
-def _as_outputs(q: Quantized, layout: QuantizeOutputs) -> QuantizeOutputs:
-    """A kernel's result as the op's outputs, each in its layout's strides and with memory of its own."""
+def _shares_memory(a: Tensor, b: Tensor) -> bool:
+    return b.numel() > 0 and a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
+
+
+def _as_outputs(q: Quantized, layout: QuantizeOutputs, device: torch.device) -> QuantizeOutputs:
+    """A kernel's result on `device` as the op's outputs: each in the strides of its `layout` (meta tensors) and
+    with memory of its own; a placeholder where the layout has no elements."""
     outputs: list[Tensor] = []
     for name, like in zip(_BUFFERS, layout, strict=True):
         result = getattr(q, name)
-        shared = result is not None and any(result.untyped_storage() is t.untyped_storage() for t in outputs)
-        if result is None or like.numel() == 0:
-            result = like
-        elif result.stride() != like.stride() or shared:
-            result = torch.empty_strided(like.shape, like.stride(), dtype=like.dtype, device=like.device).copy_(result)
+        if result is None or like.numel() == 0 or result.stride() != like.stride() or any(
+            _shares_memory(result, t) for t in outputs
+        ):
+            copy = torch.empty_strided(like.shape, like.stride(), dtype=like.dtype, device=device)
+            result = copy if like.numel() == 0 else copy.copy_(result)
         outputs.append(result)
     return tuple(outputs)
 
@@ -144,7 +152,7 @@ def _quantize_tensorwise(
         x, fmt, scale, amax=amax, power_2_scale=power_2_scale, amax_epsilon=amax_epsilon,
         rowwise=rowwise, columnwise=columnwise,
     )  # fmt: skip
-    return _as_outputs(q, _tensorwise_layout(x, rowwise, columnwise))
+    return _as_outputs(q, _tensorwise_layout(x.to("meta"), rowwise, columnwise), x.device)
 
 
 @_quantize_tensorwise.register_fake
@@ -160,7 +168,7 @@ def _quantize_blockwise(
     q = implementation(chosen).quantize_blockwise(
         x, fmt, tuple(block), power_2_scale=power_2_scale, rowwise=rowwise, columnwise=columnwise
     )
-    return _as_outputs(q, _blockwise_layout(x, block, rowwise, columnwise, chosen))
+    return _as_outputs(q, _blockwise_layout(x.to("meta"), block, rowwise, columnwise, chosen), x.device)
 
 
 @_quantize_blockwise.register_fake
@@ -175,7 +183,7 @@ def _quantize_mxfp8(
     q = implementation(_backend(backend, x.device)).quantize_mxfp8(
         x, fmt, scale_rounding=scale_rounding, rowwise=rowwise, columnwise=columnwise
     )
-    return _as_outputs(q, _mxfp8_layout(x, rowwise, columnwise))
+    return _as_outputs(q, _mxfp8_layout(x.to("meta"), rowwise, columnwise), x.device)
 
 
 @_quantize_mxfp8.register_fake
@@ -255,10 +263,10 @@ def scaled_mm(
 ) -> Tensor:
     """`fp8kernels.gemm.scaled_mm`; an op while torch.compile traces (the operands' buffers cross as tensors)."""
     if not torch.compiler.is_compiling():
-        return gemm.scaled_mm(a, b, a_columnwise=a_columnwise, b_columnwise=b_columnwise, out_dtype=out_dtype, bias=bias)
-    return _scaled_mm(
-        *_operand_arguments(a, a_columnwise), *_operand_arguments(b, b_columnwise), out_dtype, bias
-    )
+        return gemm.scaled_mm(
+            a, b, a_columnwise=a_columnwise, b_columnwise=b_columnwise, out_dtype=out_dtype, bias=bias
+        )
+    return _scaled_mm(*_operand_arguments(a, a_columnwise), *_operand_arguments(b, b_columnwise), out_dtype, bias)
 
 
 def _operand_arguments(q: Quantized, columnwise: bool) -> tuple:
