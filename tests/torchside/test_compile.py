@@ -37,9 +37,11 @@ def fresh_dynamo():
     torch._dynamo.reset()
 
 
-def _layer() -> torchside.Linear:
+def _layer(fp8_weight_recipe=None) -> torchside.Linear:
+    """The layer; with a recipe, built under quantized_model_init (its weight an FP8 QuantizedTensor)."""
     torch.manual_seed(0)
-    return torchside.Linear(IN, OUT)
+    with torchside.quantized_model_init(enabled=fp8_weight_recipe is not None, recipe=fp8_weight_recipe):
+        return torchside.Linear(IN, OUT)
 
 
 def _inputs(seed: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -80,6 +82,17 @@ def test_compiled_forward_and_gradients_equal_eager_bitwise(name, backend, monke
     assert backend_for("cpu") is Backend(backend)
     recipe = RECIPES[name]
     layer = _layer()
+    compiled = torch.compile(layer, fullgraph=True, backend="aot_eager")
+    eager, traced = _step(layer, layer, recipe, 0), _step(layer, compiled, recipe, 0)
+    for what, a, b in zip(("y", "dx", "dweight", "dbias"), eager, traced, strict=True):
+        assert torch.equal(a, b), f"{what} differs"
+
+
+@pytest.mark.parametrize("name", list(RECIPES))
+def test_compiled_layer_with_an_fp8_weight_equals_eager_bitwise(name, reference_kernels):
+    """The QuantizedTensor parameter enters the graph through __tensor_flatten__ (off: dequantized)."""
+    recipe = RECIPES[name]
+    layer = _layer(fp8_weight_recipe=recipe or Float8CurrentScaling())
     compiled = torch.compile(layer, fullgraph=True, backend="aot_eager")
     eager, traced = _step(layer, layer, recipe, 0), _step(layer, compiled, recipe, 0)
     for what, a, b in zip(("y", "dx", "dweight", "dbias"), eager, traced, strict=True):
