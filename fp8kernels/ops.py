@@ -26,7 +26,7 @@ from types import ModuleType
 import torch
 from torch import Tensor
 
-from fp8kernels import gemm
+from fp8kernels import gemm, norm
 from fp8kernels._backend import Backend, backend_for
 from fp8kernels.formats import row_block_scales
 from fp8kernels.reference import Quantized
@@ -112,12 +112,11 @@ def _shares_memory(a: Tensor, b: Tensor) -> bool:
     return b.numel() > 0 and a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
 
 
-def _as_outputs(q: Quantized, layout: QuantizeOutputs, device: torch.device) -> QuantizeOutputs:
-    """A kernel's result on `device` as the op's outputs: each in the strides of its `layout` (meta tensors) and
+def _conform(results: list[Tensor | None], layout: tuple[Tensor, ...], device: torch.device) -> tuple[Tensor, ...]:
+    """A kernel's results on `device` as an op's outputs: each in the strides of its `layout` (meta tensors) and
     with memory of its own; a placeholder where the layout has no elements."""
     outputs: list[Tensor] = []
-    for name, like in zip(_BUFFERS, layout, strict=True):
-        result = getattr(q, name)
+    for result, like in zip(results, layout, strict=True):
         if result is None or like.numel() == 0 or result.stride() != like.stride() or any(
             _shares_memory(result, t) for t in outputs
         ):
@@ -125,6 +124,10 @@ def _as_outputs(q: Quantized, layout: QuantizeOutputs, device: torch.device) -> 
             result = copy if like.numel() == 0 else copy.copy_(result)
         outputs.append(result)
     return tuple(outputs)
+
+
+def _as_outputs(q: Quantized, layout: QuantizeOutputs, device: torch.device) -> QuantizeOutputs:
+    return _conform([getattr(q, name) for name in _BUFFERS], layout, device)
 
 
 def _as_quantized(scheme: str, fmt: str, x: Tensor, outputs: QuantizeOutputs, rowwise: bool, columnwise: bool,
@@ -225,6 +228,68 @@ def _(a_data, a_scale_inv, a_amax, a_scheme, a_fmt, a_shape, a_columnwise, a_had
     return torch.empty(rows, dtype=out_dtype, device=a_data.device)
 
 
+def _run_norm_forward(
+    x: Tensor, weight: Tensor, bias: Tensor | None, rms: bool, eps: float, zero_centered_gamma: bool
+) -> norm.NormForward:
+    if rms:
+        return norm.rms_norm_forward(x, weight, eps=eps, zero_centered_gamma=zero_centered_gamma)
+    return norm.layer_norm_forward(x, weight, bias, eps=eps, zero_centered_gamma=zero_centered_gamma)
+
+
+def _run_norm_backward(
+    dy: Tensor, x: Tensor, weight: Tensor, mean: Tensor | None, rstd: Tensor, zero_centered_gamma: bool
+) -> norm.NormBackward:
+    if mean is None:
+        return norm.rms_norm_backward(dy, x, weight, rstd, zero_centered_gamma=zero_centered_gamma)
+    return norm.layer_norm_backward(dy, x, weight, mean, rstd, zero_centered_gamma=zero_centered_gamma)
+
+
+def _norm_forward_layout(x: Tensor, rms: bool) -> tuple[Tensor, Tensor, Tensor]:
+    rows, device = _matrix(x)[0], x.device
+    return (
+        torch.empty(x.shape, dtype=x.dtype, device=device),
+        _buffer(not rms, (rows,), torch.float32, device),
+        torch.empty(rows, dtype=torch.float32, device=device),
+    )
+
+
+@torch.library.custom_op("shardbridge::norm_forward", mutates_args=())
+def _norm_forward(
+    x: Tensor, weight: Tensor, bias: Tensor | None, rms: bool, eps: float, zero_centered_gamma: bool
+) -> tuple[Tensor, Tensor, Tensor]:
+    """(out, mean (a placeholder for RMSNorm), rstd) of fp8kernels.norm's layer_norm_forward / rms_norm_forward."""
+    result = _run_norm_forward(x, weight, bias, rms, eps, zero_centered_gamma)
+    return _conform([result.out, result.mean, result.rstd], _norm_forward_layout(x.to("meta"), rms), x.device)
+
+
+@_norm_forward.register_fake
+def _(x, weight, bias, rms, eps, zero_centered_gamma):
+    return _norm_forward_layout(x, rms)
+
+
+def _norm_backward_layout(x: Tensor, weight: Tensor, rms: bool) -> tuple[Tensor, Tensor, Tensor]:
+    return (
+        torch.empty(x.shape, dtype=x.dtype, device=x.device),
+        torch.empty(weight.shape, dtype=weight.dtype, device=x.device),
+        _buffer(not rms, tuple(weight.shape), weight.dtype, x.device),
+    )
+
+
+@torch.library.custom_op("shardbridge::norm_backward", mutates_args=())
+def _norm_backward(
+    dy: Tensor, x: Tensor, weight: Tensor, mean: Tensor | None, rstd: Tensor, zero_centered_gamma: bool
+) -> tuple[Tensor, Tensor, Tensor]:
+    """(dx, dweight, dbias (a placeholder for RMSNorm, mean None)) of fp8kernels.norm's backward functions."""
+    grads = _run_norm_backward(dy, x, weight, mean, rstd, zero_centered_gamma)
+    layout = _norm_backward_layout(x.to("meta"), weight.to("meta"), mean is None)
+    return _conform([grads.dx, grads.dweight, grads.dbias], layout, x.device)
+
+
+@_norm_backward.register_fake
+def _(dy, x, weight, mean, rstd, zero_centered_gamma):
+    return _norm_backward_layout(x, weight, mean is None)
+
+
 # ----------------------------------------------------------------------------- what the callers call
 
 
@@ -279,4 +344,28 @@ def _operand_arguments(q: Quantized, columnwise: bool) -> tuple:
     return data, scale_inv, amax, q.scheme, q.fmt, list(q.shape), columnwise, q.hadamard
 
 
-__all__ = ["implementation", "quantize", "scaled_mm"]
+def norm_forward(
+    x: Tensor, weight: Tensor, bias: Tensor | None, *, rms: bool, eps: float, zero_centered_gamma: bool
+) -> tuple[Tensor, Tensor | None, Tensor]:
+    """(out, mean or None for RMSNorm, rstd) of LayerNorm / RMSNorm over the last dim (fp8kernels.norm); an op
+    while torch.compile traces."""
+    if torch.compiler.is_compiling():
+        out, mean, rstd = _norm_forward(x, weight, bias, rms, eps, zero_centered_gamma)
+        return out, None if rms else mean, rstd
+    result = _run_norm_forward(x, weight, bias, rms, eps, zero_centered_gamma)
+    return result.out, result.mean, result.rstd
+
+
+def norm_backward(
+    dy: Tensor, x: Tensor, weight: Tensor, mean: Tensor | None, rstd: Tensor, *, zero_centered_gamma: bool
+) -> tuple[Tensor, Tensor, Tensor | None]:
+    """(dx, dweight, dbias or None for RMSNorm) from the forward's mean (None: RMSNorm) and rstd; an op while
+    torch.compile traces."""
+    if torch.compiler.is_compiling():
+        dx, dweight, dbias = _norm_backward(dy, x, weight, mean, rstd, zero_centered_gamma)
+        return dx, dweight, None if mean is None else dbias
+    grads = _run_norm_backward(dy, x, weight, mean, rstd, zero_centered_gamma)
+    return grads.dx, grads.dweight, grads.dbias
+
+
+__all__ = ["implementation", "norm_backward", "norm_forward", "quantize", "scaled_mm"]

@@ -1,8 +1,9 @@
-"""torch.compile of torchside.Linear: no graph breaks, the eager bytes, no recompiles (docs/compile.md).
+"""torch.compile of Linear, LayerNormLinear and LayerNormMLP: no graph breaks, the eager bytes, no recompiles
+(docs/compile.md).
 
 The compiled runs use the "aot_eager" backend: Dynamo and AOTAutograd trace forward and backward into graphs
-of aten ops and our custom ops (fp8kernels.ops), as Inductor does, and run those ops eagerly, so the compiled
-result must equal the eager one bit for bit, the bias gradient's fp32 sum included. One test runs Inductor,
+of aten ops and our custom ops (fp8kernels.ops), as for Inductor, and run those ops eagerly, so the compiled
+result must equal the eager one bit for bit, the bias gradients' fp32 sums included. One test runs Inductor,
 which also asserts that every op output has the shape and strides its fake implementation promised.
 """
 
@@ -26,6 +27,11 @@ RECIPES = {
 # x [2, 16, IN]: 32 tokens; multiples of 32 (MXFP8's blocks), two 128-blocks along IN, a partial one along OUT
 BATCH, SEQUENCE, IN, OUT = 2, 16, 256, 160
 TOKENS = BATCH * SEQUENCE
+MODULES = {
+    "Linear": lambda: torchside.Linear(IN, OUT),
+    "LayerNormLinear": lambda: torchside.LayerNormLinear(IN, OUT),
+    "LayerNormMLP": lambda: torchside.LayerNormMLP(IN, OUT),  # [.., IN] -> OUT -> [.., IN]
+}
 
 
 @pytest.fixture(autouse=True)
@@ -37,66 +43,71 @@ def fresh_dynamo():
     torch._dynamo.reset()
 
 
-def _layer(fp8_weight_recipe=None) -> torchside.Linear:
-    """The layer; with a recipe, built under quantized_model_init (its weight an FP8 QuantizedTensor)."""
+def _module(name: str = "Linear", fp8_weight_recipe=None) -> torch.nn.Module:
+    """The module; with a recipe, built under quantized_model_init (its GEMM weights FP8 QuantizedTensors)."""
     torch.manual_seed(0)
     with torchside.quantized_model_init(enabled=fp8_weight_recipe is not None, recipe=fp8_weight_recipe):
-        return torchside.Linear(IN, OUT)
+        return MODULES[name]()
 
 
-def _inputs(seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+def _inputs(seed: int, out_features: int) -> tuple[torch.Tensor, torch.Tensor]:
     """(x, dy) of step `seed`."""
     generator = torch.Generator().manual_seed(seed)
     x = torch.randn(BATCH, SEQUENCE, IN, generator=generator)
-    return x, torch.randn(BATCH, SEQUENCE, OUT, generator=generator)
+    return x, torch.randn(BATCH, SEQUENCE, out_features, generator=generator)
 
 
-def _step(layer: torchside.Linear, forward, recipe, seed: int) -> tuple[torch.Tensor, ...]:
-    """(y, dx, dweight, dbias) of one forward and backward of `forward` (the layer or its compiled twin)."""
-    x, dy = _inputs(seed)
+def _step(module: torch.nn.Module, forward, recipe, seed: int) -> dict[str, torch.Tensor]:
+    """y, dx and every parameter's gradient of one forward and backward of `forward` (the module or its
+    compiled twin)."""
+    x, dy = _inputs(seed, IN if isinstance(module, torchside.LayerNormMLP) else OUT)
     x.requires_grad_()
-    layer.zero_grad(set_to_none=True)
+    module.zero_grad(set_to_none=True)
     with torchside.fp8_autocast(enabled=recipe is not None, recipe=recipe):
         y = forward(x)
     y.backward(dy)
-    return y.detach(), x.grad, layer.weight.grad, layer.bias.grad
+    return {"y": y.detach(), "dx": x.grad} | {f"d{name}": p.grad for name, p in module.named_parameters()}
+
+
+def _assert_equal(eager: dict[str, torch.Tensor], compiled: dict[str, torch.Tensor], skip: tuple[str, ...] = ()):
+    assert list(eager) == list(compiled)
+    for what in eager:
+        if what not in skip:
+            assert torch.equal(eager[what], compiled[what]), f"{what} differs"
 
 
 def _compiles() -> int:
     return counters["stats"]["unique_graphs"]
 
 
-@pytest.mark.parametrize("name", list(RECIPES))
-def test_explain_finds_no_graph_break(name):
-    layer, recipe = _layer(), RECIPES[name]
-    x, _ = _inputs(0)
+@pytest.mark.parametrize("recipe", list(RECIPES))
+@pytest.mark.parametrize("module", list(MODULES))
+def test_explain_finds_no_graph_break(module, recipe):
+    layer, recipe = _module(module), RECIPES[recipe]
+    x, _ = _inputs(0, OUT)
     with torchside.fp8_autocast(enabled=recipe is not None, recipe=recipe):
-        explained = torch._dynamo.explain(layer)(x)
+        explained = torch._dynamo.explain(layer)(x.requires_grad_())
     assert (explained.graph_count, explained.graph_break_count) == (1, 0), explained.break_reasons
 
 
 @pytest.mark.parametrize("backend", ["interpreter", "reference"])
-@pytest.mark.parametrize("name", list(RECIPES))
-def test_compiled_forward_and_gradients_equal_eager_bitwise(name, backend, monkeypatch):
+@pytest.mark.parametrize("recipe", list(RECIPES))
+@pytest.mark.parametrize("module", list(MODULES))
+def test_compiled_forward_and_gradients_equal_eager_bitwise(module, recipe, backend, monkeypatch):
     monkeypatch.setenv("TRITON_INTERPRET", "1" if backend == "interpreter" else "0")
     assert backend_for("cpu") is Backend(backend)
-    recipe = RECIPES[name]
-    layer = _layer()
+    layer, recipe = _module(module), RECIPES[recipe]
     compiled = torch.compile(layer, fullgraph=True, backend="aot_eager")
-    eager, traced = _step(layer, layer, recipe, 0), _step(layer, compiled, recipe, 0)
-    for what, a, b in zip(("y", "dx", "dweight", "dbias"), eager, traced, strict=True):
-        assert torch.equal(a, b), f"{what} differs"
+    _assert_equal(_step(layer, layer, recipe, 0), _step(layer, compiled, recipe, 0))
 
 
-@pytest.mark.parametrize("name", list(RECIPES))
-def test_compiled_layer_with_an_fp8_weight_equals_eager_bitwise(name, reference_kernels):
+@pytest.mark.parametrize("recipe", list(RECIPES))
+def test_compiled_layer_with_an_fp8_weight_equals_eager_bitwise(recipe, reference_kernels):
     """The QuantizedTensor parameter enters the graph through __tensor_flatten__ (off: dequantized)."""
-    recipe = RECIPES[name]
-    layer = _layer(fp8_weight_recipe=recipe or Float8CurrentScaling())
+    recipe = RECIPES[recipe]
+    layer = _module(fp8_weight_recipe=recipe or Float8CurrentScaling())
     compiled = torch.compile(layer, fullgraph=True, backend="aot_eager")
-    eager, traced = _step(layer, layer, recipe, 0), _step(layer, compiled, recipe, 0)
-    for what, a, b in zip(("y", "dx", "dweight", "dbias"), eager, traced, strict=True):
-        assert torch.equal(a, b), f"{what} differs"
+    _assert_equal(_step(layer, layer, recipe, 0), _step(layer, compiled, recipe, 0))
 
 
 def test_inductor_runs_the_ops_with_the_layouts_their_fakes_promise(monkeypatch):
@@ -104,19 +115,18 @@ def test_inductor_runs_the_ops_with_the_layouts_their_fakes_promise(monkeypatch)
     every op output's size and stride; y, dx and dweight come from our ops: bitwise. Inductor sums the bias
     gradient in its own order: within the fp32 bound of reordering that sum."""
     monkeypatch.setenv("TRITON_INTERPRET", "1")
-    layer, recipe = _layer(), RECIPES["block"]
+    layer, recipe = _module(), RECIPES["block"]
     compiled = torch.compile(layer, fullgraph=True, backend="inductor")
     eager, traced = _step(layer, layer, recipe, 0), _step(layer, compiled, recipe, 0)
-    for what, a, b in zip(("y", "dx", "dweight"), eager[:3], traced[:3], strict=True):
-        assert torch.equal(a, b), f"{what} differs"
-    _, dy = _inputs(0)
+    _assert_equal(eager, traced, skip=("dbias",))
+    _, dy = _inputs(0, OUT)
     # Any two orders of summing T fp32 terms differ by at most 2 (T - 1) u sum|dy| (u = 2^-24).
     bound = 2 * (TOKENS - 1) * 2.0**-24 * dy.abs().reshape(TOKENS, OUT).sum(dim=0)
-    assert torch.all((eager[3] - traced[3]).abs() <= bound)
+    assert torch.all((eager["dbias"] - traced["dbias"]).abs() <= bound)
 
 
 def test_no_recompile_over_steps_of_one_shape(reference_kernels):
-    layer = _layer()
+    layer = _module()
     compiled = torch.compile(layer, fullgraph=True, backend="aot_eager")
     for seed in range(3):
         _step(layer, compiled, Float8CurrentScaling(), seed)  # a new but equal recipe object each step
@@ -124,7 +134,7 @@ def test_no_recompile_over_steps_of_one_shape(reference_kernels):
 
 
 def test_a_changed_recipe_recompiles_once(reference_kernels):
-    layer = _layer()
+    layer = _module()
     compiled = torch.compile(layer, fullgraph=True, backend="aot_eager")
     current, block = Float8CurrentScaling(), Float8BlockScaling()
     compiles = []

@@ -35,8 +35,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from fp8kernels import norm as norm_kernels
-from fp8kernels.ops import scaled_mm
+from fp8kernels.ops import norm_backward, norm_forward, scaled_mm
 from fp8kernels.gemm_reference import OUT_DTYPES
 from torchside.parallel.tp_comm import LinearParallelism, TPComm, has_per_tensor_scale, reduce_scatter_dim0
 from torchside.quantization import QuantizedStorage, QuantizedTensor, Quantizer, reduce_amaxes
@@ -186,26 +185,18 @@ def linear(
 class _Normalization(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, bias, rms: bool, eps: float, zero_centered_gamma: bool, on_backward_done: BackwardHook):
-        if rms:
-            result = norm_kernels.rms_norm_forward(x, weight, eps=eps, zero_centered_gamma=zero_centered_gamma)
-        else:
-            result = norm_kernels.layer_norm_forward(x, weight, bias, eps=eps, zero_centered_gamma=zero_centered_gamma)
-        ctx.save_for_backward(x, weight, result.mean, result.rstd)
-        ctx.rms, ctx.zero_centered_gamma, ctx.on_backward_done = rms, zero_centered_gamma, on_backward_done
-        return result.out
+        out, mean, rstd = norm_forward(x, weight, bias, rms=rms, eps=eps, zero_centered_gamma=zero_centered_gamma)
+        ctx.save_for_backward(x, weight, mean, rstd)
+        ctx.zero_centered_gamma, ctx.on_backward_done = zero_centered_gamma, on_backward_done
+        return out
 
     @staticmethod
     def backward(ctx, dy):
-        x, weight, mean, rstd = ctx.saved_tensors
-        if ctx.rms:
-            grads = norm_kernels.rms_norm_backward(dy, x, weight, rstd, zero_centered_gamma=ctx.zero_centered_gamma)
-        else:
-            grads = norm_kernels.layer_norm_backward(
-                dy, x, weight, mean, rstd, zero_centered_gamma=ctx.zero_centered_gamma
-            )
+        x, weight, mean, rstd = ctx.saved_tensors  # mean: None for RMSNorm
+        dx, dweight, dbias = norm_backward(dy, x, weight, mean, rstd, zero_centered_gamma=ctx.zero_centered_gamma)
         if ctx.on_backward_done is not None:
             ctx.on_backward_done()
-        return grads.dx, grads.dweight, grads.dbias, None, None, None, None
+        return dx, dweight, dbias, None, None, None, None
 
 
 def normalize(
