@@ -1,4 +1,4 @@
-"""fp8kernels.ops: the custom ops pass torch.library.opcheck (schema, fake implementation against the real one,
+"""fp8kernels.ops: the custom ops (quantize, scaled GEMM, norm) pass torch.library.opcheck (schema, fake
 AOT dispatch) and return the bytes of the kernel function each wraps, on the interpreter and the reference,
 on CPU (CI) and CUDA (`pytest -m gpu`)."""
 
@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from fp8kernels import gemm, ops
+from fp8kernels import gemm, norm, ops
 from fp8kernels._backend import Backend, backend_for
 from tests.fp8kernels.devices import DEVICES
 
@@ -86,3 +86,27 @@ def test_scaled_mm_op_passes_opcheck_and_returns_the_gemm_result(name, layout, d
         a, b, a_columnwise=a_columnwise, b_columnwise=b_columnwise, out_dtype=torch.float32, bias=bias
     )
     assert torch.equal(torch.ops.shardbridge.scaled_mm.default(*arguments), expected)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("rms", [False, True])
+def test_norm_ops_pass_opcheck_and_return_the_kernel_results(rms, device, backend):
+    if device == "cuda" and backend is Backend.INTERPRETER:
+        pytest.skip("the interpreter runs on CPU tensors")
+    generator = torch.Generator().manual_seed(2)
+    x, dy = (torch.randn(2, 24, 96, generator=generator).to(device) for _ in range(2))
+    weight, bias = (torch.randn(96, generator=generator).to(device) for _ in range(2))
+    arguments = (x, weight, None if rms else bias, rms, 1e-5, True)
+    torch.library.opcheck(torch.ops.shardbridge.norm_forward.default, arguments)
+    out, mean, rstd = torch.ops.shardbridge.norm_forward.default(*arguments)
+    forward = (norm.rms_norm_forward(x, weight, zero_centered_gamma=True) if rms else
+               norm.layer_norm_forward(x, weight, bias, zero_centered_gamma=True))  # fmt: skip
+    assert torch.equal(out, forward.out) and torch.equal(rstd, forward.rstd)
+    assert mean.numel() == 0 if rms else torch.equal(mean, forward.mean)
+    backward_arguments = (dy, x, weight, None if rms else mean, rstd, True)
+    torch.library.opcheck(torch.ops.shardbridge.norm_backward.default, backward_arguments)
+    dx, dweight, dbias = torch.ops.shardbridge.norm_backward.default(*backward_arguments)
+    grads = (norm.rms_norm_backward(dy, x, weight, rstd, zero_centered_gamma=True) if rms else
+             norm.layer_norm_backward(dy, x, weight, mean, rstd, zero_centered_gamma=True))  # fmt: skip
+    assert torch.equal(dx, grads.dx) and torch.equal(dweight, grads.dweight)
+    assert dbias.numel() == 0 if rms else torch.equal(dbias, grads.dbias)
