@@ -1,19 +1,20 @@
-"""The quantize and scaled-GEMM entry points as torch.library custom ops, so torch.compile sees one op per kernel.
+"""The quantize, scaled-GEMM and norm entry points as torch.library custom ops: torch.compile sees one op per kernel.
 
-`quantize(name, x, backend, **kwargs)` and `scaled_mm(a, b, ...)` take and return what the kernel functions do
-(`fp8kernels.reference.Quantized`). Eagerly they call those functions directly: the same bytes, and no
-custom-op dispatch on the host (an eager FP8 step is host-bound already, issue 32). While torch.compile traces
-(`torch.compiler.is_compiling()`) they call the ops `shardbridge::quantize_tensorwise`, `quantize_blockwise`,
-`quantize_mxfp8` and `scaled_mm`, whose implementations call the same functions. Quantized operands cross an op
-boundary as plain tensors (data, scale_inv, the columnwise copies, amax) plus constant metadata (scheme,
-format, shape); the Quantized objects are built on the traced side. Which backend runs an op (Triton, the
-interpreter, the torch reference) is decided when it runs, as eagerly.
+`quantize(name, x, backend, **kwargs)`, `scaled_mm(a, b, ...)`, `norm_forward` and `norm_backward` take and
+return what the kernel functions do (`fp8kernels.reference.Quantized` for the quantized tensors). Eagerly they
+call those functions directly: the same bytes, and no custom-op dispatch on the host (an eager FP8 step is
+host-bound already, issue 32). While torch.compile traces (`torch.compiler.is_compiling()`) they call the ops
+`shardbridge::quantize_tensorwise`, `quantize_blockwise`, `quantize_mxfp8`, `scaled_mm`, `norm_forward` and
+`norm_backward`, whose implementations call the same functions. Quantized operands cross an op boundary as plain
+tensors (data, scale_inv, the columnwise copies, amax) plus constant metadata (scheme, format, shape); the
+Quantized objects are built on the traced side. Which backend runs an op (Triton, the interpreter, the torch
+reference) is decided when it runs, as eagerly.
 
-A quantize op's fake implementation is its `*_layout` function: every output's shape, dtype and strides. The
-real implementation returns its outputs so laid out (Inductor asserts both; the layout is computed on meta
-tensors, allocating nothing): an absent copy is an empty placeholder, and a reference result that is a
-transposed view is copied into the layout the fake promises (the Triton kernels write it already).
-NVFP4 has no op yet: compiling it traces into its Triton launcher and fails.
+An op's fake implementation is its `*_layout` function: every output's shape, dtype and strides. The real
+implementation returns its outputs so laid out (Inductor asserts both; the layout is computed on meta tensors,
+allocating nothing): an absent buffer is an empty placeholder (an op returns tensors, never None), and a
+reference result that is a transposed view is copied into the layout the fake promises (the Triton kernels
+write it already). NVFP4 has no op yet: `quantize` refuses it while tracing.
 """
 
 from __future__ import annotations
@@ -197,11 +198,12 @@ def _(x, fmt, scale_rounding, rowwise, columnwise, backend):
 def _operand(data: Tensor, scale_inv: Tensor, amax: Tensor | None, scheme: str, fmt: str, shape: list[int],
              columnwise: bool, hadamard: bool) -> Quantized:  # fmt: skip
     """One GEMM operand as a Quantized holding only the copy the GEMM reads."""
-    copy = {"columnwise_data": data, "columnwise_scale_inv": scale_inv} if columnwise else {
-        "data": data, "scale_inv": scale_inv}  # fmt: skip
-    absent = {"data": None, "scale_inv": None, "columnwise_data": None, "columnwise_scale_inv": None}
-    amaxes = {"columnwise_amax": amax, "amax": None} if columnwise else {"amax": amax}
-    return Quantized(scheme, fmt, tuple(shape), **(absent | copy), **amaxes, hadamard=hadamard)
+    read, unread = ("columnwise_", "") if columnwise else ("", "columnwise_")
+    buffers = {f"{read}data": data, f"{read}scale_inv": scale_inv, f"{unread}data": None, f"{unread}scale_inv": None}
+    return Quantized(
+        scheme, fmt, tuple(shape), **buffers, amax=None if columnwise else amax,
+        columnwise_amax=amax if columnwise else None, hadamard=hadamard,
+    )  # fmt: skip
 
 
 @torch.library.custom_op("shardbridge::scaled_mm", mutates_args=())

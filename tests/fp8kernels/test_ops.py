@@ -1,6 +1,6 @@
 """fp8kernels.ops: the custom ops (quantize, scaled GEMM, norm) pass torch.library.opcheck (schema, fake
-AOT dispatch) and return the bytes of the kernel function each wraps, on the interpreter and the reference,
-on CPU (CI) and CUDA (`pytest -m gpu`)."""
+implementation against the real one, AOT dispatch) and return the bytes of the kernel function each wraps, on
+the interpreter and the reference, on CPU (CI) and CUDA (`pytest -m gpu`)."""
 
 from __future__ import annotations
 
