@@ -43,24 +43,25 @@ def fresh_dynamo():
     torch._dynamo.reset()
 
 
-def _module(name: str = "Linear", fp8_weight_recipe=None) -> torch.nn.Module:
-    """The module; with a recipe, built under quantized_model_init (its GEMM weights FP8 QuantizedTensors)."""
+def _module(name: str = "Linear", fp8_weight_recipe=None, dtype: torch.dtype = torch.float32) -> torch.nn.Module:
+    """The module in `dtype`; with a recipe, built under quantized_model_init (its GEMM weights FP8)."""
     torch.manual_seed(0)
     with torchside.quantized_model_init(enabled=fp8_weight_recipe is not None, recipe=fp8_weight_recipe):
-        return MODULES[name]()
+        return MODULES[name]().to(dtype)
 
 
-def _inputs(seed: int, out_features: int) -> tuple[torch.Tensor, torch.Tensor]:
+def _inputs(seed: int, out_features: int, dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
     """(x, dy) of step `seed`."""
     generator = torch.Generator().manual_seed(seed)
     x = torch.randn(BATCH, SEQUENCE, IN, generator=generator)
-    return x, torch.randn(BATCH, SEQUENCE, out_features, generator=generator)
+    return x.to(dtype), torch.randn(BATCH, SEQUENCE, out_features, generator=generator).to(dtype)
 
 
 def _step(module: torch.nn.Module, forward, recipe, seed: int) -> dict[str, torch.Tensor]:
     """y, dx and every parameter's gradient of one forward and backward of `forward` (the module or its
-    compiled twin)."""
-    x, dy = _inputs(seed, IN if isinstance(module, torchside.LayerNormMLP) else OUT)
+    compiled twin), in the module's dtype."""
+    dtype = next(module.parameters()).dtype
+    x, dy = _inputs(seed, IN if isinstance(module, torchside.LayerNormMLP) else OUT, dtype)
     x.requires_grad_()
     module.zero_grad(set_to_none=True)
     with torchside.fp8_autocast(enabled=recipe is not None, recipe=recipe):
@@ -97,6 +98,14 @@ def test_compiled_forward_and_gradients_equal_eager_bitwise(module, recipe, back
     monkeypatch.setenv("TRITON_INTERPRET", "1" if backend == "interpreter" else "0")
     assert backend_for("cpu") is Backend(backend)
     layer, recipe = _module(module), RECIPES[recipe]
+    compiled = torch.compile(layer, fullgraph=True, backend="aot_eager")
+    _assert_equal(_step(layer, layer, recipe, 0), _step(layer, compiled, recipe, 0))
+
+
+@pytest.mark.parametrize("recipe", list(RECIPES))
+def test_compiled_bf16_layer_equals_eager_bitwise(recipe, reference_kernels):
+    recipe = RECIPES[recipe]
+    layer = _module(dtype=torch.bfloat16)
     compiled = torch.compile(layer, fullgraph=True, backend="aot_eager")
     _assert_equal(_step(layer, layer, recipe, 0), _step(layer, compiled, recipe, 0))
 
