@@ -16,7 +16,7 @@ from torch._dynamo.utils import counters
 
 import torchside
 from fp8kernels._backend import Backend, backend_for
-from torchside.recipe import Float8BlockScaling, Float8CurrentScaling, MXFP8BlockScaling
+from torchside.recipe import DelayedScaling, Float8BlockScaling, Float8CurrentScaling, MXFP8BlockScaling
 
 RECIPES = {
     "off": None,
@@ -151,3 +151,27 @@ def test_a_changed_recipe_recompiles_once(reference_kernels):
         _step(layer, compiled, recipe, 0)
         compiles.append(_compiles())
     assert compiles == [1, 1, 2, 2, 2, 3, 3]
+
+
+def test_delayed_scaling_inference_compiles_and_equals_eager_bitwise(reference_kernels):
+    """Without gradients DelayedScaling records the amaxes in the forward (tensor ops on the module's buffers)
+    and updates the scales eagerly at the fp8_autocast exit: outputs and state equal eager's, step after step."""
+    eager_layer, compiled_layer = _module(), _module()
+    compiled = torch.compile(compiled_layer, fullgraph=True, backend="aot_eager")
+    recipe = DelayedScaling()
+    for seed in range(3):
+        x, _ = _inputs(seed, OUT)
+        results = []
+        for layer, forward in ((eager_layer, eager_layer), (compiled_layer, compiled)):
+            with torch.no_grad(), torchside.fp8_autocast(recipe=recipe):
+                results.append({"y": forward(x)} | dict(layer.named_buffers()))
+        _assert_equal(*results)
+    assert _compiles() == 1
+
+
+def test_delayed_scaling_with_gradients_is_refused_by_name(reference_kernels):
+    compiled = torch.compile(_module(), fullgraph=True, backend="aot_eager")
+    x, _ = _inputs(0, OUT)
+    with pytest.raises((NotImplementedError, torch._dynamo.exc.Unsupported), match="DelayedScaling and gradients"):
+        with torchside.fp8_autocast(recipe=DelayedScaling()):
+            compiled(x.requires_grad_())

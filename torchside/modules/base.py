@@ -246,6 +246,12 @@ class FP8Module(TensorParallelMixin, nn.Module):
         if frame is None or not self.num_gemms:
             return None
         recipe = frame.recipe
+        if isinstance(recipe, DelayedScaling) and torch.is_grad_enabled() and torch.compiler.is_compiling():
+            raise NotImplementedError(
+                f"{type(self).__name__} under torch.compile with DelayedScaling and gradients: its backward scale "
+                "update is not traceable yet (docs/compile.md); use Float8CurrentScaling, Float8BlockScaling or "
+                "MXFP8BlockScaling, or run this module eagerly"
+            )
         if isinstance(recipe, DelayedScaling) and self.config.amax_history_len is None:
             self._fit_amax_histories(recipe.amax_history_len)
         forward_q, backward_q = self._quantizers(recipe, device)
