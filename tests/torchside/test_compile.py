@@ -23,14 +23,15 @@ RECIPES = {
     "current": Float8CurrentScaling(),
     "block": Float8BlockScaling(),
     "mxfp8": MXFP8BlockScaling(),
+    "delayed": DelayedScaling(),
 }
 # x [2, 16, IN]: 32 tokens; multiples of 32 (MXFP8's blocks), two 128-blocks along IN, a partial one along OUT
 BATCH, SEQUENCE, IN, OUT = 2, 16, 256, 160
 TOKENS = BATCH * SEQUENCE
-MODULES = {
-    "Linear": lambda: torchside.Linear(IN, OUT),
-    "LayerNormLinear": lambda: torchside.LayerNormLinear(IN, OUT),
-    "LayerNormMLP": lambda: torchside.LayerNormMLP(IN, OUT),  # [.., IN] -> OUT -> [.., IN]
+MODULES = {  # name -> a function of params_dtype
+    "Linear": lambda dtype: torchside.Linear(IN, OUT, params_dtype=dtype),
+    "LayerNormLinear": lambda dtype: torchside.LayerNormLinear(IN, OUT, params_dtype=dtype),
+    "LayerNormMLP": lambda dtype: torchside.LayerNormMLP(IN, OUT, params_dtype=dtype),  # [.., IN] -> OUT -> IN
 }
 
 
@@ -47,7 +48,7 @@ def _module(name: str = "Linear", fp8_weight_recipe=None, dtype: torch.dtype = t
     """The module in `dtype`; with a recipe, built under quantized_model_init (its GEMM weights FP8)."""
     torch.manual_seed(0)
     with torchside.quantized_model_init(enabled=fp8_weight_recipe is not None, recipe=fp8_weight_recipe):
-        return MODULES[name]().to(dtype)
+        return MODULES[name](dtype)
 
 
 def _inputs(seed: int, out_features: int, dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
@@ -68,6 +69,12 @@ def _step(module: torch.nn.Module, forward, recipe, seed: int) -> dict[str, torc
         y = forward(x)
     y.backward(dy)
     return {"y": y.detach(), "dx": x.grad} | {f"d{name}": p.grad for name, p in module.named_parameters()}
+
+
+def _eager_and_compiled(name: str = "Linear", **options) -> tuple[torch.nn.Module, torch.nn.Module, object]:
+    """(eager module, its twin, the twin compiled): two modules, as a stateful recipe changes its module."""
+    twin = _module(name, **options)
+    return _module(name, **options), twin, torch.compile(twin, fullgraph=True, backend="aot_eager")
 
 
 def _assert_equal(eager: dict[str, torch.Tensor], compiled: dict[str, torch.Tensor], skip: tuple[str, ...] = ()):
@@ -97,26 +104,24 @@ def test_explain_finds_no_graph_break(module, recipe):
 def test_compiled_forward_and_gradients_equal_eager_bitwise(module, recipe, backend, monkeypatch):
     monkeypatch.setenv("TRITON_INTERPRET", "1" if backend == "interpreter" else "0")
     assert backend_for("cpu") is Backend(backend)
-    layer, recipe = _module(module), RECIPES[recipe]
-    compiled = torch.compile(layer, fullgraph=True, backend="aot_eager")
-    _assert_equal(_step(layer, layer, recipe, 0), _step(layer, compiled, recipe, 0))
+    eager_layer, layer, compiled = _eager_and_compiled(module)
+    recipe = RECIPES[recipe]
+    _assert_equal(_step(eager_layer, eager_layer, recipe, 0), _step(layer, compiled, recipe, 0))
 
 
 @pytest.mark.parametrize("recipe", list(RECIPES))
 def test_compiled_bf16_layer_equals_eager_bitwise(recipe, reference_kernels):
+    eager_layer, layer, compiled = _eager_and_compiled(dtype=torch.bfloat16)
     recipe = RECIPES[recipe]
-    layer = _module(dtype=torch.bfloat16)
-    compiled = torch.compile(layer, fullgraph=True, backend="aot_eager")
-    _assert_equal(_step(layer, layer, recipe, 0), _step(layer, compiled, recipe, 0))
+    _assert_equal(_step(eager_layer, eager_layer, recipe, 0), _step(layer, compiled, recipe, 0))
 
 
 @pytest.mark.parametrize("recipe", list(RECIPES))
 def test_compiled_layer_with_an_fp8_weight_equals_eager_bitwise(recipe, reference_kernels):
     """The QuantizedTensor parameter enters the graph through __tensor_flatten__ (off: dequantized)."""
     recipe = RECIPES[recipe]
-    layer = _module(fp8_weight_recipe=recipe or Float8CurrentScaling())
-    compiled = torch.compile(layer, fullgraph=True, backend="aot_eager")
-    _assert_equal(_step(layer, layer, recipe, 0), _step(layer, compiled, recipe, 0))
+    eager_layer, layer, compiled = _eager_and_compiled(fp8_weight_recipe=recipe or Float8CurrentScaling())
+    _assert_equal(_step(eager_layer, eager_layer, recipe, 0), _step(layer, compiled, recipe, 0))
 
 
 def test_inductor_runs_the_ops_with_the_layouts_their_fakes_promise(monkeypatch):
@@ -153,11 +158,22 @@ def test_a_changed_recipe_recompiles_once(reference_kernels):
     assert compiles == [1, 1, 2, 2, 2, 3, 3]
 
 
+@pytest.mark.parametrize("module", list(MODULES))
+def test_delayed_scaling_state_equals_eager_step_after_step(module, reference_kernels):
+    """The amax histories and scales (forward ones updated at the fp8_autocast exit, backward ones in the
+    backward graph) and every result equal eager's over three steps, in one compile."""
+    eager_layer, compiled_layer, compiled = _eager_and_compiled(module)
+    recipe = DelayedScaling()
+    for seed in range(3):
+        eager, traced = _step(eager_layer, eager_layer, recipe, seed), _step(compiled_layer, compiled, recipe, seed)
+        _assert_equal(eager | dict(eager_layer.named_buffers()), traced | dict(compiled_layer.named_buffers()))
+    assert eager_layer.fp8_backward_scale.ne(1).all(), "the grad scales were updated"
+    assert _compiles() == 1
+
+
 def test_delayed_scaling_inference_compiles_and_equals_eager_bitwise(reference_kernels):
-    """Without gradients DelayedScaling records the amaxes in the forward (tensor ops on the module's buffers)
-    and updates the scales eagerly at the fp8_autocast exit: outputs and state equal eager's, step after step."""
-    eager_layer, compiled_layer = _module(), _module()
-    compiled = torch.compile(compiled_layer, fullgraph=True, backend="aot_eager")
+    """Without gradients the forward records the amaxes and the fp8_autocast exit updates the scales."""
+    eager_layer, compiled_layer, compiled = _eager_and_compiled()
     recipe = DelayedScaling()
     for seed in range(3):
         x, _ = _inputs(seed, OUT)
@@ -169,9 +185,10 @@ def test_delayed_scaling_inference_compiles_and_equals_eager_bitwise(reference_k
     assert _compiles() == 1
 
 
-def test_delayed_scaling_with_gradients_is_refused_by_name(reference_kernels):
-    compiled = torch.compile(_module(), fullgraph=True, backend="aot_eager")
+def test_delayed_scaling_is_refused_by_name_where_a_backward_cannot_update_in_the_graph(reference_kernels):
+    layer = torchside.GroupedLinear(2, IN, OUT)
+    compiled = torch.compile(layer, fullgraph=True, backend="aot_eager")
     x, _ = _inputs(0, OUT)
-    with pytest.raises((NotImplementedError, torch._dynamo.exc.Unsupported), match="DelayedScaling and gradients"):
+    with pytest.raises((NotImplementedError, torch._dynamo.exc.Unsupported), match="GroupedLinear under torch.compile"):
         with torchside.fp8_autocast(recipe=DelayedScaling()):
-            compiled(x.requires_grad_())
+            compiled(x.reshape(TOKENS, IN).requires_grad_(), [16, 16])

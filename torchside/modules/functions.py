@@ -42,15 +42,21 @@ from torchside.quantization import QuantizedStorage, QuantizedTensor, Quantizer,
 from torchside.recipe import Recipe
 
 BackwardHook = Callable[[], None] | None
+GradAmaxHook = Callable[[Tensor], None] | None
 
 
 @dataclass(frozen=True)
 class GemmQuantizers:
-    """The quantizers of one GEMM's operands; `weight` is None when the weight is already an FP8 parameter."""
+    """The quantizers of one GEMM's operands; `weight` is None when the weight is already an FP8 parameter.
+
+    `record_grad_amax`: under torch.compile with DelayedScaling, called with dy's amax at the end of the GEMM's
+    backward to record it and update the grad scale by tensor ops (the grad quantizer then records none).
+    """
 
     input: Quantizer
     weight: Quantizer | None
     grad_output: Quantizer
+    record_grad_amax: GradAmaxHook = None
 
 
 def _columnwise_only(storage: QuantizedStorage) -> QuantizedStorage | None:
@@ -115,6 +121,8 @@ class _FP8Linear(torch.autograd.Function):
             dw = scaled_mm(dy_fp8, x_columnwise, a_columnwise=True, b_columnwise=True, out_dtype=ctx.w_dtype)
         if ctx.needs_input_grad[2]:
             dbias = dy_TO.sum(dim=0, dtype=torch.float32).to(ctx.bias_dtype)
+        if ctx.quantizers.record_grad_amax is not None:
+            ctx.quantizers.record_grad_amax(dy_fp8.amax)
         if ctx.on_backward_done is not None:
             ctx.on_backward_done()
         return dx, dw, dbias, None, None, None
@@ -213,4 +221,4 @@ def normalize(
     return _Normalization.apply(x, weight, bias, rms, eps, zero_centered_gamma, on_backward_done)
 
 
-__all__ = ["BackwardHook", "GemmQuantizers", "gathers_fp8", "linear", "normalize"]
+__all__ = ["BackwardHook", "GemmQuantizers", "GradAmaxHook", "gathers_fp8", "linear", "normalize"]

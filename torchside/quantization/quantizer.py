@@ -174,7 +174,7 @@ class Quantizer:
         q = kernel_ops.quantize(name, x, backend, **kwargs)
         if self.amax_history is not None:  # row 0 collects the max of this step's amaxes
             current = self.amax_history[:1]
-            torch.maximum(current, _nan_as_inf(q.amax), out=current)
+            torch.maximum(current, nan_as_inf(q.amax), out=current)
         return from_quantized(q)
 
     @property
@@ -260,11 +260,11 @@ def quantize_split(
     split_quantize = implementation(backend or backend_for(x.device)).quantize_tensorwise_split
     results = split_quantize(x2d, splits, **kwargs)
     if first.amax_history is not None:  # row 0 collects the max of this step's amaxes
-        torch._foreach_maximum_([q.amax_history[:1] for q in quantizers], [_nan_as_inf(r.amax) for r in results])
+        torch._foreach_maximum_([q.amax_history[:1] for q in quantizers], [nan_as_inf(r.amax) for r in results])
     return [from_quantized(r) for r in results]
 
 
-def _nan_as_inf(amax: Tensor) -> Tensor:
+def nan_as_inf(amax: Tensor) -> Tensor:
     """A NaN amax recorded as +inf: a MAX all-reduce keeps inf on every rank, where a NaN may be dropped on
     some; the update then refuses the non-finite step (fp8kernels.reference.delayed_scaling_update)."""
     return torch.where(amax.isnan(), math.inf, amax)
