@@ -78,6 +78,7 @@ def _eager_and_compiled(name: str = "Linear", **options) -> tuple[torch.nn.Modul
 
 
 def _assert_equal(eager: dict[str, torch.Tensor], compiled: dict[str, torch.Tensor], skip: tuple[str, ...] = ()):
+    compiled = {name.replace("_orig_mod.", ""): t for name, t in compiled.items()}  # a compiled submodule's names
     assert list(eager) == list(compiled)
     for what in eager:
         if what not in skip:
@@ -192,3 +193,20 @@ def test_delayed_scaling_is_refused_by_name_where_a_backward_cannot_update_in_th
     with pytest.raises((NotImplementedError, torch._dynamo.exc.Unsupported), match="GroupedLinear under torch.compile"):
         with torchside.fp8_autocast(recipe=DelayedScaling()):
             compiled(x.reshape(TOKENS, IN).requires_grad_(), [16, 16])
+
+
+def test_compiled_and_eager_modules_share_a_delayed_scaling_region(reference_kernels):
+    """A compiled Linear feeding an eager LayerNormMLP in one fp8_autocast: the region's forward sync updates
+    both, the eager module's backward sync its own state, the compiled one's backward graph its own."""
+
+    def model() -> torch.nn.Sequential:
+        torch.manual_seed(0)
+        return torch.nn.Sequential(torchside.Linear(IN, OUT), torchside.LayerNormMLP(OUT, IN))
+
+    eager, mixed = model(), model()
+    mixed[0] = torch.compile(mixed[0], fullgraph=True, backend="aot_eager")
+    for seed in range(3):
+        _assert_equal(
+            _step(eager, eager, DelayedScaling(), seed) | dict(eager.named_buffers()),
+            _step(mixed, mixed, DelayedScaling(), seed) | dict(mixed.named_buffers()),
+        )
