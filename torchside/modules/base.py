@@ -30,10 +30,11 @@ from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
+from fp8kernels.reference import delayed_scaling_update
 from twinspec.formats import FORMATS
 from torchside import autocast
 from torchside.modules.config import ModuleConfig, check_params_dtype
-from torchside.modules.functions import BackwardHook, GemmQuantizers, gathers_fp8
+from torchside.modules.functions import BackwardHook, GemmQuantizers, GradAmaxHook, gathers_fp8
 from torchside.parallel.module_mesh import (
     TensorParallelMixin,
     group_ranks,
@@ -43,6 +44,7 @@ from torchside.parallel.module_mesh import (
 from torchside.parallel.placements import check_recipe_fits_shard
 from torchside.parallel.tp_comm import has_per_tensor_scale
 from torchside.quantization import QuantizedTensor, Quantizer
+from torchside.quantization.quantizer import nan_as_inf
 from torchside.recipe import DelayedScaling, Float8CurrentScaling, NVFP4BlockScaling, Recipe
 
 # The FP8 scaling state every FP8 module keeps as buffers (plain tensors: checkpoints reshard them).
@@ -79,7 +81,7 @@ class ForwardPlan:
     on_backward_done: BackwardHook
 
 
-def _share_state(quantizer: Quantizer, scale: Tensor, amax_history: Tensor) -> Quantizer:
+def _share_state(quantizer: Quantizer, scale: Tensor, amax_history: Tensor | None) -> Quantizer:
     """Point a DelayedScaling quantizer's state at views of the module buffers.
 
     Adapter: Quantizer allocates its own state and has no argument for given tensors, so the two
@@ -113,6 +115,9 @@ def _initial_weight_recipe(recipe: Recipe) -> Recipe:
 
 class FP8Module(TensorParallelMixin, nn.Module):
     """Base of the FP8 modules: see the module docstring."""
+
+    # Whether every GEMM's backward calls GemmQuantizers.record_grad_amax (torch.compile with DelayedScaling).
+    records_grad_amax_in_gemms = True
 
     def __init__(
         self,
@@ -246,10 +251,14 @@ class FP8Module(TensorParallelMixin, nn.Module):
         if frame is None or not self.num_gemms:
             return None
         recipe = frame.recipe
+        compiling = torch.compiler.is_compiling()
+        if isinstance(recipe, DelayedScaling) and compiling:
+            self._check_compiles_delayed_scaling(recipe, frame.amax_reduction_group)
         if isinstance(recipe, DelayedScaling) and self.config.amax_history_len is None:
             self._fit_amax_histories(recipe.amax_history_len)
         forward_q, backward_q = self._quantizers(recipe, device)
         on_backward_done = None
+        grad_amax_hooks = [None] * self.num_gemms
         if isinstance(recipe, DelayedScaling):
             self._check_gathered_scales_agree(recipe, frame.amax_reduction_group)
             # A history of another length than the recipe's (a ModuleConfig length) updates in a sync of its own.
@@ -258,14 +267,49 @@ class FP8Module(TensorParallelMixin, nn.Module):
             forward_sync, backward_sync = frame.region.syncs(sync_recipe, frame.amax_reduction_group)
             fmax = {role: FORMATS[recipe.fp8_format.for_role(role)].max for role in ("input", "grad")}
             forward_sync.add(self, self.fp8_forward_amax_history, self.fp8_forward_scale, fmax["input"])
-            if backward_sync.add(self, self.fp8_backward_amax_history, self.fp8_backward_scale, fmax["grad"]):
+            if compiling:  # the region's backward sync is Python state: each GEMM's backward updates its slot
+                grad_amax_hooks = [self._grad_state_update(g, sync_recipe, fmax["grad"]) for g in range(self.num_gemms)]
+            elif backward_sync.add(self, self.fp8_backward_amax_history, self.fp8_backward_scale, fmax["grad"]):
                 on_backward_done = backward_sync.reduce_and_update
         gemms = []
         for g in range(self.num_gemms):
             weight_is_fp8 = isinstance(local_tensor(getattr(self, self._gemm_weight_names[g])), QuantizedTensor)
             weight_q = None if weight_is_fp8 else forward_q[2 * g + 1]  # an FP8 parameter is cast already
-            gemms.append(GemmQuantizers(input=forward_q[2 * g], weight=weight_q, grad_output=backward_q[g]))
+            gemms.append(GemmQuantizers(forward_q[2 * g], weight_q, backward_q[g], record_grad_amax=grad_amax_hooks[g]))
         return ForwardPlan(tuple(gemms), on_backward_done)
+
+    def _check_compiles_delayed_scaling(self, recipe: DelayedScaling, group: dist.ProcessGroup | None) -> None:
+        """DelayedScaling under torch.compile: modules whose GEMMs record dy's amax through
+        GemmQuantizers.record_grad_amax, without an amax group (no all-reduce in the backward graph yet)."""
+        owner = type(self).__name__
+        if not self.records_grad_amax_in_gemms:
+            raise NotImplementedError(
+                f"{owner} under torch.compile with DelayedScaling: its backward cannot update the grad scales "
+                "in the graph yet (docs/compile.md); use another recipe or run this module eagerly"
+            )
+        if group is not None and recipe.reduce_amax:
+            raise NotImplementedError(
+                f"{owner} under torch.compile with DelayedScaling and an amax_reduction_group: the grad amaxes "
+                "are not all-reduced in the graph yet (docs/compile.md); pass DelayedScaling(reduce_amax=False), "
+                "no group, or run eagerly"
+            )
+
+    def _grad_state_update(self, slot: int, recipe: DelayedScaling, fmax: float) -> GradAmaxHook:
+        """torch.compile's stand-in for the region's backward sync, for GEMM `slot`: record dy's amax in row 0,
+        then set the slot's next scale and roll its history, by whole-buffer copies (AOTAutograd takes no
+        in-place write to a view of a forward input in the backward graph). The sync's values: it updates each
+        slot alone; a module called twice in one region would update twice."""
+        history, scale = self.fp8_backward_amax_history, self.fp8_backward_scale
+
+        def record_and_update(amax: Tensor) -> None:
+            recorded = torch.cat([torch.maximum(history[:1, slot], nan_as_inf(amax)), history[1:, slot]])
+            column, slot_scale = delayed_scaling_update(
+                recorded, scale[slot : slot + 1], fmax, margin=recipe.margin, algo=recipe.amax_compute_algo
+            )
+            history.copy_(torch.cat([history[:, :slot], column[:, None], history[:, slot + 1 :]], dim=1))
+            scale.copy_(torch.cat([scale[:slot], slot_scale, scale[slot + 1 :]]))
+
+        return record_and_update
 
     def _fit_amax_histories(self, length: int) -> None:
         """Give both amax histories `length` rows (the recipe's, as TransformerEngine does), keeping the newest."""
@@ -290,11 +334,15 @@ class FP8Module(TensorParallelMixin, nn.Module):
             )
 
     def _quantizers(self, recipe: Recipe, device: torch.device) -> tuple[tuple[Quantizer, ...], tuple[Quantizer, ...]]:
-        """(forward slots, backward slots), reused while the recipe, usage, groups and state buffers stay the same."""
+        """(forward slots, backward slots), reused while the recipe, usage, groups and state buffers stay the same.
+
+        torch.compile traces them once per compiled graph: there a cache would only add a guard on it, and
+        with it a recompile on the second call."""
         columnwise = torch.is_grad_enabled()  # the copies dgrad and wgrad read
         buffers = tuple(getattr(self, name) for name in FP8_STATE_BUFFERS)
         key = (recipe, torch.device(device), columnwise, id(self.tp_comm))
-        cached = self._quantizer_cache
+        caching = not torch.compiler.is_compiling()
+        cached = self._quantizer_cache if caching else None
         if cached is not None and cached[0] == key and all(a is b for a, b in zip(cached[1], buffers, strict=True)):
             return cached[2]
         forward_q, backward_q = [], []
@@ -313,13 +361,15 @@ class FP8Module(TensorParallelMixin, nn.Module):
         if isinstance(recipe, DelayedScaling):
             for slot, q in enumerate(forward_q):
                 _share_state(q, self.fp8_forward_scale[slot : slot + 1], self.fp8_forward_amax_history[:, slot])
-            for slot, q in enumerate(backward_q):
-                _share_state(q, self.fp8_backward_scale[slot : slot + 1], self.fp8_backward_amax_history[:, slot])
+            for slot, q in enumerate(backward_q):  # compiled: the GEMM's record_grad_amax records dy's amax
+                history = self.fp8_backward_amax_history[:, slot] if caching else None
+                _share_state(q, self.fp8_backward_scale[slot : slot + 1], history)
         for slot, q in enumerate(backward_q):
             if q.stochastic_step is not None:  # the counter lives in a buffer, so a checkpoint resumes it
                 object.__setattr__(q, "stochastic_step", self.fp8_stochastic_step[slot : slot + 1])
         quantizers = (tuple(forward_q), tuple(backward_q))
-        self._quantizer_cache = (key, buffers, quantizers)
+        if caching:
+            self._quantizer_cache = (key, buffers, quantizers)
         return quantizers
 
 

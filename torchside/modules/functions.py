@@ -35,23 +35,28 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from fp8kernels import norm as norm_kernels
-from fp8kernels.gemm import scaled_mm
+from fp8kernels.ops import norm_backward, norm_forward, scaled_mm
 from fp8kernels.gemm_reference import OUT_DTYPES
 from torchside.parallel.tp_comm import LinearParallelism, TPComm, has_per_tensor_scale, reduce_scatter_dim0
 from torchside.quantization import QuantizedStorage, QuantizedTensor, Quantizer, reduce_amaxes
 from torchside.recipe import Recipe
 
 BackwardHook = Callable[[], None] | None
+GradAmaxHook = Callable[[Tensor], None] | None
 
 
 @dataclass(frozen=True)
 class GemmQuantizers:
-    """The quantizers of one GEMM's operands; `weight` is None when the weight is already an FP8 parameter."""
+    """The quantizers of one GEMM's operands; `weight` is None when the weight is already an FP8 parameter.
+
+    `record_grad_amax`: under torch.compile with DelayedScaling, called with dy's amax at the end of the GEMM's
+    backward to record it and update the grad scale by tensor ops (the grad quantizer then records none).
+    """
 
     input: Quantizer
     weight: Quantizer | None
     grad_output: Quantizer
+    record_grad_amax: GradAmaxHook = None
 
 
 def _columnwise_only(storage: QuantizedStorage) -> QuantizedStorage | None:
@@ -116,6 +121,8 @@ class _FP8Linear(torch.autograd.Function):
             dw = scaled_mm(dy_fp8, x_columnwise, a_columnwise=True, b_columnwise=True, out_dtype=ctx.w_dtype)
         if ctx.needs_input_grad[2]:
             dbias = dy_TO.sum(dim=0, dtype=torch.float32).to(ctx.bias_dtype)
+        if ctx.quantizers.record_grad_amax is not None:
+            ctx.quantizers.record_grad_amax(dy_fp8.amax)
         if ctx.on_backward_done is not None:
             ctx.on_backward_done()
         return dx, dw, dbias, None, None, None
@@ -186,26 +193,18 @@ def linear(
 class _Normalization(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, bias, rms: bool, eps: float, zero_centered_gamma: bool, on_backward_done: BackwardHook):
-        if rms:
-            result = norm_kernels.rms_norm_forward(x, weight, eps=eps, zero_centered_gamma=zero_centered_gamma)
-        else:
-            result = norm_kernels.layer_norm_forward(x, weight, bias, eps=eps, zero_centered_gamma=zero_centered_gamma)
-        ctx.save_for_backward(x, weight, result.mean, result.rstd)
-        ctx.rms, ctx.zero_centered_gamma, ctx.on_backward_done = rms, zero_centered_gamma, on_backward_done
-        return result.out
+        out, mean, rstd = norm_forward(x, weight, bias, rms=rms, eps=eps, zero_centered_gamma=zero_centered_gamma)
+        ctx.save_for_backward(x, weight, mean, rstd)
+        ctx.zero_centered_gamma, ctx.on_backward_done = zero_centered_gamma, on_backward_done
+        return out
 
     @staticmethod
     def backward(ctx, dy):
-        x, weight, mean, rstd = ctx.saved_tensors
-        if ctx.rms:
-            grads = norm_kernels.rms_norm_backward(dy, x, weight, rstd, zero_centered_gamma=ctx.zero_centered_gamma)
-        else:
-            grads = norm_kernels.layer_norm_backward(
-                dy, x, weight, mean, rstd, zero_centered_gamma=ctx.zero_centered_gamma
-            )
+        x, weight, mean, rstd = ctx.saved_tensors  # mean: None for RMSNorm
+        dx, dweight, dbias = norm_backward(dy, x, weight, mean, rstd, zero_centered_gamma=ctx.zero_centered_gamma)
         if ctx.on_backward_done is not None:
             ctx.on_backward_done()
-        return grads.dx, grads.dweight, grads.dbias, None, None, None, None
+        return dx, dweight, dbias, None, None, None, None
 
 
 def normalize(
@@ -222,4 +221,4 @@ def normalize(
     return _Normalization.apply(x, weight, bias, rms, eps, zero_centered_gamma, on_backward_done)
 
 
-__all__ = ["BackwardHook", "GemmQuantizers", "gathers_fp8", "linear", "normalize"]
+__all__ = ["BackwardHook", "GemmQuantizers", "GradAmaxHook", "gathers_fp8", "linear", "normalize"]

@@ -142,6 +142,8 @@ def _check_m_splits(m_splits: object, groups: int, tokens: int) -> list[int]:
 class GroupedLinear(FP8Module):
     """E linear layers on consecutive row groups of one input, with TransformerEngine's te.GroupedLinear arguments."""
 
+    records_grad_amax_in_gemms = False  # its backward quantizes dy by quantize_split (docs/compile.md)
+
     def __init__(
         self,
         num_gemms: int,

@@ -14,18 +14,17 @@ tensor with one quantizer each (GroupedLinear's experts): one cast launch for th
 
 from __future__ import annotations
 
-import functools
-import importlib
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from types import ModuleType
 
 import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from fp8kernels import ops as kernel_ops
 from fp8kernels._backend import Backend, backend_for
+from fp8kernels.ops import implementation
 from fp8kernels._checks import check_splits, matrix_view
 from twinspec.formats import FORMATS
 from fp8kernels.reference import delayed_scaling_update, group_amaxes
@@ -86,12 +85,6 @@ def _takes_amax_group(recipe: Recipe, role: str) -> bool:
     if isinstance(recipe, NVFP4BlockScaling):
         return not recipe.hadamard_for(role)
     return _FAMILIES[type(recipe)].takes_amax_group
-
-
-@functools.cache
-def implementation(backend: Backend) -> ModuleType:
-    """The module whose quantize functions run on `backend` (they share names and signatures)."""
-    return importlib.import_module("fp8kernels.reference" if backend is Backend.REFERENCE else "fp8kernels.quantize")
 
 
 @dataclass(frozen=True, eq=False)
@@ -178,10 +171,10 @@ class Quantizer:
         """The buffers `quantize` wraps, for callers that only read them (the FP8 GEMMs)."""
         _check_high_precision(x)
         name, kwargs = self.kernel_call(x, amax)
-        q = getattr(implementation(backend or backend_for(x.device)), name)(x, **kwargs)
+        q = kernel_ops.quantize(name, x, backend, **kwargs)
         if self.amax_history is not None:  # row 0 collects the max of this step's amaxes
             current = self.amax_history[:1]
-            torch.maximum(current, _nan_as_inf(q.amax), out=current)
+            torch.maximum(current, nan_as_inf(q.amax), out=current)
         return from_quantized(q)
 
     @property
@@ -267,11 +260,11 @@ def quantize_split(
     split_quantize = implementation(backend or backend_for(x.device)).quantize_tensorwise_split
     results = split_quantize(x2d, splits, **kwargs)
     if first.amax_history is not None:  # row 0 collects the max of this step's amaxes
-        torch._foreach_maximum_([q.amax_history[:1] for q in quantizers], [_nan_as_inf(r.amax) for r in results])
+        torch._foreach_maximum_([q.amax_history[:1] for q in quantizers], [nan_as_inf(r.amax) for r in results])
     return [from_quantized(r) for r in results]
 
 
-def _nan_as_inf(amax: Tensor) -> Tensor:
+def nan_as_inf(amax: Tensor) -> Tensor:
     """A NaN amax recorded as +inf: a MAX all-reduce keeps inf on every rank, where a NaN may be dropped on
     some; the update then refuses the non-finite step (fp8kernels.reference.delayed_scaling_update)."""
     return torch.where(amax.isnan(), math.inf, amax)

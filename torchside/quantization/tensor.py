@@ -93,6 +93,8 @@ class QuantizedTensor(Tensor):
 
     def untyped_storage(self) -> torch.UntypedStorage:
         """The rowwise (else columnwise) bytes' storage: a stable identity for DCP and FSDP2."""
+        if torch.compiler.is_compiling():  # Dynamo fakifies the wrapper itself: its own (empty) storage
+            return super().untyped_storage()
         storage = self.quantized_storage
         return (storage.rowwise_data if storage.rowwise else storage.columnwise_data).untyped_storage()
 

@@ -1,0 +1,112 @@
+"""fp8kernels.ops: the custom ops (quantize, scaled GEMM, norm) pass torch.library.opcheck (schema, fake
+implementation against the real one, AOT dispatch) and return the bytes of the kernel function each wraps, on
+the interpreter and the reference, on CPU (CI) and CUDA (`pytest -m gpu`)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from fp8kernels import gemm, norm, ops
+from fp8kernels._backend import Backend, backend_for
+from tests.fp8kernels.devices import DEVICES
+
+# name -> (kernel function keyword arguments, the op's arguments after x and before backend)
+QUANTIZE_OPS = {
+    "quantize_tensorwise": ({"fmt": "e5m2"}, ("e5m2", None, None, False, 0.0)),
+    "quantize_blockwise": ({"block": (1, 128)}, ("e4m3", [1, 128], True)),
+    "quantize_blockwise_square": ({"block": (128, 128)}, ("e4m3", [128, 128], True)),
+    "quantize_mxfp8": ({}, ("e4m3", "up")),
+}
+USAGES = [(True, False), (False, True), (True, True)]
+
+
+@pytest.fixture(params=["interpreter", "reference"])
+def backend(request, monkeypatch) -> Backend:
+    monkeypatch.setenv("TRITON_INTERPRET", "1" if request.param == "interpreter" else "0")
+    return Backend(request.param)
+
+
+def _x(device: str) -> torch.Tensor:
+    """[2, 48, 288]: 96 rows, three 128-blocks along K (the last partial), multiples of 32 (MXFP8)."""
+    return torch.randn(2, 48, 288, generator=torch.Generator().manual_seed(0)).to(device)
+
+
+def _op(name: str):
+    return getattr(torch.ops.shardbridge, name.removesuffix("_square")).default
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("rowwise, columnwise", USAGES)
+@pytest.mark.parametrize("name", list(QUANTIZE_OPS))
+def test_quantize_op_passes_opcheck_and_returns_the_kernel_bytes(name, rowwise, columnwise, device, backend):
+    if device == "cuda" and backend is Backend.INTERPRETER:
+        pytest.skip("the interpreter runs on CPU tensors")
+    x = _x(device)
+    kwargs, op_arguments = QUANTIZE_OPS[name]
+    arguments = (x, *op_arguments, rowwise, columnwise, "")
+    torch.library.opcheck(_op(name), arguments)
+    outputs = _op(name)(*arguments)
+    kernel = getattr(ops.implementation(backend_for(x.device)), name.removesuffix("_square"))
+    expected = kernel(x, **kwargs, rowwise=rowwise, columnwise=columnwise)
+    for buffer, output in zip(("data", "scale_inv", "columnwise_data", "columnwise_scale_inv", "amax"), outputs):
+        wanted = getattr(expected, buffer)
+        if wanted is None:
+            assert output.numel() == 0, f"{buffer}: a placeholder where the kernel returns none"
+        else:
+            assert torch.equal(output, wanted), f"{buffer} differs"
+
+
+# The three GEMMs of a linear layer (x [T, I], w [O, I], dy [T, O]; T, I, O multiples of 32 for MXFP8):
+# (A, B, A columnwise, B columnwise)
+LAYOUTS = {"fprop": ("x", "w", False, False), "dgrad": ("dy", "w", False, True), "wgrad": ("dy", "x", True, True)}
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+@pytest.mark.parametrize("name", ["quantize_tensorwise", "quantize_blockwise", "quantize_mxfp8"])
+def test_scaled_mm_op_passes_opcheck_and_returns_the_gemm_result(name, layout, device, backend):
+    if device == "cuda" and backend is Backend.INTERPRETER:
+        pytest.skip("the interpreter runs on CPU tensors")
+    generator = torch.Generator().manual_seed(1)
+    tensors = {"x": (64, 96), "w": (32, 96), "dy": (64, 32)}
+    quantize = getattr(ops.implementation(backend), name)
+    quantized = {
+        key: quantize(torch.randn(shape, generator=generator).to(device), rowwise=True, columnwise=True)
+        for key, shape in tensors.items()
+    }
+    a_name, b_name, a_columnwise, b_columnwise = LAYOUTS[layout]
+    a, b = quantized[a_name], quantized[b_name]
+    bias = torch.randn(tensors[b_name][1 if b_columnwise else 0], generator=generator).to(device)
+    arguments = (
+        *ops._operand_arguments(a, a_columnwise), *ops._operand_arguments(b, b_columnwise), torch.float32, bias
+    )  # fmt: skip
+    torch.library.opcheck(torch.ops.shardbridge.scaled_mm.default, arguments)
+    expected = gemm.scaled_mm(
+        a, b, a_columnwise=a_columnwise, b_columnwise=b_columnwise, out_dtype=torch.float32, bias=bias
+    )
+    assert torch.equal(torch.ops.shardbridge.scaled_mm.default(*arguments), expected)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("rms", [False, True])
+def test_norm_ops_pass_opcheck_and_return_the_kernel_results(rms, device, backend):
+    if device == "cuda" and backend is Backend.INTERPRETER:
+        pytest.skip("the interpreter runs on CPU tensors")
+    generator = torch.Generator().manual_seed(2)
+    x, dy = (torch.randn(2, 24, 96, generator=generator).to(device) for _ in range(2))
+    weight, bias = (torch.randn(96, generator=generator).to(device) for _ in range(2))
+    arguments = (x, weight, None if rms else bias, rms, 1e-5, True)
+    torch.library.opcheck(torch.ops.shardbridge.norm_forward.default, arguments)
+    out, mean, rstd = torch.ops.shardbridge.norm_forward.default(*arguments)
+    forward = (norm.rms_norm_forward(x, weight, zero_centered_gamma=True) if rms else
+               norm.layer_norm_forward(x, weight, bias, zero_centered_gamma=True))  # fmt: skip
+    assert torch.equal(out, forward.out) and torch.equal(rstd, forward.rstd)
+    assert mean.numel() == 0 if rms else torch.equal(mean, forward.mean)
+    backward_arguments = (dy, x, weight, None if rms else mean, rstd, True)
+    torch.library.opcheck(torch.ops.shardbridge.norm_backward.default, backward_arguments)
+    dx, dweight, dbias = torch.ops.shardbridge.norm_backward.default(*backward_arguments)
+    grads = (norm.rms_norm_backward(dy, x, weight, rstd, zero_centered_gamma=True) if rms else
+             norm.layer_norm_backward(dy, x, weight, mean, rstd, zero_centered_gamma=True))  # fmt: skip
+    assert torch.equal(dx, grads.dx) and torch.equal(dweight, grads.dweight)
+    assert dbias.numel() == 0 if rms else torch.equal(dbias, grads.dbias)
