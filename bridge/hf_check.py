@@ -9,6 +9,11 @@ measures the two implementations, not bf16 rounding. Both then run the same seed
 forward under the recipe (fresh models, so fresh FP8 scaling state on both sides) and their logits
 are compared shard by shard (bridge.logits) against bridge.numerics' forward tolerance.
 
+On one process (a mesh of world size 1) the check is `bridge.compare` instead (`compare_hf`,
+docs/verification.md): every block teacher-forced against its derived bound, then the logits, under
+FP8 judged noise-aware against both frameworks' FP8-off logits. Each side keeps the parameters it
+loaded (`copy_params=False`), so a loader's difference is named by the first block it reaches.
+
 `check_input` runs before any process starts: the directory's config, index and headers
 (twinspec.hf_llama.Checkpoint), the torch model built on "meta" for the TP size (its
 modules refuse heads or ffn sizes TP does not divide; each recipe's tiles against its GEMM
@@ -182,6 +187,26 @@ def verify_hf(runtime, case: HFCase) -> list[dict]:
     return reports
 
 
+def compare_hf(case: HFCase, device_type: str) -> list[dict]:
+    """A one-process case through bridge.compare (module docstring); the JSON reports, one per recipe."""
+    import jax.numpy as jnp
+    import torch
+
+    from bridge.model_compare.core import compare
+    from jaxside.models import llama as jax_llama
+    from torchside.models import llama as torch_llama
+
+    reports = []
+    for recipe in case.recipes:  # loaded again for each: fresh FP8 scaling state
+        model = torch_llama.load_hf(case.path, device=device_type, dtype=torch.float32)
+        twin = jax_llama.load_hf(case.path, dtype=jnp.float32)
+        tokens = random_tokens(model.config.vocab_size, case.batch_size, case.seq_len).to(device_type)
+        report = compare(model, twin, tokens, recipe=recipe, backward=False, copy_params=False)
+        report.model, report.mesh = f"llama {case.path}", str(case.mesh)
+        reports.append(report.to_json())
+    return reports
+
+
 def logits_report(
     model, twin, meshes, mesh, recipe: str, tokens, device_type: str, title: tuple[str, str] = ("llama", "")
 ) -> VerifyReport:
@@ -200,4 +225,4 @@ def logits_report(
     return report
 
 
-__all__ = ["HFCase", "check_forward_options", "check_input", "logits_report", "random_tokens", "verify_hf"]
+__all__ = ["HFCase", "check_forward_options", "check_input", "compare_hf", "logits_report", "random_tokens", "verify_hf"]

@@ -129,6 +129,10 @@ def run(args: argparse.Namespace, console: Console) -> int:
     device, fallback = runtime.choose_device_type(args.device, processes, torch.cuda.device_count())
     if fallback:
         errors.print(escape(fallback))
+    if worker is hf_check.verify_hf and processes == 1:  # one process: bridge.compare, every block teacher-forced
+        with errors.status("verifying in this process (bridge.compare)"):
+            reports = hf_check.compare_hf(case, device)
+        return _finish(args, console, reports)
     with errors.status(f"verifying in {processes} co-located torch+JAX processes"):
         reports = runtime.launch(worker, processes, work, device_type=device)[0]
     return _finish(args, console, reports)

@@ -73,7 +73,7 @@ def _label(call: Call, index: int, counts: Counter) -> str:
 def compare(
     torch_model: nn.Module | Any, jax_model: nnx.Module | Any, inputs: torch.Tensor | tuple[torch.Tensor, ...], *,
     recipe: Any = "off", params: Any = "auto", backward: bool = True, steps: int = 0,
-    mesh: str | MeshShape | None = None,
+    mesh: str | MeshShape | None = None, copy_params: bool = True,
 ) -> CompareReport:  # fmt: skip
     """Compare a torch model with its NNX twin on `inputs`, every common submodule teacher-forced (module docstring).
 
@@ -84,11 +84,13 @@ def compare(
     parameters; `.step` of a check says which. torch's parameter values are copied into the JAX model; the
     torch model's are put back at the end. Both models should be fresh (DelayedScaling's histories are not
     copied) and deterministic (no dropout: put them in eval mode).
+    copy_params=False: the first check runs the JAX model with its own parameter values (two models loaded
+    from one file: a loader's difference is then the block it lands in); later steps start from torch's.
     mesh: e.g. "dp=2": run in that many co-located data-parallel processes (bridge.model_compare.data_parallel),
     `inputs` split along dim 0; the models are then given as factories the processes can import
     ("package.module:function" or a module-level function returning the model).
     """
-    options = {"recipe": recipe, "params": params, "backward": backward, "steps": steps}
+    options = {"recipe": recipe, "params": params, "backward": backward, "steps": steps, "copy_params": copy_params}
     if mesh is None:
         return compare_here(torch_model, jax_model, inputs, **options)
     return _compare_on_mesh((torch_model, jax_model), inputs, mesh, **options)
@@ -115,7 +117,7 @@ def _compare_on_mesh(factories: tuple, inputs, mesh, **options) -> CompareReport
 
 def compare_here(
     torch_model: nn.Module, jax_model: nnx.Module, inputs, *, recipe: Any = "off", params: Any = "auto",
-    backward: bool = True, steps: int = 0, dp: data_parallel.DataParallel | None = None,
+    backward: bool = True, steps: int = 0, dp: data_parallel.DataParallel | None = None, copy_params: bool = True,
 ) -> CompareReport:  # fmt: skip
     """`compare` in this process; with `dp`, as one data-parallel rank of several (data_parallel's docstring)."""
     inputs = _check_arguments(torch_model, jax_model, inputs)
@@ -135,7 +137,8 @@ def compare_here(
     optimizer = adam_steps.torch_adam(torch_model) if steps else None
     try:
         for step in range(steps + 1):
-            _copy_weights(torch_model, jax_model, pairs)  # each step starts both sides from torch's parameters
+            if copy_params or step:  # each step starts both sides from torch's parameters
+                _copy_weights(torch_model, jax_model, pairs)
             run = data_parallel.summed_torch_grads(run_torch(torch_model, inputs, recipe, set(common), backward), dp)
             checks, jax_root = _teacher_forced_checks(run, common, pairs, recipe, bits, u_acc, backward, dp)
             jax_root = data_parallel.summed_jax_grads(jax_root, dp)

@@ -125,6 +125,58 @@ def test_a_divergence_exits_1_naming_the_logits(monkeypatch, capsys, checkpoint)
     assert captured.err.startswith("error: torch and JAX diverge") and "logits (forward, step 0)" in captured.err
 
 
+ONE_PROCESS = ["verify", "--model", "llama", "--mesh", "dp=1", "--device", "cpu", "--batch-size", "2", "--seq-len", "32"]
+
+
+@pytest.mark.parametrize("recipe", ["off", "current"])
+def test_one_process_passes_every_block_teacher_forced(monkeypatch, capsys, reference_kernels, checkpoint, recipe):
+    """--mesh dp=1 runs bridge.compare: the JSON holds each block's own check and the logits', all passing."""
+    _no_launch(monkeypatch)
+    assert main([*ONE_PROCESS, "--hf", str(checkpoint), "--recipe", recipe, "--json"]) == 0
+    (report,) = json.loads(capsys.readouterr().out)
+    assert (report["model"], report["recipe"], report["passed"]) == (f"llama {checkpoint}", recipe, True)
+    blocks = {c["name"] for c in report["checks"] if c["stage"] == "forward"}
+    assert {"layers.0", "layers.1", "layers.1.layernorm_mlp", "layers.1.self_attention"} <= blocks
+    assert "output" in {c["name"] for c in report["checks"] if c["stage"] == "end_to_end_forward"}
+
+
+def _planted_load_hf(monkeypatch, plant) -> None:
+    """jaxside's load_hf, then `plant` applied to layer 1's LayerNormMLP of the loaded twin (test only)."""
+    from jaxside.models import llama as jax_llama
+
+    load_hf = jax_llama.load_hf
+
+    def planted(*args, **kwargs):
+        twin = load_hf(*args, **kwargs)
+        plant(twin.layers[1].layernorm_mlp)
+        return twin
+
+    monkeypatch.setattr(jax_llama, "load_hf", planted)
+
+
+def _moved_weight(mlp) -> None:  # one fc2 weight of about 0.2 moved by 0.05: a loader's slip
+    mlp.fc2_kernel.set_value(mlp.fc2_kernel.get_value().at[0, 0].add(0.05))
+
+
+def _other_activation(mlp) -> None:  # GELU for SiLU in the gated MLP: an implementation's slip
+    assert mlp.activation == "swiglu"
+    mlp.activation = "geglu"
+
+
+@pytest.mark.parametrize("plant, recipe", [(_moved_weight, "off"), (_other_activation, "current")])
+def test_one_process_names_the_one_jax_block_that_differs(
+    monkeypatch, capsys, reference_kernels, checkpoint, plant, recipe
+):
+    """JAX's layer 1 MLP differs (its loaded weight or its norm): exit 1 naming that block, not only the logits."""
+    _no_launch(monkeypatch)
+    _planted_load_hf(monkeypatch, plant)
+    assert main([*ONE_PROCESS, "--hf", str(checkpoint), "--recipe", recipe]) == 1
+    captured = capsys.readouterr()
+    assert "first divergence step 0, forward, layer layers.1, tensor layers.1.layernorm_mlp:" in captured.out
+    assert captured.err.count("\n") == 1
+    assert "torch and JAX diverge" in captured.err and "layers.1.layernorm_mlp (forward, step 0)" in captured.err
+
+
 @pytest.mark.slow
 @pytest.mark.multiprocess
 def test_two_processes_on_tp_2_agree_from_the_cli(tmp_path, monkeypatch, checkpoint):
