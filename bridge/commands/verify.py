@@ -18,7 +18,9 @@ under the plan, in the JAX twin and in the unsharded model are compared (bridge/
 
 --model llama --hf HF_DIR: torchside's and jaxside's load_hf in each process (each reading its
 own shards, fp32), one forward of --batch-size x --seq-len random tokens under --recipe (default
-off), the logits against bridge.numerics' forward tolerance (bridge/hf_check.py, docs/hf.md).
+off), the logits against bridge.numerics' forward tolerance (bridge/hf_check.py, docs/hf.md). On a
+mesh of one process (e.g. --mesh dp=1) the two loaded models go through bridge.compare instead:
+every block teacher-forced against its derived bound, then the logits, noise-aware under FP8.
 
 --torch PKG.MODULE:FACTORY --jax PKG.MODULE:FACTORY: your own pair of models, each factory returning
 (model, example inputs), compared by bridge.compare on this process, every common submodule
@@ -59,7 +61,8 @@ def register(verbs) -> None:
     parser.add_argument(
         "--hf",
         metavar="HF_DIR",
-        help="a Hugging Face Llama directory (with --model llama): compare the two load_hf's logits",
+        help="a Hugging Face Llama directory (with --model llama): compare the two load_hf's logits; on one process "
+        "(--mesh dp=1) every block and the logits by bridge.compare",
     )
     parser.add_argument("--layers", type=int, help=f"blocks in the stack (default {STACK_DEFAULTS['layers']})")
     parser.add_argument(

@@ -2,7 +2,9 @@
 
 Fast: bad input exits 2 with one line before any process starts; the logits check on one process
 fails when the checkpoint's file changes between the torch and the JAX load; a failing report makes
-the CLI exit 1 naming the logits. Slow (CI): 2 co-located processes on TP 2 pass from the CLI.
+the CLI exit 1 naming the logits; on one process (--mesh dp=1) the CLI runs bridge.compare, passes a
+faithful checkpoint (FP8 off and current) with every block's check in its JSON, and exits 1 naming
+the block when one JAX block differs (a loaded weight, an activation). Slow (CI): 2 co-located processes on TP 2 pass from the CLI.
 """
 
 from __future__ import annotations
