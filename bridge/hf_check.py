@@ -225,4 +225,6 @@ def logits_report(
     return report
 
 
-__all__ = ["HFCase", "check_forward_options", "check_input", "compare_hf", "logits_report", "random_tokens", "verify_hf"]
+__all__ = [
+    "HFCase", "check_forward_options", "check_input", "compare_hf", "logits_report", "random_tokens", "verify_hf"
+]

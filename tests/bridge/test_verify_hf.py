@@ -4,7 +4,8 @@ Fast: bad input exits 2 with one line before any process starts; the logits chec
 fails when the checkpoint's file changes between the torch and the JAX load; a failing report makes
 the CLI exit 1 naming the logits; on one process (--mesh dp=1) the CLI runs bridge.compare, passes a
 faithful checkpoint (FP8 off and current) with every block's check in its JSON, and exits 1 naming
-the block when one JAX block differs (a loaded weight, an activation). Slow (CI): 2 co-located processes on TP 2 pass from the CLI.
+the block when one JAX block differs (a loaded weight, an activation). Slow (CI): 2 co-located
+processes on TP 2 pass from the CLI.
 """
 
 from __future__ import annotations
@@ -127,7 +128,7 @@ def test_a_divergence_exits_1_naming_the_logits(monkeypatch, capsys, checkpoint)
     assert captured.err.startswith("error: torch and JAX diverge") and "logits (forward, step 0)" in captured.err
 
 
-ONE_PROCESS = ["verify", "--model", "llama", "--mesh", "dp=1", "--device", "cpu", "--batch-size", "2", "--seq-len", "32"]
+ONE_PROCESS = ["verify", "--model", "llama", "--mesh", "dp=1", "--device", "cpu", "--batch-size", "2"]
 
 
 @pytest.mark.parametrize("recipe", ["off", "current"])
