@@ -13,6 +13,7 @@ MODELS = "tests.bridge.compare_models"
 BATCH = inputs(32, batch=4, seq=8)
 
 
+@pytest.mark.grid  # ~2 min on 2 cores; CI's faithful dp=2 case is the attention example's (test_compare_cli)
 @pytest.mark.slow
 @pytest.mark.multiprocess
 def test_a_faithful_fp8_pair_passes_on_two_data_parallel_processes_with_a_step():
