@@ -8,10 +8,10 @@ import pytest
 import torch
 
 from fp8kernels import gemm, norm, ops
-from fp8kernels._backend import Backend, backend_for
+from fp8kernels._backend import backend_for
 from tests.fp8kernels.devices import DEVICES
 
-# name -> (kernel function keyword arguments, the op's arguments after x and before backend)
+# name -> (kernel function keyword arguments, the op's arguments after x and before the usage flags)
 QUANTIZE_OPS = {
     "quantize_tensorwise": ({"fmt": "e5m2"}, ("e5m2", None, None, False, 0.0)),
     "quantize_blockwise": ({"block": (1, 128)}, ("e4m3", [1, 128], True)),
@@ -21,10 +21,21 @@ QUANTIZE_OPS = {
 USAGES = [(True, False), (False, True), (True, True)]
 
 
-@pytest.fixture(params=["interpreter", "reference"])
-def backend(request, monkeypatch) -> Backend:
-    monkeypatch.setenv("TRITON_INTERPRET", "1" if request.param == "interpreter" else "0")
-    return Backend(request.param)
+CPU, CUDA = DEVICES  # (their marks: the CPU cases where CUDA is absent, the CUDA ones under `pytest -m gpu`)
+
+
+@pytest.fixture(
+    params=[
+        pytest.param(("cpu", "1"), id="cpu-interpreter", marks=CPU.marks),
+        pytest.param(("cpu", "0"), id="cpu-reference", marks=CPU.marks),
+        pytest.param(("cuda", "0"), id="cuda-triton", marks=CUDA.marks),
+    ]
+)
+def device(request, monkeypatch) -> str:
+    """Where the ops run, with TRITON_INTERPRET set for it (the interpreter runs on CPU tensors only)."""
+    device, interpret = request.param
+    monkeypatch.setenv("TRITON_INTERPRET", interpret)
+    return device
 
 
 def _x(device: str) -> torch.Tensor:
@@ -36,12 +47,9 @@ def _op(name: str):
     return getattr(torch.ops.shardbridge, name.removesuffix("_square")).default
 
 
-@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("rowwise, columnwise", USAGES)
 @pytest.mark.parametrize("name", list(QUANTIZE_OPS))
-def test_quantize_op_passes_opcheck_and_returns_the_kernel_bytes(name, rowwise, columnwise, device, backend):
-    if device == "cuda" and backend is Backend.INTERPRETER:
-        pytest.skip("the interpreter runs on CPU tensors")
+def test_quantize_op_passes_opcheck_and_returns_the_kernel_bytes(name, rowwise, columnwise, device):
     x = _x(device)
     kwargs, op_arguments = QUANTIZE_OPS[name]
     arguments = (x, *op_arguments, rowwise, columnwise, "")
@@ -62,15 +70,12 @@ def test_quantize_op_passes_opcheck_and_returns_the_kernel_bytes(name, rowwise, 
 LAYOUTS = {"fprop": ("x", "w", False, False), "dgrad": ("dy", "w", False, True), "wgrad": ("dy", "x", True, True)}
 
 
-@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 @pytest.mark.parametrize("name", ["quantize_tensorwise", "quantize_blockwise", "quantize_mxfp8"])
-def test_scaled_mm_op_passes_opcheck_and_returns_the_gemm_result(name, layout, device, backend):
-    if device == "cuda" and backend is Backend.INTERPRETER:
-        pytest.skip("the interpreter runs on CPU tensors")
+def test_scaled_mm_op_passes_opcheck_and_returns_the_gemm_result(name, layout, device):
     generator = torch.Generator().manual_seed(1)
     tensors = {"x": (64, 96), "w": (32, 96), "dy": (64, 32)}
-    quantize = getattr(ops.implementation(backend), name)
+    quantize = getattr(ops.implementation(backend_for(device)), name)
     quantized = {
         key: quantize(torch.randn(shape, generator=generator).to(device), rowwise=True, columnwise=True)
         for key, shape in tensors.items()
@@ -88,11 +93,8 @@ def test_scaled_mm_op_passes_opcheck_and_returns_the_gemm_result(name, layout, d
     assert torch.equal(torch.ops.shardbridge.scaled_mm.default(*arguments), expected)
 
 
-@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("rms", [False, True])
-def test_norm_ops_pass_opcheck_and_return_the_kernel_results(rms, device, backend):
-    if device == "cuda" and backend is Backend.INTERPRETER:
-        pytest.skip("the interpreter runs on CPU tensors")
+def test_norm_ops_pass_opcheck_and_return_the_kernel_results(rms, device):
     generator = torch.Generator().manual_seed(2)
     x, dy = (torch.randn(2, 24, 96, generator=generator).to(device) for _ in range(2))
     weight, bias = (torch.randn(96, generator=generator).to(device) for _ in range(2))
