@@ -109,19 +109,26 @@ def data_parallel_size(mesh: str | MeshShape) -> int:
     return shape.data_parallel_size
 
 
+def load_factory(option: str, spec: str) -> Callable[[], Any]:
+    """The function `spec` ("pkg.module:function") names; ValueError naming the option and the fix."""
+    module_name, _, function_name = spec.partition(":")
+    if not module_name or not function_name:
+        raise ValueError(f"{option} {spec}: write PKG.MODULE:FACTORY, e.g. mymodels.block:build")
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as error:
+        reason = f"cannot import {module_name} ({error})"
+        raise ValueError(f"{option} {spec}: {reason}; check the name and PYTHONPATH") from error
+    factory = getattr(module, function_name, None)
+    if not callable(factory):
+        raise ValueError(f"{option} {spec}: {module_name} has no function {function_name!r}")
+    return factory
+
+
 def load_model_factory(name: str, value: Any) -> Callable[[], Any]:
     """A zero-argument model factory given as "package.module:function" or a module-level function."""
     if isinstance(value, str):
-        module_name, _, function_name = value.partition(":")
-        if not module_name or not function_name:
-            raise ValueError(f"{name}={value!r}: with mesh=, pass a factory as 'package.module:function'")
-        try:
-            factory = getattr(importlib.import_module(module_name), function_name, None)
-        except ImportError as error:
-            raise ValueError(f"{name}={value!r}: cannot import {module_name} ({error}); check PYTHONPATH") from error
-        if not callable(factory):
-            raise ValueError(f"{name}={value!r}: {module_name} has no function {function_name!r}")
-        return factory
+        return load_factory(name, value)
     qualified = getattr(value, "__qualname__", "")
     if not callable(value) or "<" in qualified or getattr(value, "__module__", None) is None:
         raise TypeError(
@@ -155,6 +162,7 @@ def worker(runtime, factories: tuple[Any, Any], inputs: tuple[torch.Tensor, ...]
 __all__ = [
     "DataParallel",
     "data_parallel_size",
+    "load_factory",
     "load_model_factory",
     "summed_jax_grads",
     "summed_torch_grads",

@@ -8,7 +8,6 @@ are the ones both sides get). The module is imported from the current directory 
 
 from __future__ import annotations
 
-import importlib
 import os
 import sys
 from collections.abc import Callable
@@ -17,28 +16,13 @@ from typing import Any
 import torch
 
 from bridge.model_compare.core import compare
+from bridge.model_compare.data_parallel import load_factory
 from bridge.model_compare.report import CompareReport
 
 
-def load_factory(option: str, spec: str) -> Callable[[], Any]:
-    """The function `spec` ("pkg.module:function") names; ValueError naming the option and the fix."""
-    module_name, _, function_name = spec.partition(":")
-    if not module_name or not function_name:
-        raise ValueError(f"{option} {spec}: write PKG.MODULE:FACTORY, e.g. {option} mymodels.block:build")
-    if os.getcwd() not in sys.path:
-        sys.path.insert(0, os.getcwd())
-    try:
-        module = importlib.import_module(module_name)
-    except ImportError as error:
-        reason = f"cannot import {module_name} ({error})"
-        raise ValueError(f"{option} {spec}: {reason}; check the name and PYTHONPATH") from error
-    factory = getattr(module, function_name, None)
-    if not callable(factory):
-        raise ValueError(f"{option} {spec}: {module_name} has no function {function_name!r}")
-    return factory
-
-
 def _model_and_inputs(option: str, spec: str) -> tuple[Any, tuple]:
+    if os.getcwd() not in sys.path:  # as `python -m` would
+        sys.path.insert(0, os.getcwd())
     result = load_factory(option, spec)()
     if not (isinstance(result, tuple) and len(result) == 2):
         got = type(result).__name__
@@ -71,4 +55,4 @@ def compare_factories(
     return reports
 
 
-__all__ = ["compare_factories", "load_factory"]
+__all__ = ["compare_factories"]
