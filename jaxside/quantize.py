@@ -17,7 +17,7 @@ from functools import partial
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax import Array
+from jax import Array, lax
 
 from jaxside._checks import check_global_amax, check_scale_or_amax, check_seed, matrix_view
 from jaxside._fp32 import INF_BITS, divide, is_finite, max_magnitude, multiply, to_bits
@@ -91,6 +91,17 @@ def nvfp4_global_encode(global_amax) -> Array:
 # ----------------------------------------------------------------------------- cores (jitted)
 
 
+def scaled_for_cast(x, scale) -> Array:
+    """x * scale rounded as IEEE fp32 does, for a cast to FP8 right after (only a clip between them).
+
+    On the CPU, XLA flushes subnormals, so the product is computed with integer operations
+    (_fp32.multiply). XLA:GPU keeps subnormals and rounds a float multiply to nearest even, so on CUDA
+    the hardware's multiply gives the same bits in one instruction (the integer product costs the FP8
+    step several milliseconds); no add follows it here, so it cannot be contracted into an FMA.
+    """
+    return lax.platform_dependent(x, scale, cuda=jnp.multiply, default=multiply)
+
+
 def _roles(rowwise: bool, columnwise: bool, rowwise_pair, columnwise_pair) -> tuple:
     """(data, scale_inv, columnwise_data, columnwise_scale_inv) with None for a copy not asked for."""
     return (*(rowwise_pair if rowwise else (None, None)), *(columnwise_pair if columnwise else (None, None)))
@@ -103,14 +114,14 @@ def _tensorwise_core(x2d, scale, given_amax, *, fmt, power_2_scale, amax_epsilon
         from_amax = amax if given_amax is None else given_amax
         scale = scale_from_amax(from_amax, FORMATS[fmt].max, power_2_scale=power_2_scale, amax_epsilon=amax_epsilon)
     scale_inv = divide(1.0, scale)
-    codes = encode_fp8(multiply(x2d, scale), fmt)  # elementwise, so the columnwise copy is its transpose
+    codes = encode_fp8(scaled_for_cast(x2d, scale), fmt)  # elementwise, so the columnwise copy is its transpose
     return *_roles(rowwise, columnwise, (codes, scale_inv), (codes.T, scale_inv)), amax
 
 
 def _blockwise_operand(operand, fmt: str, block: tuple[int, int], power_2_scale: bool) -> tuple[Array, Array]:
     """(codes, fp32 scale_inv per block) of one operand."""
     scale = scale_from_amax(block_amax(operand, block), FORMATS[fmt].max, power_2_scale=power_2_scale)
-    codes = encode_fp8(multiply(operand, expand_blocks(scale, block, operand.shape)), fmt)
+    codes = encode_fp8(scaled_for_cast(operand, expand_blocks(scale, block, operand.shape)), fmt)
     return codes, divide(1.0, scale)
 
 
@@ -125,7 +136,7 @@ def _mxfp8_operand(operand, fmt: str, scale_rounding: str) -> tuple[Array, Array
     """(codes, e8m0 scale per 32 elements) of one operand."""
     exponent = e8m0_from_amax(block_amax(operand, (1, 32)), fmt, scale_rounding)
     multiplier = e8m0_encode_multiplier(exponent, scale_rounding)
-    return encode_fp8(multiply(operand, expand_blocks(multiplier, (1, 32), operand.shape)), fmt), exponent
+    return encode_fp8(scaled_for_cast(operand, expand_blocks(multiplier, (1, 32), operand.shape)), fmt), exponent
 
 
 @partial(jax.jit, static_argnames=("fmt", "scale_rounding", "rowwise", "columnwise"))

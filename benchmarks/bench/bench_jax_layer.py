@@ -1,12 +1,12 @@
-"""Benchmark: the jaxside TransformerLayer training step under jax.jit, FP8 off and Float8CurrentScaling.
+"""Benchmark: the jaxside TransformerLayer training step under jax.jit: FP8 off, current and block scaling.
 
 Issue 9: the compiled step must really run its projections' GEMMs in FP8 (counted in the optimized
 HLO with jaxside.hlo: 4 projections x (fprop, dgrad, wgrad) = 12 FP8 GEMMs; attention's score and
 value products stay in high precision) and is timed against the twin with FP8 off and against the
-peer: the same layer in plain jnp with bf16 GEMMs at XLA's default precision.
+peer: the same layer in plain jnp with bf16 GEMMs at XLA's default precision, attention by JAX's
+default (XLA) and by cuDNN's fused kernel (the twin's on a GPU; the peer of the ratios).
 Llama-3-8B's layer: hidden 4096, 32 heads, 8 KV groups, ffn 14336, SwiGLU, RMSNorm, no bias, causal;
-seq 2048 x batch 4 (8192 tokens: the torch benchmark's count; the JAX twin's attention materializes
-fp32 scores, so a shorter sequence keeps them at 2 GiB), bf16 parameters and activations.
+seq 2048 x batch 4 (8192 tokens: the torch benchmark's count), bf16 parameters and activations.
 Floor: the projections' GEMM flops (2 * T * in * out, x3 for forward + backward) at the GEMM peak
 (bf16 788 TFLOP/s, FP8 1425, benchmarks/harness.py) plus attention's (4 * B * S^2 * N * D, causal halves it, x3)
 at the bf16 peak.
@@ -30,7 +30,7 @@ from benchmarks.harness import PEAK_TFLOPS, Result, argument_parser, report, wal
 from jaxside import xla_options
 from jaxside.hlo import fp8_gemm_count
 from jaxside.modules import ModuleConfig, TransformerConfig, TransformerLayer, fp8_autocast
-from twinspec.recipe import Float8CurrentScaling
+from twinspec.recipe import Float8BlockScaling, Float8CurrentScaling
 
 
 def build_step(args, recipe):
@@ -59,8 +59,10 @@ def build_step(args, recipe):
     return xla_options.jit(step), (params, rest, x, dy)
 
 
-def build_plain_step(args):
-    """The peer: the same layer in plain jnp, bf16 GEMMs at XLA's default precision (the tensor cores).
+def build_plain_step(args, attention: str = "cudnn"):
+    """The peer: the same layer in plain jnp, bf16 GEMMs at XLA's default precision (the tensor cores),
+    attention by jax.nn.dot_product_attention's `attention` implementation ("xla" is JAX's default,
+    "cudnn" the fused flash kernel a JAX user asks for, and the twin's on a GPU).
 
     The twin's FP8-off GEMMs ask precision=HIGHEST (fp32 accumulation, the numerics contract with torch),
     which is not the bf16 step a JAX user would time against.
@@ -89,8 +91,8 @@ def build_plain_step(args):
         batch, seq, _ = x.shape
         q, k, v = jnp.split(rms_norm(x, p["norm1"]) @ p["qkv"], [heads * head_dim, (heads + groups) * head_dim], -1)
         q, k = rope(q.reshape(batch, seq, heads, head_dim)), rope(k.reshape(batch, seq, groups, head_dim))
-        attention = jax.nn.dot_product_attention(q, k, v.reshape(k.shape), is_causal=True, implementation="xla")
-        x = x + attention.reshape(batch, seq, -1) @ p["proj"]
+        attended = jax.nn.dot_product_attention(q, k, v.reshape(k.shape), is_causal=True, implementation=attention)
+        x = x + attended.reshape(batch, seq, -1) @ p["proj"]
         gate, up = jnp.split(rms_norm(x, p["norm2"]) @ p["fc1"], 2, -1)
         return x + (jax.nn.silu(gate) * up) @ p["fc2"]
 
@@ -135,18 +137,24 @@ def main() -> None:
         jax.config.update("jax_compilation_cache_dir", args.compile_cache)
         jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
     rows = []
-    for name, recipe, peak in (("twin, FP8 off", None, "bf16"), ("Float8CurrentScaling", Float8CurrentScaling(), "fp8")):
+    twins = (("twin, FP8 off", None, "bf16"), ("Float8CurrentScaling", Float8CurrentScaling(), "fp8"),
+             ("Float8BlockScaling", Float8BlockScaling(), "fp8"))  # fmt: skip
+    for name, recipe, peak in twins:
         step, arguments = build_step(args, recipe)
         compiled = compile_step(name, step, arguments)
         fp8, total = fp8_gemm_count(compiled.as_text())
         rows.append((name, step_ms(compiled, arguments, args.repeats), floor_ms(args, PEAK_TFLOPS[peak]), fp8, total))
-    peer_step, peer_arguments = build_plain_step(args)
-    compiled = compile_step("peer: plain JAX, bf16", peer_step, peer_arguments)
-    rows.append(("peer: plain JAX, bf16", step_ms(compiled, peer_arguments, args.repeats),
-                 floor_ms(args, PEAK_TFLOPS["bf16"]), *fp8_gemm_count(compiled.as_text())))  # fmt: skip
+    attentions = ("xla", "cudnn") if jax.default_backend() == "gpu" else ("xla",)  # (cuDNN: CUDA only)
+    for attention in attentions:  # the peer is the last row: plain JAX with the twin's attention kernel
+        name = f"plain JAX, bf16, {attention} attention"
+        peer_step, peer_arguments = build_plain_step(args, attention)
+        compiled = compile_step(name, peer_step, peer_arguments)
+        rows.append((name, step_ms(compiled, peer_arguments, args.repeats), floor_ms(args, PEAK_TFLOPS["bf16"]),
+                     *fp8_gemm_count(compiled.as_text())))  # fmt: skip
     peer_ms = rows[-1][1]
     results = [
-        Result(name, ms, floor, peer=peer_ms, peer_name="plain JAX, bf16", extra={"FP8 GEMMs": fp8, "all GEMMs": total})
+        Result(name, ms, floor, peer=peer_ms, peer_name=rows[-1][0],
+               extra={"FP8 GEMMs": fp8, "all GEMMs": total})
         for name, ms, floor, fp8, total in rows
     ]
     fp8_gemms = rows[1][3]

@@ -6,7 +6,10 @@ g*N/G .. (g+1)*N/G - 1), R = N/G, H head dim.
 `qkv_format` "sbhd": q [Sq, B, N, H], k and v [Skv, B, G, H], output [Sq, B, N*H];
 "bshd": q [B, Sq, N, H], k and v [B, Skv, G, H], output [B, Sq, N*H].
 
-No FP8 and no variables. The math runs in fp32 from inputs in the activation dtype (both products
+No FP8 and no variables. As torchside's, the kernel depends on the device: on a CUDA GPU, bf16 or fp16
+inputs with "no_mask" or "causal" self-attention run cuDNN's fused flash attention (torch's SDPA picks
+flash attention there; both keep fp32 accumulators and round the probabilities to the input dtype for
+the second product); otherwise the math runs in fp32 from inputs in the activation dtype (both products
 at HIGHEST precision, the softmax in fp32) and the output is rounded once to q's dtype. Masks
 (`attn_mask_type`) follow TransformerEngine's convention, True = masked out:
 
@@ -154,6 +157,8 @@ class DotProductAttention(nnx.Module):
         mask_type = self.attn_mask_type if attn_mask_type is None else attn_mask_type
         check_choice("DotProductAttention", "attn_mask_type", mask_type, MASK_TYPES)
         self._check_qkv(query, key, value)
+        if _runs_fused(query, key, mask_type):
+            return self._fused(query, key, value, causal=mask_type == "causal")
         q_BNSH, k_BGSH, v_BGSH = (_to_bnsh(t, self.qkv_format).astype(jnp.float32) for t in (query, key, value))
         batch, heads, seq_q, head_dim = q_BNSH.shape
         groups, seq_kv = self.num_gqa_groups, k_BGSH.shape[2]
@@ -180,3 +185,27 @@ class DotProductAttention(nnx.Module):
         if has_key is not None:
             out_BNSH = jnp.where(has_key, out_BNSH, 0.0)
         return _from_bnsh(out_BNSH, self.qkv_format).astype(query.dtype)
+
+    def _fused(self, query, key, value, *, causal: bool) -> Array:
+        """cuDNN's flash attention (module docstring); it takes [B, S, heads, H] and handles GQA itself."""
+        to_bshd = (lambda t: t.transpose(1, 0, 2, 3)) if self.qkv_format == "sbhd" else (lambda t: t)
+        out_BSNH = jax.nn.dot_product_attention(
+            to_bshd(query), to_bshd(key), to_bshd(value), scale=self.softmax_scale, is_causal=causal,
+            implementation="cudnn",
+        )  # fmt: skip
+        out = to_bshd(out_BSNH)
+        return out.reshape(*out.shape[:2], -1)
+
+
+def _runs_fused(query, key, mask_type: str) -> bool:
+    """Whether cuDNN's fused attention applies: a CUDA backend, 16-bit inputs, no mask tensor, the same
+    length of queries and keys (causal is then top-left aligned in both conventions), head dim a multiple
+    of 8 up to 128. The backend is JAX's default one, where this computation is placed."""
+    return (
+        jax.default_backend() == "gpu"
+        and query.dtype in (jnp.bfloat16, jnp.float16)
+        and mask_type in ("no_mask", "causal")
+        and query.shape[:2] == key.shape[:2]
+        and query.shape[-1] % 8 == 0
+        and query.shape[-1] <= 128
+    )
