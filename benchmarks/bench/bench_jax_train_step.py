@@ -1,4 +1,4 @@
-"""Benchmark: the JAX Llama training step in tokens/s, the jaxside twin under each recipe against plain-JAX bf16 (issue 46).
+"""Benchmark: JAX Llama training steps in tokens/s, the jaxside twin per recipe against plain-JAX bf16 (issue 46).
 
 Rows (`--recipes`): `bf16` is the peer, a plain-JAX bf16 Llama written here with jnp ops (embedding,
 RMSNorm, GQA attention with rotary embeddings through jax.nn.dot_product_attention, SwiGLU MLP, the
@@ -16,7 +16,7 @@ arithmetic, used by `shardbridge verify`) is not used: it fetches its fp32 step 
 every step. The twin's steps compile with jaxside.xla_options (as training with jaxside does), the
 peer's with XLA's defaults (what plain JAX gets).
 
-Times: "first call s" is the first call's wall time, tracing and compiling included; then `--warmup`
+Times: "compile s" is tracing and compiling the step, "first call s" that and the first step; then `--warmup`
 untimed steps and `--steps` timed ones (benchmarks.harness.wall_ms: the median of steps each waited
 for with jax.block_until_ready). tokens/s = batch x seq / that median. "temp GiB" is the compiled
 step's scratch memory (XLA's memory analysis), "FP8 GEMMs" / "GEMMs" are counted in its optimized
@@ -26,8 +26,9 @@ Floor: the GEMM flops of the projections (6 x their parameters per token) at the
 (FP8 for every FP8 recipe), plus the head's (6 x D x V) and the causal attention's (6 x S x heads x
 head dim per layer) per token at the bf16 peak (benchmarks/harness.py's H200 figures).
 
-Run on a CUDA machine:  XLA_PYTHON_CLIENT_PREALLOCATE=false PYTHONPATH=. python3 benchmarks/bench/bench_jax_train_step.py
-On a CPU, as a check of the script:  ... bench_jax_train_step.py --configs tiny --batch 2 --seq 16 --steps 2
+Run on a CUDA machine (from the repository root):
+    XLA_PYTHON_CLIENT_PREALLOCATE=false PYTHONPATH=. python3 benchmarks/bench/bench_jax_train_step.py
+On a CPU, as a check of the script: the same with `--configs tiny --batch 2 --seq 16 --steps 2`.
 `--check` runs no timing: it compares the peer with the twin under FP8 off on the same weights and
 batch (loss, logits and gradients) and exits 1 if they are further apart than bf16 explains.
 """
@@ -53,8 +54,10 @@ from twinspec.recipe import recipe_from_name, recipe_names
 PEER = "bf16"  # the --recipes name of the plain-JAX row
 DEFAULT_SHAPES = {"tiny": (2, 16), "125m": (8, 512), "1b": (8, 1024)}  # (batch, seq) when --batch / --seq are not given
 LEARNING_RATE = 3e-4
-# --check: how far the bf16 peer may be from the twin under FP8 off (fp32 GEMMs and attention) and still
-# compute the same model; a layout or math slip (a swapped head, a missing rotation) is O(1).
+# --check: every kernel drawn with std 1 / sqrt(hidden size), so that each nonlinearity works away from its linear
+# range (at the configs' std 0.02 the attention is near uniform, whatever the rotation, and silu(gate) * up
+# near gate * up / 2, whichever is which), and how far the bf16 peer may then be from the twin under FP8 off
+# (fp32 GEMMs and attention) and still compute the same model.
 CHECK_BOUNDS = {"loss": 1e-3, "logits": 3e-2, "grads": 5e-2}  # relative errors
 
 
@@ -159,9 +162,9 @@ def cross_entropy(logits, labels) -> Array:
 # --- the train steps: step(state, tokens [B, S + 1]) -> (state, loss) ----------------------------------------
 
 
-def twin_model(config: LlamaConfig) -> Llama:
-    """The twin in bf16, from the one seed every row starts from."""
-    return Llama(config, params_dtype=jnp.bfloat16, rngs=nnx.Rngs(0))
+def twin_model(config: LlamaConfig, kernel_init=None) -> Llama:
+    """The twin in bf16, from the one seed every row starts from (kernel_init None: the config's init)."""
+    return Llama(config, params_dtype=jnp.bfloat16, kernel_init=kernel_init, rngs=nnx.Rngs(0))
 
 
 def twin_loss(model: Llama, tokens, recipe) -> tuple[Array, Array]:
@@ -213,11 +216,11 @@ def measure(name: str, step, state, tokens, args) -> dict:
     """First call (trace, compile, run), then the median of --steps timed steps after --warmup untimed ones."""
     start = time.perf_counter()
     compiled = step.lower(state, tokens).compile()
+    compile_s = time.perf_counter() - start
     state, loss = jax.block_until_ready(compiled(state, tokens))
     first_call_s = time.perf_counter() - start
-    print(f"{name}: first call {first_call_s:.1f} s, loss {float(loss):.4f}", flush=True)
+    print(f"{name}: compiled in {compile_s:.1f} s, first call {first_call_s:.1f} s, loss {float(loss):.4f}", flush=True)
     carried = {"state": state, "loss": loss}
-    del state  # donated with every step: only `carried` may hold it
 
     def one_step() -> None:
         carried["state"], carried["loss"] = jax.block_until_ready(compiled(carried["state"], tokens))
@@ -225,8 +228,9 @@ def measure(name: str, step, state, tokens, args) -> dict:
     ms = wall_ms(one_step, repeats=args.steps, warmup=args.warmup)
     memory = compiled.memory_analysis()
     fp8_gemms, gemms = fp8_gemm_count(compiled.as_text())
-    return {"ms/step": ms, "first call s": first_call_s, "temp GiB": memory and memory.temp_size_in_bytes / 2**30,
-            "FP8 GEMMs": fp8_gemms, "GEMMs": gemms, "loss": float(carried["loss"])}  # fmt: skip
+    return {"ms/step": ms, "compile s": compile_s, "first call s": first_call_s,
+            "temp GiB": memory and memory.temp_size_in_bytes / 2**30, "FP8 GEMMs": fp8_gemms, "GEMMs": gemms,
+            "loss": float(carried["loss"])}  # fmt: skip
 
 
 def floor_tokens_per_s(config: LlamaConfig, seq: int, fp8: bool) -> float:
@@ -244,10 +248,17 @@ def label(recipe_name: str) -> str:
     return "plain JAX bf16" if recipe_name == PEER else f"twin, {'FP8 off' if recipe_name == 'off' else recipe_name}"
 
 
+def random_tokens(config_name: str, args) -> Array:
+    """The batch every step trains on: random ids [batch, seq + 1] (inputs and next-token labels)."""
+    batch, seq = args.batch or DEFAULT_SHAPES[config_name][0], args.seq or DEFAULT_SHAPES[config_name][1]
+    vocab = LLAMA_CONFIGS[config_name].vocab_size
+    return jax.random.randint(jax.random.key(1), (batch, seq + 1), 0, vocab, jnp.int32)
+
+
 def benchmark_config(config_name: str, recipes: list[str], args) -> list[Result]:
     config = LLAMA_CONFIGS[config_name]
-    batch, seq = args.batch or DEFAULT_SHAPES[config_name][0], args.seq or DEFAULT_SHAPES[config_name][1]
-    tokens = jax.random.randint(jax.random.key(1), (batch, seq + 1), 0, config.vocab_size, jnp.int32)
+    tokens = random_tokens(config_name, args)
+    batch, seq = tokens.shape[0], tokens.shape[1] - 1
     measured = {}
     for name in recipes:
         recipe = None if name == PEER else recipe_from_name(name)
@@ -280,9 +291,8 @@ def relative_error(ours, theirs) -> float:
 def check_config(config_name: str, args) -> bool:
     """Print how far the peer is from the twin under FP8 off on the same weights and batch; True within bounds."""
     config = LLAMA_CONFIGS[config_name]
-    batch, seq = args.batch or DEFAULT_SHAPES[config_name][0], args.seq or DEFAULT_SHAPES[config_name][1]
-    tokens = jax.random.randint(jax.random.key(1), (batch, seq + 1), 0, config.vocab_size, jnp.int32)
-    model = twin_model(config)
+    tokens = random_tokens(config_name, args)
+    model = twin_model(config, nnx.initializers.normal(config.hidden_size**-0.5))
     twin_grad = nnx.value_and_grad(twin_loss, has_aux=True)  # (FP8 off: only the parameters matter)
     (twin_value, twin_logits_SBV), twin_grads = nnx.jit(twin_grad, static_argnums=2)(model, tokens, None)
     params = plain_params(config, nnx.to_pure_dict(nnx.state(model, nnx.Param)))
@@ -294,7 +304,8 @@ def check_config(config_name: str, args) -> bool:
         "grads": relative_error(plain_grads, plain_params(config, nnx.to_pure_dict(twin_grads))),
     }
     passed = all(errors[name] <= bound for name, bound in CHECK_BOUNDS.items())
-    print(f"{config_name} {batch}x{seq}: loss plain bf16 {float(plain_value):.6f}, twin FP8 off {float(twin_value):.6f}; "
+    shape = f"{tokens.shape[0]}x{tokens.shape[1] - 1}"
+    print(f"{config_name} {shape}: loss plain bf16 {float(plain_value):.6f}, twin FP8 off {float(twin_value):.6f}; "
           + ", ".join(f"{name} rel. error {errors[name]:.2e} (bound {CHECK_BOUNDS[name]:g})" for name in errors)
           + ("" if passed else " -- FAILED"))  # fmt: skip
     return passed
@@ -303,8 +314,8 @@ def check_config(config_name: str, args) -> bool:
 def main() -> None:
     parser = argument_parser(__doc__)
     parser.add_argument("--configs", default="125m,1b", help="comma-separated twinspec.llama.LLAMA_CONFIGS names")
-    parser.add_argument("--recipes", default="bf16,off,current,block",
-                        help=f"comma-separated: {PEER} (the plain-JAX peer) or a recipe name ({', '.join(recipe_names())})")  # fmt: skip
+    recipe_help = f"comma-separated: {PEER} (the plain-JAX peer) or a twinspec recipe ({', '.join(recipe_names())})"
+    parser.add_argument("--recipes", default="bf16,off,current,block", help=recipe_help)
     defaults = ", ".join(f"{name} {b}x{s}" for name, (b, s) in DEFAULT_SHAPES.items())
     parser.add_argument("--batch", type=int, help=f"sequences per step (default per config: {defaults})")
     parser.add_argument("--seq", type=int, help="tokens per sequence (default per config, as --batch)")
@@ -313,13 +324,13 @@ def main() -> None:
     parser.add_argument("--check", action="store_true", help="compare the peer with the twin (FP8 off), no timing")
     args = parser.parse_args()
     configs, recipes = args.configs.split(","), args.recipes.split(",")
-    for option, chosen, allowed in (("configs", configs, tuple(LLAMA_CONFIGS)), ("recipes", recipes, (PEER, *recipe_names()))):
+    for option, chosen, allowed in (("configs", configs, tuple(LLAMA_CONFIGS)),
+                                    ("recipes", recipes, (PEER, *recipe_names()))):  # fmt: skip
         if unknown := sorted(set(chosen) - set(allowed)):
             parser.error(f"--{option}: unknown {', '.join(unknown)}; pick from {', '.join(allowed)}")
-    for option in ("batch", "seq", "steps", "warmup"):
-        value = getattr(args, option)
-        if value is not None and value < (0 if option == "warmup" else 1):
-            parser.error(f"--{option} {value}: pass an integer >= {0 if option == 'warmup' else 1}")
+    for option, minimum in (("batch", 1), ("seq", 1), ("steps", 1), ("warmup", 0)):
+        if (value := getattr(args, option)) is not None and value < minimum:
+            parser.error(f"--{option} {value}: pass an integer >= {minimum}")
     if not (args.batch and args.seq) and (missing := [c for c in configs if c not in DEFAULT_SHAPES]):
         parser.error(f"--configs {', '.join(missing)}: no default batch x seq; pass --batch and --seq")
     if args.check:
