@@ -19,9 +19,10 @@ peer's with XLA's defaults (what plain JAX gets).
 Times: "compile s" is tracing and compiling the step, "first call s" that and the first step; then `--warmup`
 untimed steps and `--steps` timed ones (benchmarks.harness.wall_ms: the median of steps each waited
 for with jax.block_until_ready). tokens/s = batch x seq / that median. "temp GiB" is the compiled
-step's scratch memory (XLA's memory analysis), "FP8 GEMMs" / "GEMMs" are counted in its optimized
-HLO (jaxside.hlo), "loss" is the last timed step's (every row trains the same model on the same
-batch, so the losses should be close).
+step's scratch memory (XLA's memory analysis); "FP8 GEMMs" (both operands FP8), "fp32 GEMMs" (an
+fp32 operand: XLA's CPU backend upcasts every bf16 GEMM, so only a GPU's count says something) and
+"GEMMs" are counted in its optimized HLO (jaxside.hlo); "loss" is the last timed step's (every row
+trains the same model on the same batch, so the losses should be close).
 Floor: the GEMM flops of the projections (6 x their parameters per token) at the bf16 or FP8 peak
 (FP8 for every FP8 recipe), plus the head's (6 x D x V) and the causal attention's (6 x S x heads x
 head dim per layer) per token at the bf16 peak (benchmarks/harness.py's H200 figures).
@@ -45,7 +46,7 @@ from jax import Array
 
 from benchmarks.harness import PEAK_FLOPS, Result, argument_parser, report, wall_ms
 from jaxside import xla_options
-from jaxside.hlo import fp8_gemm_count
+from jaxside.hlo import FP8_TYPES, gemm_operand_types
 from jaxside.models.llama import Llama
 from jaxside.modules import GRAD_FILTER, finish_backward, fp8_autocast
 from twinspec.llama import LLAMA_CONFIGS, LlamaConfig
@@ -227,9 +228,11 @@ def measure(name: str, step, state, tokens, args) -> dict:
 
     ms = wall_ms(one_step, repeats=args.steps, warmup=args.warmup)
     memory = compiled.memory_analysis()
-    fp8_gemms, gemms = fp8_gemm_count(compiled.as_text())
+    gemms = gemm_operand_types(compiled.as_text())
     return {"ms/step": ms, "compile s": compile_s, "first call s": first_call_s,
-            "temp GiB": memory and memory.temp_size_in_bytes / 2**30, "FP8 GEMMs": fp8_gemms, "GEMMs": gemms,
+            "temp GiB": memory and memory.temp_size_in_bytes / 2**30,
+            "FP8 GEMMs": sum(all(t in FP8_TYPES for t in pair) for pair in gemms),
+            "fp32 GEMMs": sum("f32" in pair for pair in gemms), "GEMMs": len(gemms),
             "loss": float(carried["loss"])}  # fmt: skip
 
 
