@@ -16,7 +16,9 @@ Sharding: the embedding and head kernels are column-parallel kernels of jaxside.
 (logical axes ("embed", "vocab")): the vocabulary over ('tp', 'dp_shard'), as torch's vocab-split
 `Shard(0)` embedding under FSDP2 is `(_StridedShard(0, sf=tp), Shard(0))`. Vp must divide by
 tp x dp_shard (JAX refuses uneven dims): `LlamaConfig.vocab_multiple`, which `load_hf` sets to it.
-The head's GEMM runs in fp32 HIGHEST precision, as torch's runs in high precision.
+The head's GEMM runs with fp32 accumulation, as torch's runs in high precision: HIGHEST precision for
+fp32 operands, the tensor cores' DEFAULT for 16-bit ones, whose products are exact in fp32
+(jaxside.modules.functions.exact_product_precision).
 """
 
 from __future__ import annotations
@@ -37,6 +39,7 @@ from twinspec.hf_llama import Checkpoint, Piece
 from twinspec.llama import LLAMA_CONFIGS, LlamaConfig, RopeScaling
 from jaxside.modules import ModuleConfig, RMSNorm, RotaryPositionEmbedding, TransformerConfig, TransformerLayer
 from jaxside.modules.base import parameter
+from jaxside.modules.functions import exact_product_precision
 from jaxside.modules.placement import gathered, shardings
 from jaxside.modules.tokens import batch_dim
 from jaxside.sharding import constrain, make_mesh, spec_for
@@ -77,7 +80,8 @@ class VocabKernel(nnx.Module):
 
     def logits(self, h_SBD) -> Array:
         """h @ kernel [S, B, Vp] in high precision."""
-        return jnp.einsum("sbd,dv->sbv", h_SBD, gathered(self.kernel), precision=jax.lax.Precision.HIGHEST)
+        kernel = gathered(self.kernel)
+        return jnp.einsum("sbd,dv->sbv", h_SBD, kernel, precision=exact_product_precision(h_SBD, kernel))
 
 
 class LlamaRotary(RotaryPositionEmbedding):

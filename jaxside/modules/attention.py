@@ -10,8 +10,9 @@ No FP8 and no variables. As torchside's, the kernel depends on the device: on a 
 inputs with "no_mask" or "causal" self-attention run cuDNN's fused flash attention (torch's SDPA picks
 flash attention there; both keep fp32 accumulators and round the probabilities to the input dtype for
 the second product); otherwise the math runs in fp32 from inputs in the activation dtype (both products
-at HIGHEST precision, the softmax in fp32) and the output is rounded once to q's dtype. Masks
-(`attn_mask_type`) follow TransformerEngine's convention, True = masked out:
+with fp32 accumulation: q k^T of 16-bit inputs on the tensor cores, whose products are exact in fp32,
+p v of the fp32 probabilities at HIGHEST precision; the softmax in fp32) and the output is rounded once
+to q's dtype. Masks (`attn_mask_type`) follow TransformerEngine's convention, True = masked out:
 
 - "no_mask"; "causal": query i sees keys 0..i (top-left aligned);
 - "padding", "padding_causal": `attention_mask` is [B, 1, 1, S] (self-attention, Sq == Skv) or a
@@ -31,6 +32,7 @@ from flax import nnx
 from jax import Array, lax
 
 from jaxside.modules.config import ModuleConfig, check_config, check_size
+from jaxside.modules.functions import exact_product_precision
 from jaxside.modules.transformer_config import (
     MASK_TYPES,
     QKV_FORMATS,
@@ -159,13 +161,18 @@ class DotProductAttention(nnx.Module):
         self._check_qkv(query, key, value)
         if _runs_fused(query, key, mask_type):
             return self._fused(query, key, value, causal=mask_type == "causal")
-        q_BNSH, k_BGSH, v_BGSH = (_to_bnsh(t, self.qkv_format).astype(jnp.float32) for t in (query, key, value))
+        # q and k keep their dtype (16-bit products are exact in fp32); v meets the fp32 probabilities.
+        q_BNSH, k_BGSH, v_BGSH = (_to_bnsh(t, self.qkv_format) for t in (query, key, value.astype(jnp.float32)))
         batch, heads, seq_q, head_dim = q_BNSH.shape
         groups, seq_kv = self.num_gqa_groups, k_BGSH.shape[2]
         q_BGRSH = q_BNSH.reshape(batch, groups, heads // groups, seq_q, head_dim)
         scale = self.softmax_scale if self.softmax_scale is not None else head_dim**-0.5
         scores_BGRQK = jnp.einsum(
-            "bgrqh,bgkh->bgrqk", q_BGRSH, k_BGSH, precision=lax.Precision.HIGHEST, preferred_element_type=jnp.float32
+            "bgrqh,bgkh->bgrqk",
+            q_BGRSH,
+            k_BGSH,
+            precision=exact_product_precision(q_BGRSH, k_BGSH),
+            preferred_element_type=jnp.float32,
         ) * jnp.float32(scale)
         scores_BNQK = scores_BGRQK.reshape(batch, heads, seq_q, seq_kv)
         keep = _keep_mask(mask_type, attention_mask, (batch, heads, seq_q, seq_kv))

@@ -12,12 +12,16 @@ is the matrix torchside quantizes, with the same blocks and therefore the same b
 fp8kernels.gemm does, both with K last: fprop (x rowwise, w rowwise), dgrad (dy rowwise, w columnwise),
 wgrad (x columnwise, dy columnwise), which gives dkernel_IO directly. Per-tensor operands (delayed and
 current scaling) are multiplied as FP8 codes in one `dot_general` with fp32 accumulation, then scaled
-by scale_inv_a * scale_inv_b: XLA lowers that to an FP8 GEMM on Hopper (a dequantize-then-dot
-would stay in high precision there). Block-scaled operands (no FP8 tensor-core GEMM on Hopper) are
-dequantized to fp32 and multiplied at HIGHEST precision with fp32 accumulation. Either way the bias
-is added in fp32 and the result rounded once: y and dx to the activation dtype, dkernel to the
-kernel's; the bias grad is summed in fp32. The forward keeps only the columnwise copies the
-backward reads.
+by the rank-0 scale_inv_a * scale_inv_b: XLA:GPU lowers that to a cuBLASLt FP8 GEMM and folds the
+scalar scale into it (a dequantize-then-dot in fp32 would stay an fp32 GEMM there). With power-of-2
+scales and no bias the dot writes the output dtype itself (bf16(acc) * 2^k is exact, so that is the
+one rounding) and cuBLASLt writes bf16 with no fp32 copy of the output. Block-scaled operands (no
+FP8 tensor-core GEMM on Hopper) are dequantized and multiplied with fp32 accumulation: to bf16 when
+the recipe's scales are powers of two (an FP8 code times 2^k is exact in bf16, whose exponent range
+is fp32's; a bf16 x bf16 product is exact in fp32: the tensor cores' bf16 GEMM), else to fp32 at
+HIGHEST precision. Either way the bias is added in fp32 and the result rounded once: y and dx to
+the activation dtype, dkernel to the kernel's; the bias grad is summed in fp32. The forward keeps
+only the columnwise copies the backward reads.
 
 Data parallelism: on a make_mesh mesh whose data axes hold G > 1 shards, and with the input's
 batch dim known (jaxside.modules.tokens), the tokens are grouped [G, T / G, ...] as the G ranks hold
@@ -100,19 +104,29 @@ def quantize_operand(x2d, recipe: Recipe, role: str, *, scale=None, seed=None, c
     raise TypeError(f"recipe={recipe!r} is not a twinspec.recipe recipe")
 
 
-def _values(q: Quantized, columnwise: bool = False) -> Array:
-    """An operand's fp32 values in the logical [rows, cols] layout (a Hadamard-rotated copy comes back unrotated).
+def _gemm_values(q: Quantized, columnwise: bool, dtype) -> Array:
+    """A copy's values in `dtype` as the GEMM operand [rows, K] (a Hadamard-rotated copy comes back unrotated).
 
     The other copy is dropped first: dequantize then compiles once per copy and shape, not once more
     for every combination of buffers a caller happens to hold.
     """
     other = ("data", "scale_inv") if columnwise else ("columnwise_data", "columnwise_scale_inv")
-    return dequantize(dataclasses.replace(q, **dict.fromkeys(other)), jnp.float32, columnwise=columnwise)
+    values = dequantize(dataclasses.replace(q, **dict.fromkeys(other)), dtype, columnwise=columnwise)
+    return values.T if columnwise else values  # dequantize gives the logical layout: a columnwise copy's K is dim 0
+
+
+def exact_product_precision(*operands) -> lax.Precision:
+    """The dot precision of fp32 math: HIGHEST for fp32 operands (no TF32 or bf16 passes on a GPU), DEFAULT
+    for 16-bit ones. A bf16 or fp16 product is exact in fp32, so their tensor-core GEMM with fp32
+    accumulation (preferred_element_type=float32) is the same math, where HIGHEST may make XLA:GPU upcast
+    them to an fp32 GEMM without tensor cores. XLA:CPU gives both precisions the same result."""
+    sixteen_bit = all(np.dtype(x.dtype) in (np.dtype(jnp.bfloat16), np.dtype(jnp.float16)) for x in operands)
+    return lax.Precision.DEFAULT if sixteen_bit else lax.Precision.HIGHEST
 
 
 def _matmul(a, b, out_dtype, bias=None) -> Array:
     """a @ b with fp32 accumulation (never TF32 or bf16 passes), plus bias in fp32, rounded once to out_dtype."""
-    out = jnp.matmul(a, b, precision=lax.Precision.HIGHEST, preferred_element_type=jnp.float32)
+    out = jnp.matmul(a, b, precision=exact_product_precision(a, b), preferred_element_type=jnp.float32)
     if bias is not None:
         out = out + bias.astype(jnp.float32)
     return out.astype(out_dtype)
@@ -121,28 +135,49 @@ def _matmul(a, b, out_dtype, bias=None) -> Array:
 _CONTRACT_LAST = (((1,), (1,)), ((), ()))  # A [M, K] . B [N, K] -> [M, N]
 
 
-def _gemm_operand(q: Quantized, columnwise: bool) -> tuple[Array, Array | None]:
-    """(operand [rows, K], scale_inv or None): FP8 codes and their scale_inv for a per-tensor copy, else fp32 values."""
-    if q.scheme == "tensorwise":
-        data, scale_inv = (q.columnwise_data, q.columnwise_scale_inv) if columnwise else (q.data, q.scale_inv)
-        return lax.bitcast_convert_type(data, DTYPES[q.fmt]), scale_inv
-    values = _values(q, columnwise)  # the logical layout: a columnwise copy's K is its first dim
-    return (values.T if columnwise else values), None
+def power_2_scales(recipe: Recipe) -> bool:
+    """Whether every scale the recipe makes is a power of two: MXFP8's e8m0 scales always, the fp32-scaled
+    recipes with power_2_scale (Float8BlockScaling's default). NVFP4's are not (e4m3 scales, a global one)."""
+    if isinstance(recipe, MXFP8BlockScaling):
+        return True
+    return isinstance(recipe, (Float8CurrentScaling, Float8BlockScaling)) and recipe.power_2_scale
 
 
-def _scaled_mm(a: Quantized, b: Quantized, out_dtype, *, a_columnwise=False, b_columnwise=False, bias=None) -> Array:
-    """out [M, N] = A [M, K] @ B [N, K]^T (+ bias) of two quantized copies, as fp8kernels.gemm.scaled_mm (module docstring)."""
-    (a_operand, a_scale_inv), (b_operand, b_scale_inv) = _gemm_operand(a, a_columnwise), _gemm_operand(b, b_columnwise)
-    per_tensor = a_scale_inv is not None
-    out = lax.dot_general(
-        a_operand,
-        b_operand,
-        _CONTRACT_LAST,
-        precision=None if per_tensor else lax.Precision.HIGHEST,  # FP8 codes: exact products, fp32 sums
-        preferred_element_type=jnp.float32,
-    )
-    if per_tensor:
-        out = out * (a_scale_inv * b_scale_inv)
+def _fp8_codes(q: Quantized, columnwise: bool) -> tuple[Array, Array]:
+    """(FP8 codes [rows, K], fp32 scale_inv (1,)) of a per-tensor copy."""
+    data, scale_inv = (q.columnwise_data, q.columnwise_scale_inv) if columnwise else (q.data, q.scale_inv)
+    return lax.bitcast_convert_type(data, DTYPES[q.fmt]), scale_inv
+
+
+def _tensorwise_mm(a: Quantized, b: Quantized, a_columnwise: bool, b_columnwise: bool, dot_dtype) -> Array:
+    """A @ B^T of two per-tensor copies: dot_dtype(acc of the FP8 codes) * scale_inv_a * scale_inv_b."""
+    (a_codes, a_scale_inv), (b_codes, b_scale_inv) = _fp8_codes(a, a_columnwise), _fp8_codes(b, b_columnwise)
+    out = lax.dot_general(a_codes, b_codes, _CONTRACT_LAST, preferred_element_type=dot_dtype)
+    # Rank 0, not (1,): XLA:GPU folds a broadcast scalar into the cuBLASLt FP8 call; a (1,) one stays a pass.
+    scale_inv = (a_scale_inv * b_scale_inv).reshape(())
+    return out * scale_inv.astype(dot_dtype)
+
+
+def _dequantized_mm(a: Quantized, b: Quantized, a_columnwise: bool, b_columnwise: bool, dtype) -> Array:
+    """A @ B^T of two block-scaled copies dequantized to `dtype`, with fp32 accumulation (module docstring)."""
+    a_values, b_values = _gemm_values(a, a_columnwise, dtype), _gemm_values(b, b_columnwise, dtype)
+    precision = exact_product_precision(a_values, b_values)
+    return lax.dot_general(a_values, b_values, _CONTRACT_LAST, precision=precision, preferred_element_type=jnp.float32)
+
+
+def _scaled_mm(
+    a: Quantized, b: Quantized, out_dtype, *, a_columnwise=False, b_columnwise=False, bias=None, power_2=False
+) -> Array:
+    """out [M, N] = A [M, K] @ B [N, K]^T (+ bias) of two quantized copies, as fp8kernels.gemm.scaled_mm (module docstring).
+
+    power_2: every scale of both operands is a power of two (`power_2_scales` of their recipe).
+    """
+    if a.scheme == "tensorwise":
+        # Without a bias, power-of-2 scales let the dot round to out_dtype itself: a bf16 times 2^k is exact.
+        out = _tensorwise_mm(a, b, a_columnwise, b_columnwise, out_dtype if power_2 and bias is None else jnp.float32)
+    else:
+        # An FP8 code times 2^k is exact in bf16 (fp32's exponent range); other scales need fp32 values.
+        out = _dequantized_mm(a, b, a_columnwise, b_columnwise, jnp.bfloat16 if power_2 else jnp.float32)
     if bias is not None:
         out = out + bias.astype(jnp.float32)
     return out.astype(out_dtype)
@@ -208,7 +243,8 @@ def _fp8_forward(static: _LinearStatic, x, kernel, bias, scales, columnwise: boo
     quantize_x = partial(quantize_operand, recipe=recipe, role="input", scale=_slot(scales, 0), columnwise=columnwise)
     qx_G = _per_group(static, quantize_x, (0,), _group_tokens(static, x))
     qw = quantize_operand(kernel.T, recipe, "weight", scale=_slot(scales, 1), columnwise=columnwise)
-    y_G = _per_group(static, partial(_scaled_mm, out_dtype=x.dtype, bias=bias), (0, None), qx_G, qw)
+    fprop = partial(_scaled_mm, out_dtype=x.dtype, bias=bias, power_2=power_2_scales(recipe))
+    y_G = _per_group(static, fprop, (0, None), qx_G, qw)
     amaxes = None if scales is None else jnp.concatenate([qx_G.amax.max(axis=0), qw.amax])
     return _ungroup_tokens(static, y_G, x.shape[:-1]), amaxes, qx_G, qw
 
@@ -231,9 +267,10 @@ def _fp8_linear_bwd(static: _LinearStatic, residuals, cotangents):
     dy_G = _group_tokens(static, dy)
     quantize_dy = partial(quantize_operand, recipe=static.recipe, role="grad", scale=_slot(scales, 2), seed=seed)
     qdy_G = _per_group(static, quantize_dy, (0,), dy_G)
-    dgrad = partial(_scaled_mm, out_dtype=dy.dtype, b_columnwise=True)
+    power_2 = power_2_scales(static.recipe)
+    dgrad = partial(_scaled_mm, out_dtype=dy.dtype, b_columnwise=True, power_2=power_2)
     dx_G = _per_group(static, dgrad, (0, None), qdy_G, w_columnwise)
-    wgrad = partial(_scaled_mm, out_dtype=static.kernel_dtype, a_columnwise=True, b_columnwise=True)
+    wgrad = partial(_scaled_mm, out_dtype=static.kernel_dtype, a_columnwise=True, b_columnwise=True, power_2=power_2)
     dkernel_IO = _per_group(static, wgrad, (0, 0), x_columnwise_G, qdy_G).sum(axis=0, dtype=static.kernel_dtype)
     dbias = None
     if static.bias_dtype is not None:
