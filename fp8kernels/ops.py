@@ -4,8 +4,8 @@
 return what the kernel functions do (`fp8kernels.reference.Quantized` for the quantized tensors). Eagerly they
 call those functions directly: the same bytes, and no custom-op dispatch on the host (an eager FP8 step is
 host-bound already, issue 32). While torch.compile traces (`torch.compiler.is_compiling()`) they call the ops
-`shardbridge::quantize_tensorwise`, `quantize_blockwise`, `quantize_mxfp8`, `scaled_mm`, `norm_forward` and
-`norm_backward`, whose implementations call the same functions. Quantized operands cross an op boundary as plain
+`shardbridge::quantize_tensorwise`, `quantize_blockwise`, `quantize_mxfp8`, `quantize_nvfp4`, `scaled_mm`,
+`norm_forward` and `norm_backward`, whose implementations call the same functions. Quantized operands cross an op boundary as plain
 tensors (data, scale_inv, the columnwise copies, amax) plus constant metadata (scheme, format, shape); the
 Quantized objects are built on the traced side. Which backend runs an op (Triton, the interpreter, the torch
 reference) is decided when it runs, as eagerly.
@@ -13,8 +13,8 @@ reference) is decided when it runs, as eagerly.
 An op's fake implementation is its `*_layout` function: every output's shape, dtype and strides. The real
 implementation returns its outputs so laid out (Inductor asserts both; the layout is computed on meta tensors,
 allocating nothing): an absent buffer is an empty placeholder (an op returns tensors, never None), and a
-reference result that is a transposed view is copied into the layout the fake promises (the Triton kernels
-write it already). NVFP4 has no op yet: `quantize` refuses it while tracing.
+reference result that is a transposed view, or one sharing memory with an input, is copied into the layout the
+fake promises (the Triton kernels write it already).
 """
 
 from __future__ import annotations
@@ -34,6 +34,8 @@ from fp8kernels.reference import Quantized
 
 QuantizeOutputs = tuple[Tensor, Tensor, Tensor, Tensor, Tensor]  # data, scale_inv, columnwise ones, amax
 _BUFFERS = ("data", "scale_inv", "columnwise_data", "columnwise_scale_inv", "amax")
+NVFP4Outputs = tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]  # QuantizeOutputs, then columnwise_amax
+_NVFP4_BUFFERS = (*_BUFFERS, "columnwise_amax")
 
 
 @functools.cache
@@ -109,17 +111,37 @@ def _mxfp8_layout(x: Tensor, rowwise: bool, columnwise: bool) -> QuantizeOutputs
     )
 
 
+def _nvfp4_layout(x: Tensor, block: list[int], rowwise: bool, columnwise: bool) -> NVFP4Outputs:
+    """Two e2m1 codes a byte; an e4m3 scale per 1x16 block, or per 16x16 block ([16, 16])."""
+    (M, K), device = _matrix(x), x.device
+
+    def scale_rows(rows: int) -> int:
+        return math.ceil(rows / 16) if block[0] == 16 else rows
+
+    return (
+        _buffer(rowwise, (M, K // 2), torch.uint8, device),
+        _buffer(rowwise, (scale_rows(M), K // 16), torch.uint8, device),
+        _buffer(columnwise, (K, M // 2), torch.uint8, device),
+        _buffer(columnwise, (scale_rows(K), M // 16), torch.uint8, device),
+        _buffer(True, (1,), torch.float32, device),
+        _buffer(columnwise, (1,), torch.float32, device),
+    )
+
+
 def _shares_memory(a: Tensor, b: Tensor) -> bool:
     return b.numel() > 0 and a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
 
 
-def _conform(results: list[Tensor | None], layout: tuple[Tensor, ...], device: torch.device) -> tuple[Tensor, ...]:
-    """A kernel's results on `device` as an op's outputs: each in the strides of its `layout` (meta tensors) and
-    with memory of its own; a placeholder where the layout has no elements."""
+def _conform(
+    results: list[Tensor | None], layout: tuple[Tensor, ...], device: torch.device, inputs: tuple[Tensor | None, ...] = ()
+) -> tuple[Tensor, ...]:
+    """A kernel's results on `device` as an op's outputs: each in the strides of its `layout` (meta tensors), at
+    the start of memory of its own (no other output's, no input's); a placeholder where the layout has none."""
     outputs: list[Tensor] = []
     for result, like in zip(results, layout, strict=True):
-        if result is None or like.numel() == 0 or result.stride() != like.stride() or any(
-            _shares_memory(result, t) for t in outputs
+        laid_out = result is not None and (result.stride(), result.storage_offset()) == (like.stride(), 0)
+        if not laid_out or like.numel() == 0 or any(
+            _shares_memory(result, t) for t in (*outputs, *inputs) if t is not None
         ):
             copy = torch.empty_strided(like.shape, like.stride(), dtype=like.dtype, device=device)
             result = copy if like.numel() == 0 else copy.copy_(result)
@@ -131,16 +153,18 @@ def _as_outputs(q: Quantized, layout: QuantizeOutputs, device: torch.device) -> 
     return _conform([getattr(q, name) for name in _BUFFERS], layout, device)
 
 
-def _as_quantized(scheme: str, fmt: str, x: Tensor, outputs: QuantizeOutputs, rowwise: bool, columnwise: bool,
-                  has_amax: bool) -> Quantized:  # fmt: skip
+def _as_quantized(scheme: str, fmt: str, x: Tensor, outputs: QuantizeOutputs | NVFP4Outputs, rowwise: bool,
+                  columnwise: bool, has_amax: bool, hadamard: bool = False) -> Quantized:  # fmt: skip
     """An op's outputs as the kernel functions' result: None for the placeholders."""
-    data, scale_inv, columnwise_data, columnwise_scale_inv, amax = outputs
+    data, scale_inv, columnwise_data, columnwise_scale_inv, amax, *nvfp4_columnwise_amax = outputs
     return Quantized(
         scheme, fmt, tuple(x.shape),
         data=data if rowwise else None, scale_inv=scale_inv if rowwise else None,
         columnwise_data=columnwise_data if columnwise else None,
         columnwise_scale_inv=columnwise_scale_inv if columnwise else None,
         amax=amax if has_amax else None,
+        columnwise_amax=nvfp4_columnwise_amax[0] if nvfp4_columnwise_amax and columnwise else None,
+        hadamard=hadamard,
     )  # fmt: skip
 
 
@@ -193,6 +217,24 @@ def _quantize_mxfp8(
 @_quantize_mxfp8.register_fake
 def _(x, fmt, scale_rounding, rowwise, columnwise, backend):
     return _mxfp8_layout(x, rowwise, columnwise)
+
+
+@torch.library.custom_op("shardbridge::quantize_nvfp4", mutates_args=())
+def _quantize_nvfp4(
+    x: Tensor, block: list[int], hadamard: bool, stochastic_seed: Tensor | None, global_amax: Tensor | None,
+    rowwise: bool, columnwise: bool, backend: str,
+) -> NVFP4Outputs:  # fmt: skip
+    q = implementation(_backend(backend, x.device)).quantize_nvfp4(
+        x, block=tuple(block), hadamard=hadamard, stochastic_seed=stochastic_seed, rowwise=rowwise,
+        columnwise=columnwise, global_amax=global_amax,
+    )  # fmt: skip
+    layout = _nvfp4_layout(x.to("meta"), block, rowwise, columnwise)
+    return _conform([getattr(q, name) for name in _NVFP4_BUFFERS], layout, x.device, (global_amax,))
+
+
+@_quantize_nvfp4.register_fake
+def _(x, block, hadamard, stochastic_seed, global_amax, rowwise, columnwise, backend):
+    return _nvfp4_layout(x, block, rowwise, columnwise)
 
 
 def _operand(data: Tensor, scale_inv: Tensor, amax: Tensor | None, scheme: str, fmt: str, shape: list[int],
@@ -316,7 +358,15 @@ def quantize(name: str, x: Tensor, backend: Backend | None = None, **kwargs) -> 
     if name == "quantize_mxfp8":
         outputs = _quantize_mxfp8(x, fmt, kwargs.get("scale_rounding", "up"), rowwise, columnwise, chosen)
         return _as_quantized("mxfp8", fmt, x, outputs, rowwise, columnwise, has_amax=False)
-    raise NotImplementedError(f"{name} has no custom op yet: it cannot run under torch.compile (docs/compile.md)")
+    if name == "quantize_nvfp4":
+        block, hadamard = list(kwargs.get("block", (1, 16))), kwargs.get("hadamard", False)
+        seed = kwargs.get("stochastic_seed")
+        if isinstance(seed, int):  # the op takes a tensor seed; the kernels read an int mod 2^32 (formats.stochastic_key)
+            seed = torch.full((1,), seed & 0xFFFFFFFF, dtype=torch.int64, device=x.device)
+        outputs = _quantize_nvfp4(x, block, hadamard, seed, kwargs.get("global_amax"), rowwise, columnwise, chosen)
+        scheme = f"nvfp4_{block[0]}x{block[1]}"
+        return _as_quantized(scheme, "e2m1", x, outputs, rowwise, columnwise, has_amax=True, hadamard=hadamard)
+    raise ValueError(f"{name} is not a quantize function of fp8kernels (quantize_tensorwise, _blockwise, _mxfp8, _nvfp4)")
 
 
 def scaled_mm(

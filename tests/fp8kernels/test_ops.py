@@ -11,12 +11,18 @@ from fp8kernels import gemm, norm, ops
 from fp8kernels._backend import backend_for
 from tests.fp8kernels.devices import DEVICES
 
-# name -> (kernel function keyword arguments, the op's arguments after x and before the usage flags)
+SEED, GLOBAL_AMAX = torch.tensor([2**40 + 7]), torch.tensor([3.5])  # a seed past 2^32: the kernels take it mod 2^32
+# case -> (kernel function keyword arguments, the op's arguments after x and before the usage flags)
 QUANTIZE_OPS = {
     "quantize_tensorwise": ({"fmt": "e5m2"}, ("e5m2", None, None, False, 0.0)),
     "quantize_blockwise": ({"block": (1, 128)}, ("e4m3", [1, 128], True)),
     "quantize_blockwise_square": ({"block": (128, 128)}, ("e4m3", [128, 128], True)),
     "quantize_mxfp8": ({}, ("e4m3", "up")),
+    "quantize_nvfp4": (  # an input's or a grad's: the Hadamard transform, stochastic rounding
+        {"hadamard": True, "stochastic_seed": SEED}, ([1, 16], True, SEED, None)
+    ),
+    "quantize_nvfp4_square": ({"block": (16, 16)}, ([16, 16], False, None, None)),  # a weight's
+    "quantize_nvfp4_given_amax": ({"global_amax": GLOBAL_AMAX}, ([1, 16], False, None, GLOBAL_AMAX)),  # a shard's
 }
 USAGES = [(True, False), (False, True), (True, True)]
 
@@ -43,8 +49,13 @@ def _x(device: str) -> torch.Tensor:
     return torch.randn(2, 48, 288, generator=torch.Generator().manual_seed(0)).to(device)
 
 
-def _op(name: str):
-    return getattr(torch.ops.shardbridge, name.removesuffix("_square")).default
+def _function(case: str) -> str:
+    """The op's (and kernel function's) name of a QUANTIZE_OPS case."""
+    return case.removesuffix("_square").removesuffix("_given_amax")
+
+
+def _op(case: str):
+    return getattr(torch.ops.shardbridge, _function(case)).default
 
 
 @pytest.mark.parametrize("rowwise, columnwise", USAGES)
@@ -52,12 +63,16 @@ def _op(name: str):
 def test_quantize_op_passes_opcheck_and_returns_the_kernel_bytes(name, rowwise, columnwise, device):
     x = _x(device)
     kwargs, op_arguments = QUANTIZE_OPS[name]
+    kwargs = {key: value.to(device) if isinstance(value, torch.Tensor) else value for key, value in kwargs.items()}
+    op_arguments = tuple(value.to(device) if isinstance(value, torch.Tensor) else value for value in op_arguments)
     arguments = (x, *op_arguments, rowwise, columnwise, "")
     torch.library.opcheck(_op(name), arguments)
     outputs = _op(name)(*arguments)
-    kernel = getattr(ops.implementation(backend_for(x.device)), name.removesuffix("_square"))
+    kernel = getattr(ops.implementation(backend_for(x.device)), _function(name))
     expected = kernel(x, **kwargs, rowwise=rowwise, columnwise=columnwise)
-    for buffer, output in zip(("data", "scale_inv", "columnwise_data", "columnwise_scale_inv", "amax"), outputs):
+    buffers = ("data", "scale_inv", "columnwise_data", "columnwise_scale_inv", "amax", "columnwise_amax")
+    assert len(outputs) == (6 if name.startswith("quantize_nvfp4") else 5)
+    for buffer, output in zip(buffers, outputs):
         wanted = getattr(expected, buffer)
         if wanted is None:
             assert output.numel() == 0, f"{buffer}: a placeholder where the kernel returns none"
