@@ -1,11 +1,12 @@
 """The quantize, scaled-GEMM and norm entry points as torch.library custom ops: torch.compile sees one op per kernel.
 
-`quantize(name, x, backend, **kwargs)`, `scaled_mm(a, b, ...)`, `norm_forward` and `norm_backward` take and
+`quantize(name, x, backend, **kwargs)`, `quantize_tensorwise_split`, `scaled_mm(a, b, ...)`, `grouped_scaled_mm`,
+`norm_forward` and `norm_backward` take and
 return what the kernel functions do (`fp8kernels.reference.Quantized` for the quantized tensors). Eagerly they
 call those functions directly: the same bytes, and no custom-op dispatch on the host (an eager FP8 step is
 host-bound already, issue 32). While torch.compile traces (`torch.compiler.is_compiling()`) they call the ops
-`shardbridge::quantize_tensorwise`, `quantize_blockwise`, `quantize_mxfp8`, `quantize_nvfp4`, `scaled_mm`,
-`norm_forward` and `norm_backward`, whose implementations call the same functions. Quantized operands cross an op boundary as plain
+`shardbridge::quantize_tensorwise`, `quantize_tensorwise_split`, `quantize_blockwise`, `quantize_mxfp8`,
+`quantize_nvfp4`, `scaled_mm`, `grouped_scaled_mm`, `norm_forward` and `norm_backward`, whose implementations call the same functions. Quantized operands cross an op boundary as plain
 tensors (data, scale_inv, the columnwise copies, amax) plus constant metadata (scheme, format, shape); the
 Quantized objects are built on the traced side. Which backend runs an op (Triton, the interpreter, the torch
 reference) is decided when it runs, as eagerly.
@@ -27,7 +28,7 @@ from types import ModuleType
 import torch
 from torch import Tensor
 
-from fp8kernels import gemm, norm
+from fp8kernels import gemm, grouped_gemm, norm
 from fp8kernels._backend import Backend, backend_for
 from fp8kernels.formats import row_block_scales
 from fp8kernels.reference import Quantized
@@ -153,12 +154,12 @@ def _as_outputs(q: Quantized, layout: QuantizeOutputs, device: torch.device) -> 
     return _conform([getattr(q, name) for name in _BUFFERS], layout, device)
 
 
-def _as_quantized(scheme: str, fmt: str, x: Tensor, outputs: QuantizeOutputs | NVFP4Outputs, rowwise: bool,
-                  columnwise: bool, has_amax: bool, hadamard: bool = False) -> Quantized:  # fmt: skip
+def _as_quantized(scheme: str, fmt: str, shape: tuple[int, ...], outputs: QuantizeOutputs | NVFP4Outputs,
+                  rowwise: bool, columnwise: bool, has_amax: bool, hadamard: bool = False) -> Quantized:  # fmt: skip
     """An op's outputs as the kernel functions' result: None for the placeholders."""
     data, scale_inv, columnwise_data, columnwise_scale_inv, amax, *nvfp4_columnwise_amax = outputs
     return Quantized(
-        scheme, fmt, tuple(x.shape),
+        scheme, fmt, shape,
         data=data if rowwise else None, scale_inv=scale_inv if rowwise else None,
         columnwise_data=columnwise_data if columnwise else None,
         columnwise_scale_inv=columnwise_scale_inv if columnwise else None,
@@ -186,6 +187,32 @@ def _quantize_tensorwise(
 @_quantize_tensorwise.register_fake
 def _(x, fmt, scale, amax, power_2_scale, amax_epsilon, rowwise, columnwise, backend):
     return _tensorwise_layout(x, rowwise, columnwise)
+
+
+def _tensorwise_split_layout(x: Tensor, splits: list[int], rowwise: bool, columnwise: bool) -> list[Tensor]:
+    """Every group's _tensorwise_layout, one after the other (an op returns one flat list)."""
+    groups = x.reshape(-1, x.shape[-1]).split(splits)
+    return [t for part in groups for t in _tensorwise_layout(part, rowwise, columnwise)]
+
+
+@torch.library.custom_op("shardbridge::quantize_tensorwise_split", mutates_args=())
+def _quantize_tensorwise_split(
+    x: Tensor, splits: list[int], fmt: str, scales: Tensor | None, amaxes: Tensor | None, power_2_scale: bool,
+    amax_epsilon: float, rowwise: bool, columnwise: bool, backend: str,
+) -> list[Tensor]:  # fmt: skip
+    """The buffers of each group's quantize_tensorwise, in order; the kernel's groups share buffers: copied apart."""
+    results = implementation(_backend(backend, x.device)).quantize_tensorwise_split(
+        x, splits, fmt, scales, amaxes=amaxes, power_2_scale=power_2_scale, amax_epsilon=amax_epsilon,
+        rowwise=rowwise, columnwise=columnwise,
+    )  # fmt: skip
+    buffers = [getattr(q, name) for q in results for name in _BUFFERS]
+    layout = _tensorwise_split_layout(x.to("meta"), splits, rowwise, columnwise)
+    return list(_conform(buffers, tuple(layout), x.device, (x, scales, amaxes)))
+
+
+@_quantize_tensorwise_split.register_fake
+def _(x, splits, fmt, scales, amaxes, power_2_scale, amax_epsilon, rowwise, columnwise, backend):
+    return _tensorwise_split_layout(x, splits, rowwise, columnwise)
 
 
 @torch.library.custom_op("shardbridge::quantize_blockwise", mutates_args=())
@@ -272,6 +299,51 @@ def _(a_data, a_scale_inv, a_amax, a_scheme, a_fmt, a_shape, a_columnwise, a_had
     return torch.empty(rows, dtype=out_dtype, device=a_data.device)
 
 
+def _operands(data: list[Tensor], scale_inv: list[Tensor], amax: list[Tensor], scheme: str, fmt: str,
+              shapes: list[int], columnwise: bool, hadamard: bool) -> list[Quantized]:  # fmt: skip
+    """The groups' operands of grouped_scaled_mm: `shapes` holds each group's 2-D shape, `amax` empty placeholders
+    where a scheme has none."""
+    return [
+        _operand(d, s, a if a.numel() else None, scheme, fmt, shapes[2 * g : 2 * g + 2], columnwise, hadamard)
+        for g, (d, s, a) in enumerate(zip(data, scale_inv, amax, strict=True))
+    ]
+
+
+def _grouped_layout(a_shapes: list[int], a_columnwise: bool, b_shapes: list[int], b_columnwise: bool,
+                    out_dtype: torch.dtype, device: torch.device) -> list[Tensor]:  # fmt: skip
+    rows = [
+        (_operand_rows(a_shapes[i : i + 2], a_columnwise), _operand_rows(b_shapes[i : i + 2], b_columnwise))
+        for i in range(0, len(a_shapes), 2)
+    ]
+    return [torch.empty(shape, dtype=out_dtype, device=device) for shape in rows]
+
+
+@torch.library.custom_op("shardbridge::grouped_scaled_mm", mutates_args=())
+def _grouped_scaled_mm(
+    a_data: list[Tensor], a_scale_inv: list[Tensor], a_amax: list[Tensor], a_scheme: str, a_fmt: str,
+    a_shapes: list[int], a_columnwise: bool, a_hadamard: bool,
+    b_data: list[Tensor], b_scale_inv: list[Tensor], b_amax: list[Tensor], b_scheme: str, b_fmt: str,
+    b_shapes: list[int], b_columnwise: bool, b_hadamard: bool,
+    out_dtype: torch.dtype, bias: list[Tensor],
+) -> list[Tensor]:  # fmt: skip
+    """fp8kernels.grouped_gemm.grouped_scaled_mm of each group's operands (shapes: [rows, cols] per group; bias:
+    one per group, or none)."""
+    a = _operands(a_data, a_scale_inv, a_amax, a_scheme, a_fmt, a_shapes, a_columnwise, a_hadamard)
+    b = _operands(b_data, b_scale_inv, b_amax, b_scheme, b_fmt, b_shapes, b_columnwise, b_hadamard)
+    results = grouped_gemm.grouped_scaled_mm(
+        a, b, a_columnwise=a_columnwise, b_columnwise=b_columnwise, out_dtype=out_dtype, bias=bias or None
+    )
+    device = a_data[0].device
+    layout = _grouped_layout(a_shapes, a_columnwise, b_shapes, b_columnwise, out_dtype, torch.device("meta"))
+    return list(_conform(results, tuple(layout), device))
+
+
+@_grouped_scaled_mm.register_fake
+def _(a_data, a_scale_inv, a_amax, a_scheme, a_fmt, a_shapes, a_columnwise, a_hadamard,
+      b_data, b_scale_inv, b_amax, b_scheme, b_fmt, b_shapes, b_columnwise, b_hadamard, out_dtype, bias):  # fmt: skip
+    return _grouped_layout(a_shapes, a_columnwise, b_shapes, b_columnwise, out_dtype, a_data[0].device)
+
+
 def _run_norm_forward(
     x: Tensor, weight: Tensor, bias: Tensor | None, rms: bool, eps: float, zero_centered_gamma: bool
 ) -> norm.NormForward:
@@ -344,20 +416,20 @@ def quantize(name: str, x: Tensor, backend: Backend | None = None, **kwargs) -> 
         return getattr(implementation(backend or backend_for(x.device)), name)(x, **kwargs)
     chosen = "" if backend is None else backend.value
     rowwise, columnwise = kwargs.get("rowwise", True), kwargs.get("columnwise", False)
-    fmt = kwargs.get("fmt", "e4m3")
+    fmt, shape = kwargs.get("fmt", "e4m3"), tuple(x.shape)
     if name == "quantize_tensorwise":
         outputs = _quantize_tensorwise(
             x, fmt, kwargs.get("scale"), kwargs.get("amax"), kwargs.get("power_2_scale", False),
             kwargs.get("amax_epsilon", 0.0), rowwise, columnwise, chosen,
         )  # fmt: skip
-        return _as_quantized("tensorwise", fmt, x, outputs, rowwise, columnwise, has_amax=True)
+        return _as_quantized("tensorwise", fmt, shape, outputs, rowwise, columnwise, has_amax=True)
     if name == "quantize_blockwise":
         block = list(kwargs.get("block", (1, 128)))
         outputs = _quantize_blockwise(x, fmt, block, kwargs.get("power_2_scale", True), rowwise, columnwise, chosen)
-        return _as_quantized(f"block{block[0]}x{block[1]}", fmt, x, outputs, rowwise, columnwise, has_amax=False)
+        return _as_quantized(f"block{block[0]}x{block[1]}", fmt, shape, outputs, rowwise, columnwise, has_amax=False)
     if name == "quantize_mxfp8":
         outputs = _quantize_mxfp8(x, fmt, kwargs.get("scale_rounding", "up"), rowwise, columnwise, chosen)
-        return _as_quantized("mxfp8", fmt, x, outputs, rowwise, columnwise, has_amax=False)
+        return _as_quantized("mxfp8", fmt, shape, outputs, rowwise, columnwise, has_amax=False)
     if name == "quantize_nvfp4":
         block, hadamard = list(kwargs.get("block", (1, 16))), kwargs.get("hadamard", False)
         seed = kwargs.get("stochastic_seed")
@@ -365,8 +437,28 @@ def quantize(name: str, x: Tensor, backend: Backend | None = None, **kwargs) -> 
             seed = torch.full((1,), seed & 0xFFFFFFFF, dtype=torch.int64, device=x.device)
         outputs = _quantize_nvfp4(x, block, hadamard, seed, kwargs.get("global_amax"), rowwise, columnwise, chosen)
         scheme = f"nvfp4_{block[0]}x{block[1]}"
-        return _as_quantized(scheme, "e2m1", x, outputs, rowwise, columnwise, has_amax=True, hadamard=hadamard)
+        return _as_quantized(scheme, "e2m1", shape, outputs, rowwise, columnwise, has_amax=True, hadamard=hadamard)
     raise ValueError(f"{name} is not a quantize function of fp8kernels (quantize_tensorwise, _blockwise, _mxfp8, _nvfp4)")
+
+
+def quantize_tensorwise_split(
+    x: Tensor, m_splits: list[int], backend: Backend | None = None, **kwargs
+) -> list[Quantized]:
+    """`fp8kernels.<reference|quantize>.quantize_tensorwise_split(x, m_splits, **kwargs)` on `backend` (default:
+    x's device's); an op while torch.compile traces."""
+    if not torch.compiler.is_compiling():
+        return implementation(backend or backend_for(x.device)).quantize_tensorwise_split(x, m_splits, **kwargs)
+    rowwise, columnwise, fmt = kwargs.get("rowwise", True), kwargs.get("columnwise", False), kwargs.get("fmt", "e4m3")
+    outputs = _quantize_tensorwise_split(
+        x, list(m_splits), fmt, kwargs.get("scales"), kwargs.get("amaxes"), kwargs.get("power_2_scale", False),
+        kwargs.get("amax_epsilon", 0.0), rowwise, columnwise, "" if backend is None else backend.value,
+    )  # fmt: skip
+    buffers = len(_BUFFERS)
+    return [
+        _as_quantized("tensorwise", fmt, (m, x.shape[-1]), tuple(outputs[buffers * g : buffers * (g + 1)]),
+                      rowwise, columnwise, has_amax=True)  # fmt: skip
+        for g, m in enumerate(m_splits)
+    ]
 
 
 def scaled_mm(
@@ -384,6 +476,41 @@ def scaled_mm(
             a, b, a_columnwise=a_columnwise, b_columnwise=b_columnwise, out_dtype=out_dtype, bias=bias
         )
     return _scaled_mm(*_operand_arguments(a, a_columnwise), *_operand_arguments(b, b_columnwise), out_dtype, bias)
+
+
+def grouped_scaled_mm(
+    a: list[Quantized],
+    b: list[Quantized],
+    *,
+    a_columnwise: bool = False,
+    b_columnwise: bool = False,
+    out_dtype: torch.dtype = torch.bfloat16,
+    bias: list[Tensor] | None = None,
+    out: list[Tensor] | None = None,
+) -> list[Tensor]:
+    """`fp8kernels.grouped_gemm.grouped_scaled_mm` (2-D operands); an op while torch.compile traces, whose
+    results are then copied into `out` (an op writes no caller's views)."""
+    if not torch.compiler.is_compiling():
+        return grouped_gemm.grouped_scaled_mm(
+            a, b, a_columnwise=a_columnwise, b_columnwise=b_columnwise, out_dtype=out_dtype, bias=bias, out=out
+        )
+    results = _grouped_scaled_mm(
+        *_group_arguments(a, a_columnwise), *_group_arguments(b, b_columnwise), out_dtype, list(bias or [])
+    )
+    if out is None:
+        return results
+    return [o.copy_(result) for o, result in zip(out, results, strict=True)]
+
+
+def _group_arguments(operands: list[Quantized], columnwise: bool) -> tuple:
+    """The grouped op's arguments for one side: each group's _operand_arguments as lists, shapes flattened."""
+    if not operands or any(len(q.shape) != 2 for q in operands):
+        raise ValueError("grouped_scaled_mm under torch.compile takes a non-empty list of 2-D operands")
+    per_group = [_operand_arguments(q, columnwise) for q in operands]
+    data, scale_inv, amax, scheme, fmt, _, _, hadamard = per_group[0]
+    amaxes = [_absent(data.device) if group[2] is None else group[2] for group in per_group]
+    shapes = [size for group in per_group for size in group[5]]
+    return [g[0] for g in per_group], [g[1] for g in per_group], amaxes, scheme, fmt, shapes, columnwise, hadamard
 
 
 def _operand_arguments(q: Quantized, columnwise: bool) -> tuple:
@@ -420,4 +547,12 @@ def norm_backward(
     return grads.dx, grads.dweight, grads.dbias
 
 
-__all__ = ["implementation", "norm_backward", "norm_forward", "quantize", "scaled_mm"]
+__all__ = [
+    "grouped_scaled_mm",
+    "implementation",
+    "norm_backward",
+    "norm_forward",
+    "quantize",
+    "quantize_tensorwise_split",
+    "scaled_mm",
+]
