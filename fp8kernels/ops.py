@@ -6,9 +6,10 @@ return what the kernel functions do (`fp8kernels.reference.Quantized` for the qu
 call those functions directly: the same bytes, and no custom-op dispatch on the host (an eager FP8 step is
 host-bound already, issue 32). While torch.compile traces (`torch.compiler.is_compiling()`) they call the ops
 `shardbridge::quantize_tensorwise`, `quantize_tensorwise_split`, `quantize_blockwise`, `quantize_mxfp8`,
-`quantize_nvfp4`, `scaled_mm`, `grouped_scaled_mm`, `norm_forward` and `norm_backward`, whose implementations call the same functions. Quantized operands cross an op boundary as plain
-tensors (data, scale_inv, the columnwise copies, amax) plus constant metadata (scheme, format, shape); the
-Quantized objects are built on the traced side. Which backend runs an op (Triton, the interpreter, the torch
+`quantize_nvfp4`, `scaled_mm`, `grouped_scaled_mm`, `norm_forward` and `norm_backward`, whose implementations
+call the same functions. Quantized operands cross an op boundary as plain tensors (data, scale_inv, the
+columnwise copies, amax) plus constant metadata (scheme, format, shape); the Quantized objects are built on the
+traced side. Which backend runs an op (Triton, the interpreter, the torch
 reference) is decided when it runs, as eagerly.
 
 An op's fake implementation is its `*_layout` function: every output's shape, dtype and strides. The real
@@ -134,7 +135,10 @@ def _shares_memory(a: Tensor, b: Tensor) -> bool:
 
 
 def _conform(
-    results: list[Tensor | None], layout: tuple[Tensor, ...], device: torch.device, inputs: tuple[Tensor | None, ...] = ()
+    results: list[Tensor | None],
+    layout: tuple[Tensor, ...],
+    device: torch.device,
+    inputs: tuple[Tensor | None, ...] = (),
 ) -> tuple[Tensor, ...]:
     """A kernel's results on `device` as an op's outputs: each in the strides of its `layout` (meta tensors), at
     the start of memory of its own (no other output's, no input's); a placeholder where the layout has none."""
@@ -433,12 +437,12 @@ def quantize(name: str, x: Tensor, backend: Backend | None = None, **kwargs) -> 
     if name == "quantize_nvfp4":
         block, hadamard = list(kwargs.get("block", (1, 16))), kwargs.get("hadamard", False)
         seed = kwargs.get("stochastic_seed")
-        if isinstance(seed, int):  # the op takes a tensor seed; the kernels read an int mod 2^32 (formats.stochastic_key)
+        if isinstance(seed, int):  # the op takes a tensor; the kernels read an int mod 2^32 (formats.stochastic_key)
             seed = torch.full((1,), seed & 0xFFFFFFFF, dtype=torch.int64, device=x.device)
         outputs = _quantize_nvfp4(x, block, hadamard, seed, kwargs.get("global_amax"), rowwise, columnwise, chosen)
         scheme = f"nvfp4_{block[0]}x{block[1]}"
         return _as_quantized(scheme, "e2m1", shape, outputs, rowwise, columnwise, has_amax=True, hadamard=hadamard)
-    raise ValueError(f"{name} is not a quantize function of fp8kernels (quantize_tensorwise, _blockwise, _mxfp8, _nvfp4)")
+    raise ValueError(f"{name} is not one of fp8kernels' quantize functions (quantize_tensorwise, _blockwise, ...)")
 
 
 def quantize_tensorwise_split(
