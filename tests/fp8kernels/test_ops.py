@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from fp8kernels import gemm, norm, ops
+from fp8kernels import gemm, grouped_gemm, norm, ops
 from fp8kernels._backend import backend_for
 from tests.fp8kernels.devices import DEVICES
 
@@ -127,3 +127,26 @@ def test_norm_ops_pass_opcheck_and_return_the_kernel_results(rms, device):
              norm.layer_norm_backward(dy, x, weight, mean, rstd, zero_centered_gamma=True))  # fmt: skip
     assert torch.equal(dx, grads.dx) and torch.equal(dweight, grads.dweight)
     assert dbias.numel() == 0 if rms else torch.equal(dbias, grads.dbias)
+
+
+def test_split_quantize_and_grouped_gemm_ops_pass_opcheck_and_return_the_kernel_results(device):
+    """GroupedLinear's ops: the split cast of x's row groups (one empty), then the fprop of the live groups."""
+    generator = torch.Generator().manual_seed(3)
+    x, splits = torch.randn(96, 64, generator=generator).to(device), [32, 0, 64]
+    kernels = ops.implementation(backend_for(device))
+    arguments = (x, splits, "e4m3", None, None, False, 0.0, True, True, "")
+    torch.library.opcheck(torch.ops.shardbridge.quantize_tensorwise_split.default, arguments)
+    outputs = torch.ops.shardbridge.quantize_tensorwise_split.default(*arguments)
+    groups = kernels.quantize_tensorwise_split(x, splits, rowwise=True, columnwise=True)
+    buffers = ("data", "scale_inv", "columnwise_data", "columnwise_scale_inv", "amax")
+    assert len(outputs) == len(buffers) * len(splits)
+    for output, (g, buffer) in zip(outputs, [(g, b) for g in range(len(splits)) for b in buffers], strict=True):
+        assert torch.equal(output, getattr(groups[g], buffer)), f"group {g} {buffer} differs"
+    a = [groups[0], groups[2]]
+    b = [kernels.quantize_tensorwise(torch.randn(48, 64, generator=generator).to(device)) for _ in a]
+    bias = [torch.randn(48, generator=generator).to(device) for _ in a]
+    gemm_arguments = (*ops._group_arguments(a, False), *ops._group_arguments(b, False), torch.float32, bias)
+    torch.library.opcheck(torch.ops.shardbridge.grouped_scaled_mm.default, gemm_arguments)
+    expected = grouped_gemm.grouped_scaled_mm(a, b, out_dtype=torch.float32, bias=bias)
+    for result, wanted in zip(torch.ops.shardbridge.grouped_scaled_mm.default(*gemm_arguments), expected, strict=True):
+        assert torch.equal(result, wanted)

@@ -135,7 +135,9 @@ class _GroupedFP8Linear(torch.autograd.Function):
         return dx, None, None, None, None, *weight_grads, *bias_grads
 
 
-def _record_grad_amaxes(quantizers: tuple[GemmQuantizers, ...], dy_fp8: dict[int, Quantized], device) -> None:
+def _record_grad_amaxes(
+    quantizers: tuple[GemmQuantizers, ...], dy_fp8: dict[int, Quantized], device: torch.device
+) -> None:
     """torch.compile with DelayedScaling: each group's record_grad_amax, an empty group's with amax 0 (its slot
     still rolls, as the region's sync rolls every slot of the module)."""
     for g, q in enumerate(quantizers):
