@@ -58,8 +58,18 @@ def _op(case: str):
     return getattr(torch.ops.shardbridge, _function(case)).default
 
 
-@pytest.mark.parametrize("rowwise, columnwise", USAGES)
-@pytest.mark.parametrize("name", list(QUANTIZE_OPS))
+def _quantize_cases() -> list:
+    """Every case x usage; NVFP4 (slow under the interpreter) with both copies only, its other usages in the grid."""
+    return [
+        pytest.param(name, *usage, id=f"{name}-{usage[0]}-{usage[1]}", marks=pytest.mark.grid)
+        if name.startswith("quantize_nvfp4") and usage != (True, True)
+        else pytest.param(name, *usage, id=f"{name}-{usage[0]}-{usage[1]}")
+        for name in QUANTIZE_OPS
+        for usage in USAGES
+    ]
+
+
+@pytest.mark.parametrize("name, rowwise, columnwise", _quantize_cases())
 def test_quantize_op_passes_opcheck_and_returns_the_kernel_bytes(name, rowwise, columnwise, device):
     x = _x(device)
     kwargs, op_arguments = QUANTIZE_OPS[name]
