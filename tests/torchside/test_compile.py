@@ -335,3 +335,21 @@ def test_grouped_linear_runs_the_interpreted_kernels_compiled_as_eagerly(monkeyp
     _assert_equal(
         _case_step("GroupedLinear", eager, eager, recipe, 0), _case_step("GroupedLinear", twin, compiled, recipe, 0)
     )
+
+
+def test_inductor_runs_grouped_linear_with_the_layouts_its_ops_promise(reference_kernels):
+    """The list ops (split cast, grouped GEMM) under Inductor, DelayedScaling: bitwise but for the bias gradients,
+    which Inductor sums in its own order, each within the bound of reordering its group's sum (as for Linear)."""
+    eager, twin = _case_module("GroupedLinear"), _case_module("GroupedLinear")
+    compiled = torch.compile(twin, fullgraph=True, backend="inductor")
+    recipe = DelayedScaling()
+    expected = _case_step("GroupedLinear", eager, eager, recipe, 0)
+    traced = _case_step("GroupedLinear", twin, compiled, recipe, 0)
+    biases = [f"dbias{g}" for g in range(len(SPLITS))]
+    _assert_equal(expected, traced, skip=tuple(biases))
+    generator = torch.Generator().manual_seed(0)
+    CASES["GroupedLinear"].inputs(generator)  # _case_step's draws: the inputs, then dy
+    dy_groups = torch.randn(expected["y"].shape, generator=generator).split(SPLITS)
+    for name, dy in zip(biases, dy_groups, strict=True):
+        bound = 2 * max(dy.shape[0] - 1, 0) * 2.0**-24 * dy.abs().sum(dim=0)
+        assert torch.all((expected[name] - traced[name]).abs() <= bound), name
