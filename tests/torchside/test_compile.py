@@ -326,20 +326,11 @@ def test_transformer_layer_with_fp8_parameters_compiles_like_eager(recipe, refer
     _check_compiles_like_eager("TransformerLayer", recipe, fp8_parameters=True)
 
 
-def test_grouped_linear_runs_the_interpreted_kernels_compiled_as_eagerly(monkeypatch):
-    """The split cast and the one grouped Triton launch, under the interpreter, through their ops."""
+def test_inductor_runs_grouped_linear_with_the_layouts_its_ops_promise(monkeypatch):
+    """The list ops under Inductor, on the interpreter (the Triton split cast's and grouped launch's layouts, as on
+    the GPU), DelayedScaling: bitwise but for the bias gradients, which Inductor sums in its own order, each
+    within the bound of reordering its group's sum (as for Linear)."""
     monkeypatch.setenv("TRITON_INTERPRET", "1")
-    eager, twin = _case_module("GroupedLinear"), _case_module("GroupedLinear")
-    compiled = torch.compile(twin, fullgraph=True, backend="aot_eager")
-    recipe = Float8CurrentScaling()
-    _assert_equal(
-        _case_step("GroupedLinear", eager, eager, recipe, 0), _case_step("GroupedLinear", twin, compiled, recipe, 0)
-    )
-
-
-def test_inductor_runs_grouped_linear_with_the_layouts_its_ops_promise(reference_kernels):
-    """The list ops (split cast, grouped GEMM) under Inductor, DelayedScaling: bitwise but for the bias gradients,
-    which Inductor sums in its own order, each within the bound of reordering its group's sum (as for Linear)."""
     eager, twin = _case_module("GroupedLinear"), _case_module("GroupedLinear")
     compiled = torch.compile(twin, fullgraph=True, backend="inductor")
     recipe = DelayedScaling()
