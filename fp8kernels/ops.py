@@ -1,20 +1,22 @@
 """The quantize, scaled-GEMM and norm entry points as torch.library custom ops: torch.compile sees one op per kernel.
 
-`quantize(name, x, backend, **kwargs)`, `scaled_mm(a, b, ...)`, `norm_forward` and `norm_backward` take and
+`quantize(name, x, backend, **kwargs)`, `quantize_tensorwise_split`, `scaled_mm(a, b, ...)`, `grouped_scaled_mm`,
+`norm_forward` and `norm_backward` take and
 return what the kernel functions do (`fp8kernels.reference.Quantized` for the quantized tensors). Eagerly they
 call those functions directly: the same bytes, and no custom-op dispatch on the host (an eager FP8 step is
 host-bound already, issue 32). While torch.compile traces (`torch.compiler.is_compiling()`) they call the ops
-`shardbridge::quantize_tensorwise`, `quantize_blockwise`, `quantize_mxfp8`, `scaled_mm`, `norm_forward` and
-`norm_backward`, whose implementations call the same functions. Quantized operands cross an op boundary as plain
-tensors (data, scale_inv, the columnwise copies, amax) plus constant metadata (scheme, format, shape); the
-Quantized objects are built on the traced side. Which backend runs an op (Triton, the interpreter, the torch
+`shardbridge::quantize_tensorwise`, `quantize_tensorwise_split`, `quantize_blockwise`, `quantize_mxfp8`,
+`quantize_nvfp4`, `scaled_mm`, `grouped_scaled_mm`, `norm_forward` and `norm_backward`, whose implementations
+call the same functions. Quantized operands cross an op boundary as plain tensors (data, scale_inv, the
+columnwise copies, amax) plus constant metadata (scheme, format, shape); the Quantized objects are built on the
+traced side. Which backend runs an op (Triton, the interpreter, the torch
 reference) is decided when it runs, as eagerly.
 
 An op's fake implementation is its `*_layout` function: every output's shape, dtype and strides. The real
 implementation returns its outputs so laid out (Inductor asserts both; the layout is computed on meta tensors,
 allocating nothing): an absent buffer is an empty placeholder (an op returns tensors, never None), and a
-reference result that is a transposed view is copied into the layout the fake promises (the Triton kernels
-write it already). NVFP4 has no op yet: `quantize` refuses it while tracing.
+reference result that is a transposed view, or one sharing memory with an input, is copied into the layout the
+fake promises (the Triton kernels write it already).
 """
 
 from __future__ import annotations
@@ -27,13 +29,15 @@ from types import ModuleType
 import torch
 from torch import Tensor
 
-from fp8kernels import gemm, norm
+from fp8kernels import gemm, grouped_gemm, norm
 from fp8kernels._backend import Backend, backend_for
 from fp8kernels.formats import row_block_scales
 from fp8kernels.reference import Quantized
 
 QuantizeOutputs = tuple[Tensor, Tensor, Tensor, Tensor, Tensor]  # data, scale_inv, columnwise ones, amax
 _BUFFERS = ("data", "scale_inv", "columnwise_data", "columnwise_scale_inv", "amax")
+NVFP4Outputs = tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]  # QuantizeOutputs, then columnwise_amax
+_NVFP4_BUFFERS = (*_BUFFERS, "columnwise_amax")
 
 
 @functools.cache
@@ -109,17 +113,40 @@ def _mxfp8_layout(x: Tensor, rowwise: bool, columnwise: bool) -> QuantizeOutputs
     )
 
 
+def _nvfp4_layout(x: Tensor, block: list[int], rowwise: bool, columnwise: bool) -> NVFP4Outputs:
+    """Two e2m1 codes a byte; an e4m3 scale per 1x16 block, or per 16x16 block ([16, 16])."""
+    (M, K), device = _matrix(x), x.device
+
+    def scale_rows(rows: int) -> int:
+        return math.ceil(rows / 16) if block[0] == 16 else rows
+
+    return (
+        _buffer(rowwise, (M, K // 2), torch.uint8, device),
+        _buffer(rowwise, (scale_rows(M), K // 16), torch.uint8, device),
+        _buffer(columnwise, (K, M // 2), torch.uint8, device),
+        _buffer(columnwise, (scale_rows(K), M // 16), torch.uint8, device),
+        _buffer(True, (1,), torch.float32, device),
+        _buffer(columnwise, (1,), torch.float32, device),
+    )
+
+
 def _shares_memory(a: Tensor, b: Tensor) -> bool:
     return b.numel() > 0 and a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
 
 
-def _conform(results: list[Tensor | None], layout: tuple[Tensor, ...], device: torch.device) -> tuple[Tensor, ...]:
-    """A kernel's results on `device` as an op's outputs: each in the strides of its `layout` (meta tensors) and
-    with memory of its own; a placeholder where the layout has no elements."""
+def _conform(
+    results: list[Tensor | None],
+    layout: tuple[Tensor, ...],
+    device: torch.device,
+    inputs: tuple[Tensor | None, ...] = (),
+) -> tuple[Tensor, ...]:
+    """A kernel's results on `device` as an op's outputs: each in the strides of its `layout` (meta tensors), at
+    the start of memory of its own (no other output's, no input's); a placeholder where the layout has none."""
     outputs: list[Tensor] = []
     for result, like in zip(results, layout, strict=True):
-        if result is None or like.numel() == 0 or result.stride() != like.stride() or any(
-            _shares_memory(result, t) for t in outputs
+        laid_out = result is not None and (result.stride(), result.storage_offset()) == (like.stride(), 0)
+        if not laid_out or like.numel() == 0 or any(
+            _shares_memory(result, t) for t in (*outputs, *inputs) if t is not None
         ):
             copy = torch.empty_strided(like.shape, like.stride(), dtype=like.dtype, device=device)
             result = copy if like.numel() == 0 else copy.copy_(result)
@@ -131,16 +158,18 @@ def _as_outputs(q: Quantized, layout: QuantizeOutputs, device: torch.device) -> 
     return _conform([getattr(q, name) for name in _BUFFERS], layout, device)
 
 
-def _as_quantized(scheme: str, fmt: str, x: Tensor, outputs: QuantizeOutputs, rowwise: bool, columnwise: bool,
-                  has_amax: bool) -> Quantized:  # fmt: skip
+def _as_quantized(scheme: str, fmt: str, shape: tuple[int, ...], outputs: QuantizeOutputs | NVFP4Outputs,
+                  rowwise: bool, columnwise: bool, has_amax: bool, hadamard: bool = False) -> Quantized:  # fmt: skip
     """An op's outputs as the kernel functions' result: None for the placeholders."""
-    data, scale_inv, columnwise_data, columnwise_scale_inv, amax = outputs
+    data, scale_inv, columnwise_data, columnwise_scale_inv, amax, *nvfp4_columnwise_amax = outputs
     return Quantized(
-        scheme, fmt, tuple(x.shape),
+        scheme, fmt, shape,
         data=data if rowwise else None, scale_inv=scale_inv if rowwise else None,
         columnwise_data=columnwise_data if columnwise else None,
         columnwise_scale_inv=columnwise_scale_inv if columnwise else None,
         amax=amax if has_amax else None,
+        columnwise_amax=nvfp4_columnwise_amax[0] if nvfp4_columnwise_amax and columnwise else None,
+        hadamard=hadamard,
     )  # fmt: skip
 
 
@@ -162,6 +191,32 @@ def _quantize_tensorwise(
 @_quantize_tensorwise.register_fake
 def _(x, fmt, scale, amax, power_2_scale, amax_epsilon, rowwise, columnwise, backend):
     return _tensorwise_layout(x, rowwise, columnwise)
+
+
+def _tensorwise_split_layout(x: Tensor, splits: list[int], rowwise: bool, columnwise: bool) -> list[Tensor]:
+    """Every group's _tensorwise_layout, one after the other (an op returns one flat list)."""
+    groups = x.reshape(-1, x.shape[-1]).split(splits)
+    return [t for part in groups for t in _tensorwise_layout(part, rowwise, columnwise)]
+
+
+@torch.library.custom_op("shardbridge::quantize_tensorwise_split", mutates_args=())
+def _quantize_tensorwise_split(
+    x: Tensor, splits: list[int], fmt: str, scales: Tensor | None, amaxes: Tensor | None, power_2_scale: bool,
+    amax_epsilon: float, rowwise: bool, columnwise: bool, backend: str,
+) -> list[Tensor]:  # fmt: skip
+    """The buffers of each group's quantize_tensorwise, in order; the kernel's groups share buffers: copied apart."""
+    results = implementation(_backend(backend, x.device)).quantize_tensorwise_split(
+        x, splits, fmt, scales, amaxes=amaxes, power_2_scale=power_2_scale, amax_epsilon=amax_epsilon,
+        rowwise=rowwise, columnwise=columnwise,
+    )  # fmt: skip
+    buffers = [getattr(q, name) for q in results for name in _BUFFERS]
+    layout = _tensorwise_split_layout(x.to("meta"), splits, rowwise, columnwise)
+    return list(_conform(buffers, tuple(layout), x.device, (x, scales, amaxes)))
+
+
+@_quantize_tensorwise_split.register_fake
+def _(x, splits, fmt, scales, amaxes, power_2_scale, amax_epsilon, rowwise, columnwise, backend):
+    return _tensorwise_split_layout(x, splits, rowwise, columnwise)
 
 
 @torch.library.custom_op("shardbridge::quantize_blockwise", mutates_args=())
@@ -193,6 +248,24 @@ def _quantize_mxfp8(
 @_quantize_mxfp8.register_fake
 def _(x, fmt, scale_rounding, rowwise, columnwise, backend):
     return _mxfp8_layout(x, rowwise, columnwise)
+
+
+@torch.library.custom_op("shardbridge::quantize_nvfp4", mutates_args=())
+def _quantize_nvfp4(
+    x: Tensor, block: list[int], hadamard: bool, stochastic_seed: Tensor | None, global_amax: Tensor | None,
+    rowwise: bool, columnwise: bool, backend: str,
+) -> NVFP4Outputs:  # fmt: skip
+    q = implementation(_backend(backend, x.device)).quantize_nvfp4(
+        x, block=tuple(block), hadamard=hadamard, stochastic_seed=stochastic_seed, rowwise=rowwise,
+        columnwise=columnwise, global_amax=global_amax,
+    )  # fmt: skip
+    layout = _nvfp4_layout(x.to("meta"), block, rowwise, columnwise)
+    return _conform([getattr(q, name) for name in _NVFP4_BUFFERS], layout, x.device, (global_amax,))
+
+
+@_quantize_nvfp4.register_fake
+def _(x, block, hadamard, stochastic_seed, global_amax, rowwise, columnwise, backend):
+    return _nvfp4_layout(x, block, rowwise, columnwise)
 
 
 def _operand(data: Tensor, scale_inv: Tensor, amax: Tensor | None, scheme: str, fmt: str, shape: list[int],
@@ -228,6 +301,51 @@ def _(a_data, a_scale_inv, a_amax, a_scheme, a_fmt, a_shape, a_columnwise, a_had
       b_data, b_scale_inv, b_amax, b_scheme, b_fmt, b_shape, b_columnwise, b_hadamard, out_dtype, bias):  # fmt: skip
     rows = (_operand_rows(a_shape, a_columnwise), _operand_rows(b_shape, b_columnwise))
     return torch.empty(rows, dtype=out_dtype, device=a_data.device)
+
+
+def _operands(data: list[Tensor], scale_inv: list[Tensor], amax: list[Tensor], scheme: str, fmt: str,
+              shapes: list[int], columnwise: bool, hadamard: bool) -> list[Quantized]:  # fmt: skip
+    """The groups' operands of grouped_scaled_mm: `shapes` holds each group's 2-D shape, `amax` empty placeholders
+    where a scheme has none."""
+    return [
+        _operand(d, s, a if a.numel() else None, scheme, fmt, shapes[2 * g : 2 * g + 2], columnwise, hadamard)
+        for g, (d, s, a) in enumerate(zip(data, scale_inv, amax, strict=True))
+    ]
+
+
+def _grouped_layout(a_shapes: list[int], a_columnwise: bool, b_shapes: list[int], b_columnwise: bool,
+                    out_dtype: torch.dtype, device: torch.device) -> list[Tensor]:  # fmt: skip
+    rows = [
+        (_operand_rows(a_shapes[i : i + 2], a_columnwise), _operand_rows(b_shapes[i : i + 2], b_columnwise))
+        for i in range(0, len(a_shapes), 2)
+    ]
+    return [torch.empty(shape, dtype=out_dtype, device=device) for shape in rows]
+
+
+@torch.library.custom_op("shardbridge::grouped_scaled_mm", mutates_args=())
+def _grouped_scaled_mm(
+    a_data: list[Tensor], a_scale_inv: list[Tensor], a_amax: list[Tensor], a_scheme: str, a_fmt: str,
+    a_shapes: list[int], a_columnwise: bool, a_hadamard: bool,
+    b_data: list[Tensor], b_scale_inv: list[Tensor], b_amax: list[Tensor], b_scheme: str, b_fmt: str,
+    b_shapes: list[int], b_columnwise: bool, b_hadamard: bool,
+    out_dtype: torch.dtype, bias: list[Tensor],
+) -> list[Tensor]:  # fmt: skip
+    """fp8kernels.grouped_gemm.grouped_scaled_mm of each group's operands (shapes: [rows, cols] per group; bias:
+    one per group, or none)."""
+    a = _operands(a_data, a_scale_inv, a_amax, a_scheme, a_fmt, a_shapes, a_columnwise, a_hadamard)
+    b = _operands(b_data, b_scale_inv, b_amax, b_scheme, b_fmt, b_shapes, b_columnwise, b_hadamard)
+    results = grouped_gemm.grouped_scaled_mm(
+        a, b, a_columnwise=a_columnwise, b_columnwise=b_columnwise, out_dtype=out_dtype, bias=bias or None
+    )
+    device = a_data[0].device
+    layout = _grouped_layout(a_shapes, a_columnwise, b_shapes, b_columnwise, out_dtype, torch.device("meta"))
+    return list(_conform(results, tuple(layout), device))
+
+
+@_grouped_scaled_mm.register_fake
+def _(a_data, a_scale_inv, a_amax, a_scheme, a_fmt, a_shapes, a_columnwise, a_hadamard,
+      b_data, b_scale_inv, b_amax, b_scheme, b_fmt, b_shapes, b_columnwise, b_hadamard, out_dtype, bias):  # fmt: skip
+    return _grouped_layout(a_shapes, a_columnwise, b_shapes, b_columnwise, out_dtype, a_data[0].device)
 
 
 def _run_norm_forward(
@@ -302,21 +420,49 @@ def quantize(name: str, x: Tensor, backend: Backend | None = None, **kwargs) -> 
         return getattr(implementation(backend or backend_for(x.device)), name)(x, **kwargs)
     chosen = "" if backend is None else backend.value
     rowwise, columnwise = kwargs.get("rowwise", True), kwargs.get("columnwise", False)
-    fmt = kwargs.get("fmt", "e4m3")
+    fmt, shape = kwargs.get("fmt", "e4m3"), tuple(x.shape)
     if name == "quantize_tensorwise":
         outputs = _quantize_tensorwise(
             x, fmt, kwargs.get("scale"), kwargs.get("amax"), kwargs.get("power_2_scale", False),
             kwargs.get("amax_epsilon", 0.0), rowwise, columnwise, chosen,
         )  # fmt: skip
-        return _as_quantized("tensorwise", fmt, x, outputs, rowwise, columnwise, has_amax=True)
+        return _as_quantized("tensorwise", fmt, shape, outputs, rowwise, columnwise, has_amax=True)
     if name == "quantize_blockwise":
         block = list(kwargs.get("block", (1, 128)))
         outputs = _quantize_blockwise(x, fmt, block, kwargs.get("power_2_scale", True), rowwise, columnwise, chosen)
-        return _as_quantized(f"block{block[0]}x{block[1]}", fmt, x, outputs, rowwise, columnwise, has_amax=False)
+        return _as_quantized(f"block{block[0]}x{block[1]}", fmt, shape, outputs, rowwise, columnwise, has_amax=False)
     if name == "quantize_mxfp8":
         outputs = _quantize_mxfp8(x, fmt, kwargs.get("scale_rounding", "up"), rowwise, columnwise, chosen)
-        return _as_quantized("mxfp8", fmt, x, outputs, rowwise, columnwise, has_amax=False)
-    raise NotImplementedError(f"{name} has no custom op yet: it cannot run under torch.compile (docs/compile.md)")
+        return _as_quantized("mxfp8", fmt, shape, outputs, rowwise, columnwise, has_amax=False)
+    if name == "quantize_nvfp4":
+        block, hadamard = list(kwargs.get("block", (1, 16))), kwargs.get("hadamard", False)
+        seed = kwargs.get("stochastic_seed")
+        if isinstance(seed, int):  # the op takes a tensor; the kernels read an int mod 2^32 (formats.stochastic_key)
+            seed = torch.full((1,), seed & 0xFFFFFFFF, dtype=torch.int64, device=x.device)
+        outputs = _quantize_nvfp4(x, block, hadamard, seed, kwargs.get("global_amax"), rowwise, columnwise, chosen)
+        scheme = f"nvfp4_{block[0]}x{block[1]}"
+        return _as_quantized(scheme, "e2m1", shape, outputs, rowwise, columnwise, has_amax=True, hadamard=hadamard)
+    raise ValueError(f"{name} is not one of fp8kernels' quantize functions (quantize_tensorwise, _blockwise, ...)")
+
+
+def quantize_tensorwise_split(
+    x: Tensor, m_splits: list[int], backend: Backend | None = None, **kwargs
+) -> list[Quantized]:
+    """`fp8kernels.<reference|quantize>.quantize_tensorwise_split(x, m_splits, **kwargs)` on `backend` (default:
+    x's device's); an op while torch.compile traces."""
+    if not torch.compiler.is_compiling():
+        return implementation(backend or backend_for(x.device)).quantize_tensorwise_split(x, m_splits, **kwargs)
+    rowwise, columnwise, fmt = kwargs.get("rowwise", True), kwargs.get("columnwise", False), kwargs.get("fmt", "e4m3")
+    outputs = _quantize_tensorwise_split(
+        x, list(m_splits), fmt, kwargs.get("scales"), kwargs.get("amaxes"), kwargs.get("power_2_scale", False),
+        kwargs.get("amax_epsilon", 0.0), rowwise, columnwise, "" if backend is None else backend.value,
+    )  # fmt: skip
+    buffers = len(_BUFFERS)
+    return [
+        _as_quantized("tensorwise", fmt, (m, x.shape[-1]), tuple(outputs[buffers * g : buffers * (g + 1)]),
+                      rowwise, columnwise, has_amax=True)  # fmt: skip
+        for g, m in enumerate(m_splits)
+    ]
 
 
 def scaled_mm(
@@ -334,6 +480,41 @@ def scaled_mm(
             a, b, a_columnwise=a_columnwise, b_columnwise=b_columnwise, out_dtype=out_dtype, bias=bias
         )
     return _scaled_mm(*_operand_arguments(a, a_columnwise), *_operand_arguments(b, b_columnwise), out_dtype, bias)
+
+
+def grouped_scaled_mm(
+    a: list[Quantized],
+    b: list[Quantized],
+    *,
+    a_columnwise: bool = False,
+    b_columnwise: bool = False,
+    out_dtype: torch.dtype = torch.bfloat16,
+    bias: list[Tensor] | None = None,
+    out: list[Tensor] | None = None,
+) -> list[Tensor]:
+    """`fp8kernels.grouped_gemm.grouped_scaled_mm` (2-D operands); an op while torch.compile traces, whose
+    results are then copied into `out` (an op writes no caller's views)."""
+    if not torch.compiler.is_compiling():
+        return grouped_gemm.grouped_scaled_mm(
+            a, b, a_columnwise=a_columnwise, b_columnwise=b_columnwise, out_dtype=out_dtype, bias=bias, out=out
+        )
+    results = _grouped_scaled_mm(
+        *_group_arguments(a, a_columnwise), *_group_arguments(b, b_columnwise), out_dtype, list(bias or [])
+    )
+    if out is None:
+        return results
+    return [o.copy_(result) for o, result in zip(out, results, strict=True)]
+
+
+def _group_arguments(operands: list[Quantized], columnwise: bool) -> tuple:
+    """The grouped op's arguments for one side: each group's _operand_arguments as lists, shapes flattened."""
+    if not operands or any(len(q.shape) != 2 for q in operands):
+        raise ValueError("grouped_scaled_mm under torch.compile takes a non-empty list of 2-D operands")
+    per_group = [_operand_arguments(q, columnwise) for q in operands]
+    data, scale_inv, amax, scheme, fmt, _, _, hadamard = per_group[0]
+    amaxes = [_absent(data.device) if group[2] is None else group[2] for group in per_group]
+    shapes = [size for group in per_group for size in group[5]]
+    return [g[0] for g in per_group], [g[1] for g in per_group], amaxes, scheme, fmt, shapes, columnwise, hadamard
 
 
 def _operand_arguments(q: Quantized, columnwise: bool) -> tuple:
@@ -370,4 +551,12 @@ def norm_backward(
     return grads.dx, grads.dweight, grads.dbias
 
 
-__all__ = ["implementation", "norm_backward", "norm_forward", "quantize", "scaled_mm"]
+__all__ = [
+    "grouped_scaled_mm",
+    "implementation",
+    "norm_backward",
+    "norm_forward",
+    "quantize",
+    "quantize_tensorwise_split",
+    "scaled_mm",
+]

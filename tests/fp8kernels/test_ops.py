@@ -7,16 +7,22 @@ from __future__ import annotations
 import pytest
 import torch
 
-from fp8kernels import gemm, norm, ops
+from fp8kernels import gemm, grouped_gemm, norm, ops
 from fp8kernels._backend import backend_for
 from tests.fp8kernels.devices import DEVICES
 
-# name -> (kernel function keyword arguments, the op's arguments after x and before the usage flags)
+SEED, GLOBAL_AMAX = torch.tensor([2**40 + 7]), torch.tensor([3.5])  # a seed past 2^32: the kernels take it mod 2^32
+# case -> (kernel function keyword arguments, the op's arguments after x and before the usage flags)
 QUANTIZE_OPS = {
     "quantize_tensorwise": ({"fmt": "e5m2"}, ("e5m2", None, None, False, 0.0)),
     "quantize_blockwise": ({"block": (1, 128)}, ("e4m3", [1, 128], True)),
     "quantize_blockwise_square": ({"block": (128, 128)}, ("e4m3", [128, 128], True)),
     "quantize_mxfp8": ({}, ("e4m3", "up")),
+    "quantize_nvfp4": (  # an input's or a grad's: the Hadamard transform, stochastic rounding
+        {"hadamard": True, "stochastic_seed": SEED}, ([1, 16], True, SEED, None)
+    ),
+    "quantize_nvfp4_square": ({"block": (16, 16)}, ([16, 16], False, None, None)),  # a weight's
+    "quantize_nvfp4_given_amax": ({"global_amax": GLOBAL_AMAX}, ([1, 16], False, None, GLOBAL_AMAX)),  # a shard's
 }
 USAGES = [(True, False), (False, True), (True, True)]
 
@@ -43,21 +49,40 @@ def _x(device: str) -> torch.Tensor:
     return torch.randn(2, 48, 288, generator=torch.Generator().manual_seed(0)).to(device)
 
 
-def _op(name: str):
-    return getattr(torch.ops.shardbridge, name.removesuffix("_square")).default
+def _function(case: str) -> str:
+    """The op's (and kernel function's) name of a QUANTIZE_OPS case."""
+    return case.removesuffix("_square").removesuffix("_given_amax")
 
 
-@pytest.mark.parametrize("rowwise, columnwise", USAGES)
-@pytest.mark.parametrize("name", list(QUANTIZE_OPS))
+def _op(case: str):
+    return getattr(torch.ops.shardbridge, _function(case)).default
+
+
+def _quantize_cases() -> list:
+    """Every case x usage; NVFP4 (slow under the interpreter) with both copies only, its other usages in the grid."""
+    return [
+        pytest.param(name, *usage, id=f"{name}-{usage[0]}-{usage[1]}", marks=pytest.mark.grid)
+        if name.startswith("quantize_nvfp4") and usage != (True, True)
+        else pytest.param(name, *usage, id=f"{name}-{usage[0]}-{usage[1]}")
+        for name in QUANTIZE_OPS
+        for usage in USAGES
+    ]
+
+
+@pytest.mark.parametrize("name, rowwise, columnwise", _quantize_cases())
 def test_quantize_op_passes_opcheck_and_returns_the_kernel_bytes(name, rowwise, columnwise, device):
     x = _x(device)
     kwargs, op_arguments = QUANTIZE_OPS[name]
+    kwargs = {key: value.to(device) if isinstance(value, torch.Tensor) else value for key, value in kwargs.items()}
+    op_arguments = tuple(value.to(device) if isinstance(value, torch.Tensor) else value for value in op_arguments)
     arguments = (x, *op_arguments, rowwise, columnwise, "")
     torch.library.opcheck(_op(name), arguments)
     outputs = _op(name)(*arguments)
-    kernel = getattr(ops.implementation(backend_for(x.device)), name.removesuffix("_square"))
+    kernel = getattr(ops.implementation(backend_for(x.device)), _function(name))
     expected = kernel(x, **kwargs, rowwise=rowwise, columnwise=columnwise)
-    for buffer, output in zip(("data", "scale_inv", "columnwise_data", "columnwise_scale_inv", "amax"), outputs):
+    buffers = ("data", "scale_inv", "columnwise_data", "columnwise_scale_inv", "amax", "columnwise_amax")
+    assert len(outputs) == (6 if name.startswith("quantize_nvfp4") else 5)
+    for buffer, output in zip(buffers, outputs):
         wanted = getattr(expected, buffer)
         if wanted is None:
             assert output.numel() == 0, f"{buffer}: a placeholder where the kernel returns none"
@@ -112,3 +137,26 @@ def test_norm_ops_pass_opcheck_and_return_the_kernel_results(rms, device):
              norm.layer_norm_backward(dy, x, weight, mean, rstd, zero_centered_gamma=True))  # fmt: skip
     assert torch.equal(dx, grads.dx) and torch.equal(dweight, grads.dweight)
     assert dbias.numel() == 0 if rms else torch.equal(dbias, grads.dbias)
+
+
+def test_split_quantize_and_grouped_gemm_ops_pass_opcheck_and_return_the_kernel_results(device):
+    """GroupedLinear's ops: the split cast of x's row groups (one empty), then the fprop of the live groups."""
+    generator = torch.Generator().manual_seed(3)
+    x, splits = torch.randn(96, 64, generator=generator).to(device), [32, 0, 64]
+    kernels = ops.implementation(backend_for(device))
+    arguments = (x, splits, "e4m3", None, None, False, 0.0, True, True, "")
+    torch.library.opcheck(torch.ops.shardbridge.quantize_tensorwise_split.default, arguments)
+    outputs = torch.ops.shardbridge.quantize_tensorwise_split.default(*arguments)
+    groups = kernels.quantize_tensorwise_split(x, splits, rowwise=True, columnwise=True)
+    buffers = ("data", "scale_inv", "columnwise_data", "columnwise_scale_inv", "amax")
+    assert len(outputs) == len(buffers) * len(splits)
+    for output, (g, buffer) in zip(outputs, [(g, b) for g in range(len(splits)) for b in buffers], strict=True):
+        assert torch.equal(output, getattr(groups[g], buffer)), f"group {g} {buffer} differs"
+    a = [groups[0], groups[2]]
+    b = [kernels.quantize_tensorwise(torch.randn(48, 64, generator=generator).to(device)) for _ in a]
+    bias = [torch.randn(48, generator=generator).to(device) for _ in a]
+    gemm_arguments = (*ops._group_arguments(a, False), *ops._group_arguments(b, False), torch.float32, bias)
+    torch.library.opcheck(torch.ops.shardbridge.grouped_scaled_mm.default, gemm_arguments)
+    expected = grouped_gemm.grouped_scaled_mm(a, b, out_dtype=torch.float32, bias=bias)
+    for result, wanted in zip(torch.ops.shardbridge.grouped_scaled_mm.default(*gemm_arguments), expected, strict=True):
+        assert torch.equal(result, wanted)

@@ -1,5 +1,6 @@
-"""torch.compile of Linear, LayerNormLinear and LayerNormMLP: no graph breaks, the eager bytes, no recompiles
-(docs/compile.md).
+"""torch.compile of every module (Linear, LayerNormLinear, LayerNormMLP, GroupedLinear, DotProductAttention,
+MultiheadAttention, TransformerLayer, the Llama): no graph breaks, the eager bytes, no recompiles (docs/compile.md).
+The module x recipe grid is under `-m grid`; the default selection runs one case per module.
 
 The compiled runs use the "aot_eager" backend: Dynamo and AOTAutograd trace forward and backward into graphs
 of aten ops and our custom ops (fp8kernels.ops), as for Inductor, and run those ops eagerly, so the compiled
@@ -9,6 +10,9 @@ which also asserts that every op output has the shape and strides its fake imple
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+
 import pytest
 import torch
 import torch._dynamo
@@ -16,7 +20,14 @@ from torch._dynamo.utils import counters
 
 import torchside
 from fp8kernels._backend import Backend, backend_for
-from torchside.recipe import DelayedScaling, Float8BlockScaling, Float8CurrentScaling, MXFP8BlockScaling
+from torchside.models.llama import LLAMA_CONFIGS, Llama
+from torchside.recipe import (
+    DelayedScaling,
+    Float8BlockScaling,
+    Float8CurrentScaling,
+    MXFP8BlockScaling,
+    NVFP4BlockScaling,
+)
 
 RECIPES = {
     "off": None,
@@ -186,15 +197,6 @@ def test_delayed_scaling_inference_compiles_and_equals_eager_bitwise(reference_k
     assert _compiles() == 1
 
 
-def test_delayed_scaling_is_refused_by_name_where_a_backward_cannot_update_in_the_graph(reference_kernels):
-    layer = torchside.GroupedLinear(2, IN, OUT)
-    compiled = torch.compile(layer, fullgraph=True, backend="aot_eager")
-    x, _ = _inputs(0, OUT)
-    with pytest.raises((NotImplementedError, torch._dynamo.exc.Unsupported), match="GroupedLinear under torch.compile"):
-        with torchside.fp8_autocast(recipe=DelayedScaling()):
-            compiled(x.reshape(TOKENS, IN).requires_grad_(), [16, 16])
-
-
 def test_compiled_and_eager_modules_share_a_delayed_scaling_region(reference_kernels):
     """A compiled Linear feeding an eager LayerNormMLP in one fp8_autocast: the region's forward sync updates
     both, the eager module's backward sync its own state, the compiled one's backward graph its own."""
@@ -210,3 +212,135 @@ def test_compiled_and_eager_modules_share_a_delayed_scaling_region(reference_ker
             _step(eager, eager, DelayedScaling(), seed) | dict(eager.named_buffers()),
             _step(mixed, mixed, DelayedScaling(), seed) | dict(mixed.named_buffers()),
         )
+
+
+# ----------------------------------------------------------------------------- every module, every recipe
+
+ALL_RECIPES = RECIPES | {"nvfp4": NVFP4BlockScaling()}
+# TransformerLayer and MultiheadAttention: hidden 64, 2 heads of 32, FFN 128, [S=16, B=2]: 32 tokens, every GEMM
+# dim a multiple of 32 (MXFP8) and 16 (NVFP4). GroupedLinear: 3 groups of 32, 0 (empty) and 32 rows.
+HIDDEN, HEADS, FFN, SPLITS = 64, 2, 128, [32, 0, 32]
+
+
+@dataclass(frozen=True)
+class Case:
+    build: Callable[[], torch.nn.Module]
+    inputs: Callable[[torch.Generator], tuple]  # the forward's arguments; its float tensors get gradients
+
+
+def _hidden(generator: torch.Generator) -> tuple[torch.Tensor]:
+    return (torch.randn(SEQUENCE, BATCH, HIDDEN, generator=generator),)
+
+
+CASES = {
+    "Linear": Case(lambda: torchside.Linear(IN, OUT), lambda g: (torch.randn(BATCH, SEQUENCE, IN, generator=g),)),
+    "LayerNormLinear": Case(
+        lambda: torchside.LayerNormLinear(IN, OUT), lambda g: (torch.randn(BATCH, SEQUENCE, IN, generator=g),)
+    ),
+    "LayerNormMLP": Case(
+        lambda: torchside.LayerNormMLP(IN, OUT), lambda g: (torch.randn(BATCH, SEQUENCE, IN, generator=g),)
+    ),
+    "GroupedLinear": Case(
+        lambda: torchside.GroupedLinear(len(SPLITS), IN, OUT),
+        lambda g: (torch.randn(sum(SPLITS), IN, generator=g), SPLITS),
+    ),
+    "DotProductAttention": Case(  # q [S, B, N, H], GQA: k and v one head
+        lambda: torchside.DotProductAttention(HEADS, HIDDEN // HEADS, num_gqa_groups=1),
+        lambda g: tuple(torch.randn(SEQUENCE, BATCH, heads, HIDDEN // HEADS, generator=g) for heads in (HEADS, 1, 1)),
+    ),
+    "MultiheadAttention": Case(lambda: torchside.MultiheadAttention(HIDDEN, HEADS, input_layernorm=True), _hidden),
+    "TransformerLayer": Case(
+        lambda: torchside.TransformerLayer(HIDDEN, FFN, HEADS, normalization="RMSNorm", activation="swiglu"), _hidden
+    ),
+    "Llama": Case(  # one layer: the second adds compile time, nothing new
+        lambda: Llama(replace(LLAMA_CONFIGS["tiny"], num_layers=1)),
+        lambda g: (torch.randint(0, 256, (BATCH, SEQUENCE), generator=g),),
+    ),
+}
+# The default selection's case per new module: (recipe, FP8 parameters)
+FAST_CASES = {
+    "GroupedLinear": ("delayed", False),  # the grad scales of every group, the empty one's included
+    "DotProductAttention": ("off", False),  # no GEMM of ours: fp8_autocast changes nothing in it
+    "MultiheadAttention": ("nvfp4", False),  # the NVFP4 op, the Hadamard copies, the stochastic-rounding counter
+    "TransformerLayer": ("current", True),
+    "Llama": ("block", False),
+}
+
+
+def _case_module(name: str, fp8_weight_recipe=None) -> torch.nn.Module:
+    torch.manual_seed(0)
+    with torchside.quantized_model_init(enabled=fp8_weight_recipe is not None, recipe=fp8_weight_recipe):
+        return CASES[name].build()
+
+
+def _case_step(name: str, module: torch.nn.Module, forward, recipe, seed: int) -> dict[str, torch.Tensor]:
+    """The output, the input and parameter gradients and the buffers after one forward and backward."""
+    generator = torch.Generator().manual_seed(seed)
+    inputs = [t.requires_grad_() if _differentiable(t) else t for t in CASES[name].inputs(generator)]
+    module.zero_grad(set_to_none=True)
+    with torchside.fp8_autocast(enabled=recipe is not None, recipe=recipe):
+        y = forward(*inputs)
+    y.backward(torch.randn(y.shape, generator=generator))
+    grads = {f"d_input{i}": t.grad for i, t in enumerate(inputs) if _differentiable(t)}
+    parameter_grads = {f"d{n}": p.grad for n, p in module.named_parameters()}
+    return {"y": y.detach()} | grads | parameter_grads | dict(module.named_buffers())
+
+
+def _differentiable(argument: object) -> bool:
+    return torch.is_tensor(argument) and argument.is_floating_point()
+
+
+def _check_compiles_like_eager(name: str, recipe_name: str, fp8_parameters: bool = False) -> None:
+    """explain finds one graph; two steps of the compiled module equal eager's bit for bit (outputs, gradients,
+    FP8 state) in one compile."""
+    recipe = ALL_RECIPES[recipe_name]
+    weights = (recipe or Float8CurrentScaling()) if fp8_parameters else None
+    probe = _case_module(name, weights)
+    with torchside.fp8_autocast(enabled=recipe is not None, recipe=recipe):
+        explained = torch._dynamo.explain(probe)(*CASES[name].inputs(torch.Generator().manual_seed(0)))
+    assert (explained.graph_count, explained.graph_break_count) == (1, 0), explained.break_reasons
+    torch._dynamo.reset()
+    counters.clear()
+    eager, twin = _case_module(name, weights), _case_module(name, weights)
+    compiled = torch.compile(twin, fullgraph=True, backend="aot_eager")
+    for seed in range(2):
+        _assert_equal(_case_step(name, eager, eager, recipe, seed), _case_step(name, twin, compiled, recipe, seed))
+    assert _compiles() == 1
+
+
+@pytest.mark.parametrize("module", list(FAST_CASES))
+def test_module_compiles_without_breaks_and_equals_eager_bitwise(module, reference_kernels):
+    _check_compiles_like_eager(module, *FAST_CASES[module])
+
+
+@pytest.mark.grid
+@pytest.mark.parametrize("recipe", list(ALL_RECIPES))
+@pytest.mark.parametrize("module", list(CASES))
+def test_every_module_and_recipe_compiles_like_eager(module, recipe, reference_kernels):
+    _check_compiles_like_eager(module, recipe)
+
+
+@pytest.mark.grid
+@pytest.mark.parametrize("recipe", list(ALL_RECIPES))
+def test_transformer_layer_with_fp8_parameters_compiles_like_eager(recipe, reference_kernels):
+    _check_compiles_like_eager("TransformerLayer", recipe, fp8_parameters=True)
+
+
+def test_inductor_runs_grouped_linear_with_the_layouts_its_ops_promise(monkeypatch):
+    """The list ops under Inductor, on the interpreter (the Triton split cast's and grouped launch's layouts, as on
+    the GPU), DelayedScaling: bitwise but for the bias gradients, which Inductor sums in its own order, each
+    within the bound of reordering its group's sum (as for Linear)."""
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    eager, twin = _case_module("GroupedLinear"), _case_module("GroupedLinear")
+    compiled = torch.compile(twin, fullgraph=True, backend="inductor")
+    recipe = DelayedScaling()
+    expected = _case_step("GroupedLinear", eager, eager, recipe, 0)
+    traced = _case_step("GroupedLinear", twin, compiled, recipe, 0)
+    biases = [f"dbias{g}" for g in range(len(SPLITS))]
+    _assert_equal(expected, traced, skip=tuple(biases))
+    generator = torch.Generator().manual_seed(0)
+    CASES["GroupedLinear"].inputs(generator)  # _case_step's draws: the inputs, then dy
+    dy_groups = torch.randn(expected["y"].shape, generator=generator).split(SPLITS)
+    for name, dy in zip(biases, dy_groups, strict=True):
+        bound = 2 * max(dy.shape[0] - 1, 0) * 2.0**-24 * dy.abs().sum(dim=0)
+        assert torch.all((expected[name] - traced[name]).abs() <= bound), name

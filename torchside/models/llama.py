@@ -144,7 +144,12 @@ class Llama(nn.Module):
         self._freqs: dict[tuple[int, torch.device], Tensor] = {}  # (S, device) -> angles there
 
     def rotary_freqs(self, seq_len: int, device: torch.device) -> Tensor:
-        """The rotary angles of positions 0..seq_len-1 on `device`, computed once per (seq_len, device)."""
+        """The rotary angles of positions 0..seq_len-1 on `device`, computed once per (seq_len, device).
+
+        torch.compile traces the computation into the graph instead: a cache there is a guard on the dict, which
+        the first call fills, and with it a recompile on the second call."""
+        if torch.compiler.is_compiling():
+            return self.rotary(seq_len).to(device)
         key = (seq_len, torch.device(device))
         if key not in self._freqs:
             self._freqs[key] = self.rotary(seq_len).to(device)

@@ -116,9 +116,6 @@ def _initial_weight_recipe(recipe: Recipe) -> Recipe:
 class FP8Module(TensorParallelMixin, nn.Module):
     """Base of the FP8 modules: see the module docstring."""
 
-    # Whether every GEMM's backward calls GemmQuantizers.record_grad_amax (torch.compile with DelayedScaling).
-    records_grad_amax_in_gemms = True
-
     def __init__(
         self,
         params: dict[str, ParamSpec],
@@ -279,14 +276,9 @@ class FP8Module(TensorParallelMixin, nn.Module):
         return ForwardPlan(tuple(gemms), on_backward_done)
 
     def _check_compiles_delayed_scaling(self, recipe: DelayedScaling, group: dist.ProcessGroup | None) -> None:
-        """DelayedScaling under torch.compile: modules whose GEMMs record dy's amax through
-        GemmQuantizers.record_grad_amax, without an amax group (no all-reduce in the backward graph yet)."""
+        """DelayedScaling under torch.compile: the GEMMs record dy's amax through GemmQuantizers.record_grad_amax,
+        without an amax group (no all-reduce in the backward graph yet)."""
         owner = type(self).__name__
-        if not self.records_grad_amax_in_gemms:
-            raise NotImplementedError(
-                f"{owner} under torch.compile with DelayedScaling: its backward cannot update the grad scales "
-                "in the graph yet (docs/compile.md); use another recipe or run this module eagerly"
-            )
         if group is not None and recipe.reduce_amax:
             raise NotImplementedError(
                 f"{owner} under torch.compile with DelayedScaling and an amax_reduction_group: the grad amaxes "

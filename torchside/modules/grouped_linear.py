@@ -39,7 +39,8 @@ from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from fp8kernels._checks import check_splits
-from fp8kernels.grouped_gemm import grouped_scaled_mm
+from fp8kernels.ops import grouped_scaled_mm
+from fp8kernels.reference import Quantized
 from torchside import autocast
 from torchside.modules.base import FP8Module, ParamSpec, default_init_method
 from torchside.modules.config import ModuleConfig, check_parallel_mode, check_size
@@ -128,9 +129,20 @@ class _GroupedFP8Linear(torch.autograd.Function):
         bias_grads = []
         if ctx.bias_dtype is not None:
             bias_grads = [part.sum(dim=0, dtype=torch.float32).to(ctx.bias_dtype) for part in dy_parts]
+        _record_grad_amaxes(ctx.quantizers, dy_fp8, dy.device)
         if ctx.on_backward_done is not None:
             ctx.on_backward_done()
         return dx, None, None, None, None, *weight_grads, *bias_grads
+
+
+def _record_grad_amaxes(
+    quantizers: tuple[GemmQuantizers, ...], dy_fp8: dict[int, Quantized], device: torch.device
+) -> None:
+    """torch.compile with DelayedScaling: each group's record_grad_amax, an empty group's with amax 0 (its slot
+    still rolls, as the region's sync rolls every slot of the module)."""
+    for g, q in enumerate(quantizers):
+        if q.record_grad_amax is not None:
+            q.record_grad_amax(dy_fp8[g].amax if g in dy_fp8 else torch.zeros(1, device=device))
 
 
 def _check_m_splits(m_splits: object, groups: int, tokens: int) -> list[int]:
@@ -141,8 +153,6 @@ def _check_m_splits(m_splits: object, groups: int, tokens: int) -> list[int]:
 
 class GroupedLinear(FP8Module):
     """E linear layers on consecutive row groups of one input, with TransformerEngine's te.GroupedLinear arguments."""
-
-    records_grad_amax_in_gemms = False  # its backward quantizes dy by quantize_split (docs/compile.md)
 
     def __init__(
         self,

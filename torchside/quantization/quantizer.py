@@ -23,8 +23,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from fp8kernels import ops as kernel_ops
-from fp8kernels._backend import Backend, backend_for
-from fp8kernels.ops import implementation
+from fp8kernels._backend import Backend
 from fp8kernels._checks import check_splits, matrix_view
 from twinspec.formats import FORMATS
 from fp8kernels.reference import delayed_scaling_update, group_amaxes
@@ -257,8 +256,7 @@ def quantize_split(
         amaxes = group_amaxes(x2d, splits)
         dist.all_reduce(amaxes, op=dist.ReduceOp.MAX, group=first.amax_reduction_group)
         kwargs["amaxes"] = amaxes
-    split_quantize = implementation(backend or backend_for(x.device)).quantize_tensorwise_split
-    results = split_quantize(x2d, splits, **kwargs)
+    results = kernel_ops.quantize_tensorwise_split(x2d, splits, backend, **kwargs)
     if first.amax_history is not None:  # row 0 collects the max of this step's amaxes
         torch._foreach_maximum_([q.amax_history[:1] for q in quantizers], [nan_as_inf(r.amax) for r in results])
     return [from_quantized(r) for r in results]
