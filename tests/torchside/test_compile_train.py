@@ -1,0 +1,153 @@
+"""`python -m torchside.train --compile`: each TransformerLayer compiled (fullgraph=True) trains like eager.
+
+A run is `torchside.train.train` itself, eager and with `compile=True`, from the same seed. The compiled runs use
+the "aot_eager" backend: Dynamo and AOTAutograd trace each block's forward and backward into graphs of aten ops
+and our custom ops (fp8kernels.ops), as for Inductor, and run those ops eagerly: the same kernels as the eager
+run, so the loss curves must be equal bit for bit, step after step (Adam at lr 1e-2 turns any gradient
+difference into a loss difference at the next step). Each compiled run must also have compiled exactly one
+graph: every block and every step reuse it (a block compiled apart, a recompile, or a silent fall-back to eager
+once Dynamo's cache limit is hit would show here).
+
+On CPU processes (gloo): FSDP2 over dp_shard=2 and TP=2, FP8 off and current scaling, in one spawn of two
+ranks. Inductor (its own fused kernels: not bitwise) is in the grid, with the bound it meets.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch._dynamo
+from torch._dynamo.utils import counters
+
+from tests.distributed import run_processes
+from torchside.train import TrainOptions, parse_args, train
+
+RUN = {"config": "tiny", "steps": 3, "batch_size": 4, "seq_len": 16, "lr": 1e-2, "warmup_steps": 2,
+       "log_every": 1, "progress": False}  # fmt: skip
+MESHES = {
+    "fsdp2": {"dp": 2},
+    "tp2": {"tp": 2},
+    "tp2sp": {"tp": 2, "sequence_parallel": True},
+    "fsdp2xtp2": {"dp": 2, "tp": 2},
+}
+TWO_RANK_CASES = [(mesh, recipe) for mesh in ("fsdp2", "tp2") for recipe in ("off", "current")]
+
+
+def _eager_and_compiled(recipe: str, backend: str = "aot_eager", **mesh) -> tuple[list[float], list[float], int]:
+    """(eager losses, compiled losses, graphs the compiled run made), one Dynamo cache per call."""
+    torch._dynamo.reset()
+    counters.clear()
+    eager = train(TrainOptions(**RUN, recipe=recipe, **mesh)).losses
+    compiled = train(TrainOptions(**RUN, recipe=recipe, compile=True, compile_backend=backend, **mesh)).losses
+    return eager, compiled, counters["stats"]["unique_graphs"]
+
+
+@pytest.mark.parametrize(
+    "flags, match",
+    [
+        (["--compile-mode", "reduce-overhead"], "add --compile"),
+        (["--compile-backend", "aot_eager"], "add --compile"),
+        (["--compile", "--compile-mode", "fast"], "compile_mode='fast'"),
+        (["--compile", "--compile-backend", "aot_eager", "--compile-mode", "reduce-overhead"], "inductor's"),
+        (["--compile", "--compile-mode", "reduce-overhead", "--cuda-graphs", "--device", "cuda"], "captures each"),
+    ],
+)
+def test_bad_compile_flags_exit_with_the_reason(flags, match, capsys):
+    with pytest.raises(SystemExit):
+        parse_args(flags)
+    assert match in capsys.readouterr().err
+
+
+def test_compile_flags_reach_the_options():
+    options = parse_args(["--compile", "--compile-mode", "max-autotune-no-cudagraphs"])
+    assert (options.compile, options.compile_mode, options.compile_backend) == (True, "max-autotune-no-cudagraphs",
+                                                                                "inductor")  # fmt: skip
+
+
+@pytest.mark.parametrize("recipe", ["off", "current"])
+def test_a_compiled_run_equals_the_eager_run_bitwise(recipe, reference_kernels):
+    eager, compiled, graphs = _eager_and_compiled(recipe)
+    assert compiled == eager
+    assert graphs == 1
+
+
+@pytest.mark.grid
+@pytest.mark.parametrize("recipe", ["delayed", "block", "mxfp8"])
+def test_a_compiled_run_of_every_recipe_equals_the_eager_run_bitwise(recipe, reference_kernels):
+    eager, compiled, graphs = _eager_and_compiled(recipe)
+    assert compiled == eager
+    # DelayedScaling: the first block of an fp8_autocast region creates the region's amax sync, the next ones
+    # find it (a guard on that dict, torchside/autocast.py Region.syncs): one graph for each, whatever the depth.
+    assert graphs == (2 if recipe == "delayed" else 1)
+
+
+@pytest.mark.grid
+@pytest.mark.parametrize("recipe", ["off", "current"])
+def test_an_inductor_run_stays_within_fp32_reordering_of_the_eager_run(recipe, reference_kernels):
+    """Inductor fuses the ops between our custom ops (residual adds, rotary, softmax, SwiGLU) into its own
+    kernels, which sum in another order: each step's loss moves by fp32 rounding (~1e-7 relative), which three
+    Adam steps at lr 1e-2 amplify; measured here: at most 1e-6 relative."""
+    eager, compiled, graphs = _eager_and_compiled(recipe, backend="inductor")
+    assert compiled[0] == pytest.approx(eager[0], rel=1e-6, abs=0)
+    assert compiled == pytest.approx(eager, rel=1e-5, abs=0)
+    assert graphs == 1
+
+
+# ---- FSDP2 and TP on CPU processes
+
+
+def _gloo_mesh_cases(rank: int, world_size: int, cases: list[tuple[str, str]]) -> dict:
+    """{(mesh, recipe): (eager losses, compiled losses, graphs)} of every case, on this group's ranks."""
+    from fp8kernels._backend import Backend, backend_for
+
+    assert backend_for("cpu") is Backend.REFERENCE  # TRITON_INTERPRET=0, set before the spawn
+    return {(mesh, recipe): _eager_and_compiled(recipe, **MESHES[mesh]) for mesh, recipe in cases}
+
+
+def _run_on_processes(cases: list[tuple[str, str]], world_size: int) -> dict:
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("TRITON_INTERPRET", "0")
+        return run_processes(_gloo_mesh_cases, world_size, cases, timeout=600)[0]
+
+
+@pytest.fixture(scope="module")
+def two_rank_runs():
+    """Every TWO_RANK_CASES run, eager and compiled, on one spawn of two ranks (rank 0's results)."""
+    return _run_on_processes(TWO_RANK_CASES, 2)
+
+
+@pytest.mark.multiprocess
+@pytest.mark.slow
+@pytest.mark.parametrize("mesh, recipe", TWO_RANK_CASES)
+def test_a_compiled_run_on_a_mesh_equals_the_eager_run_bitwise(mesh, recipe, two_rank_runs):
+    """FSDP2 (compile each block, then fully_shard) and TP (DTensor parameters inside the graph; the first
+    block's input an AsyncCollectiveTensor from the embedding's all-reduce, see setup._waiting_for_collectives)."""
+    eager, compiled, _ = two_rank_runs[mesh, recipe]
+    assert compiled == eager
+
+
+ONE_GRAPH_PER_TP_BLOCK = pytest.mark.xfail(
+    strict=True,
+    reason="TP with current scaling compiles one graph per block: torchside/modules/base.py _quantizers computes "
+    "its cache key, id(self.tp_comm), while tracing too, and each block has its own TPComm (issue 45; the fix: "
+    "compute the key only when caching). Past torch._dynamo's recompile_limit (8) the later blocks run eagerly.",
+)
+
+
+@pytest.mark.multiprocess
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "mesh, recipe",
+    [pytest.param(*case, marks=ONE_GRAPH_PER_TP_BLOCK) if case == ("tp2", "current") else case for case in TWO_RANK_CASES],
+)
+def test_a_compiled_run_on_a_mesh_compiles_one_graph_for_every_block(mesh, recipe, two_rank_runs):
+    assert two_rank_runs[mesh, recipe][2] == 1
+
+
+@pytest.mark.grid
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("mesh, recipe", [("fsdp2xtp2", "off"), ("fsdp2xtp2", "current"), ("tp2sp", "current")])
+def test_a_compiled_run_on_a_larger_mesh_equals_the_eager_run_bitwise(mesh, recipe):
+    ranks = MESHES[mesh].get("dp", 1) * MESHES[mesh].get("tp", 1)
+    eager, compiled, _ = _run_on_processes([(mesh, recipe)], ranks)[mesh, recipe]
+    assert compiled == eager
