@@ -138,7 +138,7 @@ ONE_GRAPH_PER_TP_BLOCK = pytest.mark.xfail(
 @pytest.mark.slow
 @pytest.mark.parametrize(
     "mesh, recipe",
-    [pytest.param(*case, marks=ONE_GRAPH_PER_TP_BLOCK) if case == ("tp2", "current") else case for case in TWO_RANK_CASES],
+    [pytest.param(*c, marks=ONE_GRAPH_PER_TP_BLOCK) if c == ("tp2", "current") else c for c in TWO_RANK_CASES],
 )
 def test_a_compiled_run_on_a_mesh_compiles_one_graph_for_every_block(mesh, recipe, two_rank_runs):
     assert two_rank_runs[mesh, recipe][2] == 1

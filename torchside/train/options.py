@@ -87,8 +87,8 @@ class TrainOptions:
             raise ValueError(f"TrainOptions: --compile-mode {self.compile_mode} is inductor's: drop it or the backend")
         if self.cuda_graphs and self.compile_mode in CUDA_GRAPH_COMPILE_MODES:
             raise ValueError(
-                f"TrainOptions: --cuda-graphs captures the whole step, --compile-mode {self.compile_mode} captures each "
-                "block again: pass --compile-mode default with --cuda-graphs, or drop --cuda-graphs"
+                f"TrainOptions: --cuda-graphs captures the whole step, --compile-mode {self.compile_mode} captures "
+                "each block again: pass --compile-mode default with --cuda-graphs, or drop --cuda-graphs"
             )
 
     @property

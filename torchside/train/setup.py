@@ -68,7 +68,8 @@ def compile_blocks(model: Llama, mode: str = "default", backend: str = "inductor
     or after. Every block runs the same code, so one graph serves all (a block that differed would recompile).
     """
     for block in model.layers:
-        block.forward = _waiting_for_collectives(torch.compile(block.forward, fullgraph=True, mode=mode, backend=backend))
+        compiled = torch.compile(block.forward, fullgraph=True, mode=mode, backend=backend)
+        block.forward = _waiting_for_collectives(compiled)
 
 
 def _waiting_for_collectives(compiled: Callable) -> Callable:
