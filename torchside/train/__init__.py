@@ -31,12 +31,13 @@ model, optimizer), `step` (one eager step), `graphs` (GraphedTrainStep), `checkp
 from torchside.train.cli import main, parse_args
 from torchside.train.graphs import GraphedTrainStep
 from torchside.train.loop import train
-from torchside.train.options import DTYPES, TrainOptions, TrainSummary, learning_rate
+from torchside.train.options import COMPILE_MODES, DTYPES, TrainOptions, TrainSummary, learning_rate
 from torchside.train.report import LOG_NAME, PLOT_NAME, LossLog, plot_loss_curves
 from torchside.train.setup import build_model, build_optimizer
 from torchside.train.step import local_batch, loss_of, train_step
 
 __all__ = [
+    "COMPILE_MODES",
     "DTYPES",
     "LOG_NAME",
     "PLOT_NAME",
