@@ -8,11 +8,14 @@ difference into a loss difference at the next step). Each compiled run must also
 graph: every block and every step reuse it (a block compiled apart, a recompile, or a silent fall-back to eager
 once Dynamo's cache limit is hit would show here).
 
-On CPU processes (gloo): FSDP2 over dp_shard=2 and TP=2, FP8 off and current scaling, in one spawn of two
-ranks. Inductor (its own fused kernels: not bitwise) is in the grid, with the bound it meets.
+On CPU processes (gloo): FSDP2 over dp_shard=2 with current scaling and TP=2 with FP8 off, in one spawn of two
+ranks; the grid adds the other recipe of each, TP with sequence parallelism and FSDP2 x TP on four ranks.
+Inductor (its own fused kernels: not bitwise) is in the grid, with the bound it meets.
 """
 
 from __future__ import annotations
+
+import functools
 
 import pytest
 import torch
@@ -31,7 +34,9 @@ MESHES = {
     "tp2sp": {"tp": 2, "sequence_parallel": True},
     "fsdp2xtp2": {"dp": 2, "tp": 2},
 }
-TWO_RANK_CASES = [(mesh, recipe) for mesh in ("fsdp2", "tp2") for recipe in ("off", "current")]
+FAST_MESH_CASES = [("fsdp2", "current"), ("tp2", "off")]  # CI: one spawn of two ranks
+GRID_MESH_CASES = [("fsdp2", "off"), ("tp2", "current"), ("tp2sp", "current"), ("fsdp2xtp2", "off"),
+                   ("fsdp2xtp2", "current")]  # fmt: skip
 
 
 def _eager_and_compiled(
@@ -130,44 +135,45 @@ def _run_on_processes(cases: list[tuple[str, str]], world_size: int) -> dict:
         return run_processes(_gloo_mesh_cases, world_size, cases, timeout=600)[0]
 
 
+@functools.cache
+def _grid_run(mesh: str, recipe: str) -> tuple[list[float], list[float], int]:
+    """One grid case on its own spawn of ranks (cached: two tests read the TP ones)."""
+    ranks = MESHES[mesh].get("dp", 1) * MESHES[mesh].get("tp", 1)
+    return _run_on_processes([(mesh, recipe)], ranks)[mesh, recipe]
+
+
 @pytest.fixture(scope="module")
-def two_rank_runs():
-    """Every TWO_RANK_CASES run, eager and compiled, on one spawn of two ranks (rank 0's results)."""
-    return _run_on_processes(TWO_RANK_CASES, 2)
+def fast_mesh_runs():
+    """Both FAST_MESH_CASES, eager and compiled, on one spawn of two ranks (rank 0's results)."""
+    return _run_on_processes(FAST_MESH_CASES, 2)
 
 
 @pytest.mark.multiprocess
 @pytest.mark.slow
-@pytest.mark.parametrize("mesh, recipe", TWO_RANK_CASES)
-def test_a_compiled_run_on_a_mesh_equals_the_eager_run_bitwise(mesh, recipe, two_rank_runs):
+@pytest.mark.parametrize("mesh, recipe", FAST_MESH_CASES)
+def test_a_compiled_run_on_a_mesh_equals_the_eager_run_bitwise(mesh, recipe, fast_mesh_runs):
     """FSDP2 (compile each block, then fully_shard) and TP (DTensor parameters inside the graph; the first
     block's input an AsyncCollectiveTensor from the embedding's all-reduce, see setup._waiting_for_collectives)."""
-    eager, compiled, _ = two_rank_runs[mesh, recipe]
+    eager, compiled, graphs = fast_mesh_runs[mesh, recipe]
+    assert compiled == eager
+    assert graphs == 1
+
+
+@pytest.mark.grid
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("mesh, recipe", GRID_MESH_CASES)
+def test_a_compiled_run_on_every_mesh_equals_the_eager_run_bitwise(mesh, recipe):
+    eager, compiled, _ = _grid_run(mesh, recipe)
     assert compiled == eager
 
 
-ONE_GRAPH_PER_TP_BLOCK = pytest.mark.xfail(
+@pytest.mark.grid
+@pytest.mark.multiprocess
+@pytest.mark.xfail(
     strict=True,
     reason="TP with current scaling compiles one graph per block: torchside/modules/base.py _quantizers computes "
     "its cache key, id(self.tp_comm), while tracing too, and each block has its own TPComm (issue 45; the fix: "
     "compute the key only when caching). Past torch._dynamo's recompile_limit (8) the later blocks run eagerly.",
 )
-
-
-@pytest.mark.multiprocess
-@pytest.mark.slow
-@pytest.mark.parametrize(
-    "mesh, recipe",
-    [pytest.param(*c, marks=ONE_GRAPH_PER_TP_BLOCK) if c == ("tp2", "current") else c for c in TWO_RANK_CASES],
-)
-def test_a_compiled_run_on_a_mesh_compiles_one_graph_for_every_block(mesh, recipe, two_rank_runs):
-    assert two_rank_runs[mesh, recipe][2] == 1
-
-
-@pytest.mark.grid
-@pytest.mark.multiprocess
-@pytest.mark.parametrize("mesh, recipe", [("fsdp2xtp2", "off"), ("fsdp2xtp2", "current"), ("tp2sp", "current")])
-def test_a_compiled_run_on_a_larger_mesh_equals_the_eager_run_bitwise(mesh, recipe):
-    ranks = MESHES[mesh].get("dp", 1) * MESHES[mesh].get("tp", 1)
-    eager, compiled, _ = _run_on_processes([(mesh, recipe)], ranks)[mesh, recipe]
-    assert compiled == eager
+def test_tp_with_current_scaling_compiles_one_graph_for_every_block():
+    assert _grid_run("tp2", "current")[2] == 1
