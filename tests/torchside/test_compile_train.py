@@ -24,7 +24,7 @@ from torch._dynamo.utils import counters
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from tests.distributed import run_processes
-from torchside.train import TrainOptions, parse_args, train
+from torchside.train import TrainOptions, build_model, parse_args, train
 
 RUN = {"config": "tiny", "steps": 3, "batch_size": 4, "seq_len": 16, "lr": 1e-2, "warmup_steps": 2,
        "log_every": 1, "progress": False}  # fmt: skip
@@ -72,6 +72,14 @@ def test_compile_flags_reach_the_options():
     options = parse_args(["--compile", "--compile-mode", "max-autotune-no-cudagraphs"])
     assert (options.compile, options.compile_mode, options.compile_backend) == (True, "max-autotune-no-cudagraphs",
                                                                                 "inductor")  # fmt: skip
+
+
+def test_compiled_blocks_keep_the_model_and_its_names():
+    """Compiled in place, not wrapped: the layers and state-dict keys (checkpoints, placement plans) of eager."""
+    eager, _ = build_model(TrainOptions(**RUN))
+    compiled, _ = build_model(TrainOptions(**RUN, compile=True))
+    assert list(compiled.state_dict()) == list(eager.state_dict())
+    assert all(type(block) is type(eager.layers[0]) for block in compiled.layers)
 
 
 @pytest.mark.parametrize("recipe", ["off", "current"])
