@@ -320,6 +320,15 @@ def markdown_table(results: Sequence[Result]) -> str:
     return "\n".join(line.rstrip() for line in buffer.getvalue().splitlines() if line.strip())
 
 
+def failure_note(what: str, error: BaseException) -> str:
+    """A note for a row that could not run: `what` and the innermost error's first line (torch.compile wraps the
+    exception our code raised in pages of its own)."""
+    while error.__cause__ is not None:
+        error = error.__cause__
+    first_line = str(error).partition("\n")[0]
+    return f"{what}: failed ({type(error).__name__}: {first_line})"
+
+
 def report(title: str, results: Sequence[Result], json_path: str | None = None, notes: Sequence[str] = ()) -> None:
     """Print the title, the environment line, the results as a markdown table (rich) and the notes; with
     json_path, also write them there as JSON (title, environment, rows with fraction and vs_peer)."""

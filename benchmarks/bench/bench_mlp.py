@@ -7,11 +7,14 @@ measured on the H200: benchmarks/harness.py), the fraction of the floor reached,
 and the output's relative error against the bf16 module (same weights). Then the same with FP8
 weights (quantized_model_init): memory against bf16. The peer is torchao's Float8Linear
 (tensorwise, torch.compile) when `import torchao` works. DESIGN.md measured bf16 eager at 67.8 ms.
+Each case runs eagerly, then compiled (provider "compiled": torch.compile(module, fullgraph=True,
+mode=--compile-mode), the same module and weights; issue 45's target: no slower than its eager run, the "vs eager"
+column); a case that does not compile yet gets a note with the error instead of a row (docs/compile.md).
 MXFP8 and NVFP4 are EMULATED on Hopper (no tensor cores for them: fp8kernels.gemm multiplies their
 dequantized values on the bf16 ones), so their floor is the bf16 one.
 
 Run on a CUDA machine:  PYTHONPATH=. python3 benchmarks/bench/bench_mlp.py [--hidden 8192 --ffn 28672 --tokens 16384]
-    [--cases off,current,block]
+    [--cases off,current,block] [--compile-mode reduce-overhead]
 """
 
 from __future__ import annotations
@@ -19,9 +22,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+import torch._dynamo
 from torch import nn
 
-from benchmarks.harness import PEAK_FLOPS, Result, argument_parser, device_ms, report
+from benchmarks.harness import PEAK_FLOPS, Result, argument_parser, device_ms, failure_note, report
 from bridge.numerics import relative_error
 from torchside.autocast import fp8_autocast, quantized_model_init
 from torchside.modules import LayerNormMLP
@@ -34,6 +38,7 @@ from torchside.recipe import (
     NVFP4BlockScaling,
     Recipe,
 )
+from torchside.train import COMPILE_MODES
 
 BF16_EXPECTED_MS = 67.8
 
@@ -73,7 +78,9 @@ def _build(case: Case, args) -> LayerNormMLP:
 
 def _measure(module: nn.Module, step, x: torch.Tensor, dy: torch.Tensor) -> Measured:
     params = list(module.parameters())
-    output = step(x, dy)  # compiles, autotunes, and gives the output to compare
+    # Compiles, autotunes, and gives the output to compare, on the host: a GPU copy would count in later peaks,
+    # and a CUDA graph's output (--compile-mode reduce-overhead) is overwritten by its next replay.
+    output = step(x, dy).cpu()
     for p in params + [x]:
         p.grad = None
     torch.cuda.synchronize()
@@ -82,7 +89,7 @@ def _measure(module: nn.Module, step, x: torch.Tensor, dy: torch.Tensor) -> Meas
     torch.cuda.synchronize()
     peak_gib = torch.cuda.max_memory_allocated() / 2**30
     ms = device_ms(lambda: step(x, dy), graph=False, grad_to_none=params + [x])
-    return Measured(ms, peak_gib, output.cpu())  # a GPU copy kept for the error would count in later peaks
+    return Measured(ms, peak_gib, output)
 
 
 def _fp8_step(module: nn.Module, recipe: Recipe | None):
@@ -93,6 +100,11 @@ def _fp8_step(module: nn.Module, recipe: Recipe | None):
         return y.detach()
 
     return step
+
+
+def _compile(module: nn.Module, mode: str) -> nn.Module:
+    torch._dynamo.reset()  # every module compiles from nothing: no recompile limit, no dynamic shapes
+    return torch.compile(module, fullgraph=True, mode=mode)
 
 
 def _torchao_step(args):
@@ -107,7 +119,8 @@ def _torchao_step(args):
         nn.LayerNorm(args.hidden), nn.Linear(args.hidden, args.ffn), nn.GELU(approximate="tanh"),
         nn.Linear(args.ffn, args.hidden),
     ).to("cuda", torch.bfloat16)  # fmt: skip
-    mlp = torch.compile(convert_to_float8_training(mlp))
+    torch._dynamo.reset()
+    mlp = torch.compile(convert_to_float8_training(mlp), mode=args.compile_mode)
 
     def step(x, dy):
         y = mlp(x)
@@ -124,6 +137,7 @@ def main() -> None:
     parser.add_argument("--ffn", type=int, default=28672)
     parser.add_argument("--tokens", type=int, default=16384)
     parser.add_argument("--cases", default=",".join(CASES_BY_KEY), help="comma-separated, of: %(default)s")
+    parser.add_argument("--compile-mode", default="default", choices=COMPILE_MODES, help="torch.compile's mode")
     args = parser.parse_args()
     unknown = set(args.cases.split(",")) - set(CASES_BY_KEY)
     if unknown:
@@ -136,18 +150,23 @@ def main() -> None:
     x.requires_grad_()
     dy = torch.randn(args.tokens, args.hidden, device="cuda", dtype=torch.bfloat16, generator=generator)
 
-    rows = []
+    rows, notes = [], []
     fallbacks_before = sum(FALLBACK_CALLS.values())
     baseline = None
     # FP8 off runs first whatever --cases says: it is every row's peer
     for case in [CASES[0]] + [CASES_BY_KEY[key] for key in args.cases.split(",") if key != "off"]:
         module = _build(case, args)
-        result = _measure(module, _fp8_step(module, case.recipe), x, dy)
-        if baseline is None:
-            baseline = result
         peak = PEAK_FLOPS["bf16" if case.recipe is None or "emulated" in case.name else "fp8"]
-        rows.append(_row(case.name, result, baseline, flops / peak * 1e3))
-        del module, result
+        eager = _measure(module, _fp8_step(module, case.recipe), x, dy)
+        baseline = baseline or eager
+        rows.append(_row(case.name, "eager", eager, baseline, flops / peak * 1e3))
+        try:
+            compiled = _measure(module, _fp8_step(_compile(module, args.compile_mode), case.recipe), x, dy)
+        except Exception as error:  # a recipe that does not compile yet: its note, and the other rows still run
+            notes.append(failure_note(f"{case.name}, compiled", error))
+        else:
+            rows.append(_row(case.name, "compiled", compiled, baseline, flops / peak * 1e3, eager=eager))
+        del module
         torch.cuda.empty_cache()
     fallbacks = sum(FALLBACK_CALLS.values()) - fallbacks_before
     peer = _torchao_step(args)
@@ -155,22 +174,30 @@ def main() -> None:
         mlp, step = peer
         floor_ms = flops / PEAK_FLOPS["fp8"] * 1e3
         result = _measure(mlp, step, x, dy)  # its own weights: no error against ours
-        rows.append(_row("peer: torchao Float8Linear tensorwise + torch.compile", result, baseline, floor_ms, error=False))
-    notes = [
+        name = "peer: torchao Float8Linear tensorwise + torch.compile"
+        rows.append(_row(name, "compiled", result, baseline, floor_ms, error=False))
+    notes += [
         f"QuantizedTensor ops run on dequantized values during the runs: {fallbacks} (must be 0)",
         f"bf16 expected ~{BF16_EXPECTED_MS} ms (DESIGN.md, eager). Floors: 12*T*H*F flops at "
         f"{PEAK_FLOPS['bf16'] / 1e12:.0f} TFLOP/s (bf16) and {PEAK_FLOPS['fp8'] / 1e12:.0f} (FP8 torch._scaled_mm).",
+        f"compiled: torch.compile(fullgraph=True, mode={args.compile_mode!r}); vs eager: eager ms / compiled ms",
     ]
     title = (f"bench_mlp, LayerNormMLP H={args.hidden} F={args.ffn} gelu, T={args.tokens}, bf16, forward + backward; "
              f"{flops / 1e12:.1f} TFLOP per step")  # fmt: skip
     report(title, rows, args.json, notes)
 
 
-def _row(name: str, result: Measured, baseline: Measured, floor_ms: float, error: bool = True) -> Result:
-    """A case's row; the peer is the bf16 module (FP8 off) of the same run, rel. error against its output."""
+def _row(
+    name: str, provider: str, result: Measured, baseline: Measured, floor_ms: float, *, error: bool = True,
+    eager: Measured | None = None,
+) -> Result:  # fmt: skip
+    """A case's row; the peer is the bf16 module (FP8 off, eager) of the same run, rel. error against its output;
+    `eager`: the same case's eager run, for a compiled row."""
     extra = {"peak GiB": result.peak_gib, "mem vs bf16": f"{result.peak_gib / baseline.peak_gib:.2f}x",
-             "rel. error": relative_error(result.output, baseline.output) if error else None}  # fmt: skip
-    return Result(name, result.ms, floor_ms, peer=baseline.ms, peer_name="bf16 (FP8 off)", extra=extra)
+             "rel. error": relative_error(result.output, baseline.output) if error else None,
+             "vs eager": None if eager is None else f"{eager.ms / result.ms:.2f}x"}  # fmt: skip
+    return Result(name, result.ms, floor_ms, provider=provider, peer=baseline.ms, peer_name="bf16 (FP8 off)",
+                  extra=extra)  # fmt: skip
 
 
 if __name__ == "__main__":

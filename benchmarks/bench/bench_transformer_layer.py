@@ -7,7 +7,10 @@ and activations; one step = forward + backward. Floor: the four projections' GEM
 measured on the H200: benchmarks/harness.py) plus attention's (4 * B * S^2 * N * H, halved by the causal mask,
 x3; flash recomputes more) at the bf16 peak: attention stays bf16 in every case. Peers: the same block
 in plain torch (nn.Linear, nn.RMSNorm, SDPA; our apply_rotary_pos_emb) in bf16, and with torchao's
-Float8Linear (tensorwise, torch.compile) when `import torchao` works.
+Float8Linear (tensorwise, torch.compile) when `import torchao` works. Every case also runs compiled (issue 45):
+ours and the plain block by torch.compile(fullgraph=True, mode=--compile-mode), the same module and weights;
+targets: compiled current scaling >= 1.55x bf16 eager and >= 1.05x torchao, compiled block scaling >= 1.4x bf16
+eager. A module x recipe that does not compile yet gets a note with its error instead of a row.
 
 Part 2 (issue 5: GroupedLinear within 15% of one dense FP8 GEMM of the same total size). 8 groups,
 uneven splits of 16384 tokens, 4096 -> 14336, bf16, Float8CurrentScaling: GroupedLinear's forward (its
@@ -19,10 +22,12 @@ grouped_scaled_mm follows: then one grouped launch) against the dense Triton ker
 code, so the gap between those two is the cost of grouping). Floor: 2 * T * in * out (x3 for a step)
 at 1425 TFLOP/s.
 
-Times: benchmarks.harness.device_ms on the eager steps (graph=False). One table: the "case" column
-names the part, "provider" what ran; "peer" is the part's baseline (bf16 layer; dense Linear or GEMM).
+Times: benchmarks.harness.device_ms on the steps, eager or compiled (graph=False: CUDA events around each
+call). One table: the "case" column names the part, "provider" what ran; "peer" is the part's baseline (bf16
+layer, eager; dense Linear or GEMM).
 
 Run on a CUDA machine:  PYTHONPATH=. python3 benchmarks/bench/bench_transformer_layer.py [--seq 4096 --batch 2]
+    [--parts layer] [--compile-mode reduce-overhead]
 """
 
 from __future__ import annotations
@@ -30,10 +35,11 @@ from __future__ import annotations
 import contextlib
 
 import torch
+import torch._dynamo
 import torch.nn.functional as F
 from torch import nn
 
-from benchmarks.harness import PEAK_FLOPS, Result, argument_parser, device_ms, report
+from benchmarks.harness import PEAK_FLOPS, Result, argument_parser, device_ms, failure_note, report
 from fp8kernels import gemm
 from fp8kernels.grouped_gemm import grouped_scaled_mm
 from torchside.autocast import fp8_autocast, quantized_model_init
@@ -44,6 +50,7 @@ from torchside.modules.transformer_config import TransformerConfig
 from torchside.modules.transformer_layer import TransformerLayer
 from torchside.quantization import FALLBACK_CALLS, Quantizer
 from torchside.recipe import DelayedScaling, Float8BlockScaling, Float8CurrentScaling
+from torchside.train import COMPILE_MODES
 
 LAYER_CASES = {
     "bf16 (FP8 off)": None,
@@ -51,6 +58,7 @@ LAYER_CASES = {
     "DelayedScaling": DelayedScaling(),
     "Float8BlockScaling": Float8BlockScaling(),
 }
+TORCHAO = "peer: torchao Float8Linear tensorwise + compile"
 SPLITS = [2861, 1024, 3517, 611, 2290, 1999, 3077, 1005]  # 16384 tokens over 8 experts, uneven on purpose
 GROUPED_IN, GROUPED_OUT = 4096, 14336
 
@@ -105,7 +113,9 @@ def bench_layer(args, rows: list[Result]) -> list[str]:
     total_tflop = (linear_flops + attention_flops) / 1e12
     notes = [f"Part 1: TransformerLayer H={args.hidden} heads={args.heads} groups={args.groups} F={args.ffn} (SwiGLU, "
              f"RMSNorm, RoPE), S={args.seq} B={args.batch}, bf16: {total_tflop:.1f} TFLOP per step, forward + backward "
-             "(target: Float8CurrentScaling >= 1.2x bf16)"]  # fmt: skip
+             "(target: Float8CurrentScaling >= 1.2x bf16)",
+             f"compiled: torch.compile(fullgraph=True, mode={args.compile_mode!r}) of the whole layer (torchao: "
+             "without fullgraph), each from an empty Dynamo cache"]  # fmt: skip
     config = TransformerConfig(normalization="RMSNorm", activation="swiglu", bias=False)
     freqs = RotaryPositionEmbedding(head_dim)(args.seq).cuda()
     generator = torch.Generator(device="cuda").manual_seed(1)
@@ -115,46 +125,84 @@ def bench_layer(args, rows: list[Result]) -> list[str]:
     torch.manual_seed(0)
     layer = TransformerLayer(args.hidden, args.ffn, args.heads, num_gqa_groups=args.groups,
                              params_dtype=torch.bfloat16, device="cuda", config=config)  # fmt: skip
-    add_row = _rows("layer step", "bf16 (FP8 off)", rows)
+    grads = list(layer.parameters()) + [x]
     fallbacks = sum(FALLBACK_CALLS.values())
-    baseline_ms = None
+    ours: dict[str, tuple[float | None, float]] = {}  # provider -> (ms, floor ms)
     for name, recipe in LAYER_CASES.items():
 
-        def step(recipe=recipe):
+        def step(forward, recipe=recipe):
             with fp8_autocast(enabled=recipe is not None, recipe=recipe):
-                y = layer(x, rotary_pos_emb=freqs)
+                y = forward(x, rotary_pos_emb=freqs)
             y.backward(dy)
 
-        ms = _ms(step, list(layer.parameters()) + [x])
-        baseline_ms = baseline_ms or ms
-        note = ""
-        if name == "Float8CurrentScaling":
-            note = "target 1.2x: " + ("met" if baseline_ms / ms >= 1.2 else "NOT met")
-        add_row(name, ms, baseline_ms, floors["bf16" if recipe is None else "fp8"], note)
-    notes.append(f"QuantizedTensor ops run on dequantized values: {sum(FALLBACK_CALLS.values()) - fallbacks} (must be 0)")
-    del layer
+        floor_ms = floors["bf16" if recipe is None else "fp8"]
+        compiled = _compile(layer, args.compile_mode, fullgraph=True)
+        ours[name] = (_ms(lambda step=step: step(layer), grads), floor_ms)
+        ours[f"{name}, compiled"] = (_compiled_ms(lambda step=step: step(compiled), grads, name, notes), floor_ms)
+    fallbacks = sum(FALLBACK_CALLS.values()) - fallbacks
+    notes.append(f"QuantizedTensor ops run on dequantized values: {fallbacks} (must be 0)")
+    del layer, compiled, grads
     torch.cuda.empty_cache()
-    notes += _bench_layer_peers(args, x, dy, freqs, baseline_ms, floors, add_row)
+    peers = _bench_layer_peers(args, x, dy, freqs, floors, notes)
+    baseline_ms = ours["bf16 (FP8 off)"][0]
+    add_row = _rows("layer step", "bf16 (FP8 off)", rows)
+    for provider, (ms, floor_ms) in {**ours, **peers}.items():
+        if ms is not None:
+            add_row(provider, ms, baseline_ms, floor_ms, _target_note(provider, ms, baseline_ms, peers))
     return notes
 
 
-def _bench_layer_peers(args, x, dy, freqs, baseline_ms: float, floors: dict, add_row) -> list[str]:
+def _target_note(provider: str, ms: float, baseline_ms: float, peers: dict) -> str:
+    """The row's targets: issue 5's for eager current scaling, issue 45's for the compiled FP8 rows."""
+    torchao_ms = peers.get(TORCHAO, (None,))[0]
+    targets = {  # provider -> (a baseline's name and ms, the speed-up to reach)
+        "Float8CurrentScaling": [("bf16", baseline_ms, 1.2)],
+        "Float8CurrentScaling, compiled": [("bf16", baseline_ms, 1.55), ("torchao compiled", torchao_ms, 1.05)],
+        "Float8BlockScaling, compiled": [("bf16", baseline_ms, 1.4)],
+    }
+    verdicts = [f"{speedup}x {peer}: " + ("met" if peer_ms / ms >= speedup else "NOT met")
+                for peer, peer_ms, speedup in targets.get(provider, []) if peer_ms is not None]  # fmt: skip
+    return "target " + ", ".join(verdicts) if verdicts else ""
+
+
+def _compile(module: nn.Module, mode: str, *, fullgraph: bool) -> nn.Module:
+    torch._dynamo.reset()  # every module compiles from nothing: no recompile limit, no dynamic shapes
+    return torch.compile(module, fullgraph=fullgraph, mode=mode)
+
+
+def _compiled_ms(step, grads, what: str, notes: list[str]) -> float | None:
+    """_ms of a step through a compiled module; None, with a note, for a module x recipe that does not compile."""
+    try:
+        return _ms(step, grads)
+    except Exception as error:  # not compiling yet (docs/compile.md) must not stop the other rows
+        notes.append(failure_note(f"{what}, compiled", error))
+        return None
+
+
+def _bench_layer_peers(args, x, dy, freqs, floors: dict, notes: list[str]) -> dict[str, tuple[float | None, float]]:
+    """{provider: (ms, floor ms)} of the plain torch block, eager and compiled, and torchao's FP8 block."""
     torch.manual_seed(0)
     plain = PlainBlock(args).to("cuda", torch.bfloat16)
+    grads = list(plain.parameters()) + [x]
 
-    def plain_step(model=plain):
+    def plain_step(model):
         model(x, freqs).backward(dy)
 
-    ms = _ms(plain_step, list(plain.parameters()) + [x])
-    add_row("peer: plain torch block, bf16 eager", ms, baseline_ms, floors["bf16"])
+    compiled = _compile(plain, args.compile_mode, fullgraph=True)
+    peers = {
+        "peer: plain torch block, bf16 eager": (_ms(lambda: plain_step(plain), grads), floors["bf16"]),
+        "peer: plain torch block, bf16 compiled": (
+            _compiled_ms(lambda: plain_step(compiled), grads, "plain torch block", notes), floors["bf16"],
+        ),
+    }  # fmt: skip
     try:
         from torchao.float8 import convert_to_float8_training
     except Exception as error:  # any import failure means no FP8 peer on this machine
-        return [f"peer torchao: not available ({type(error).__name__}: {error})"]
-    compiled = torch.compile(convert_to_float8_training(plain))
-    ms = _ms(lambda: plain_step(compiled), list(plain.parameters()) + [x])
-    add_row("peer: torchao Float8Linear tensorwise + compile", ms, baseline_ms, floors["fp8"])
-    return []
+        notes.append(f"peer torchao: not available ({type(error).__name__}: {error})")
+        return peers
+    torchao = _compile(convert_to_float8_training(plain), args.compile_mode, fullgraph=False)
+    peers[TORCHAO] = (_compiled_ms(lambda: plain_step(torchao), grads, "torchao", notes), floors["fp8"])
+    return peers
 
 
 @contextlib.contextmanager
@@ -245,6 +293,7 @@ def main() -> None:
     parser.add_argument("--seq", type=int, default=4096)
     parser.add_argument("--batch", type=int, default=2)
     parser.add_argument("--parts", default="layer,grouped", help="which parts to run: layer, grouped or both")
+    parser.add_argument("--compile-mode", default="default", choices=COMPILE_MODES, help="torch.compile's (layer)")
     args = parser.parse_args()
     parts = set(args.parts.split(","))
     if not parts or parts - {"layer", "grouped"}:

@@ -7,7 +7,7 @@ import os
 import pytest
 
 from benchmarks.harness import (
-    Result, cached_fraction, format_environment, format_value, fraction_of_floor, markdown_table, report,
+    Result, cached_fraction, failure_note, format_environment, format_value, fraction_of_floor, markdown_table, report,
     sequential_read_s, speedup, table_rows, wall_ms,
 )  # fmt: skip
 
@@ -80,6 +80,17 @@ def test_report_prints_the_table_and_writes_the_rows_as_json(tmp_path, capsys):
     (row,) = document["results"]
     assert row["measured"] == 0.129 and row["extra"] == {"TB/s": 4.15}
     assert row["fraction"] == pytest.approx(0.127 / 0.129)
+
+
+def test_a_failure_note_names_the_innermost_error_by_its_first_line():
+    try:
+        try:
+            raise NotImplementedError("quantize_nvfp4 has no custom op yet\nmore")
+        except NotImplementedError as inner:
+            raise RuntimeError("Observed exception\npages of hints") from inner
+    except RuntimeError as error:
+        note = failure_note("NVFP4, compiled", error)
+    assert note == "NVFP4, compiled: failed (NotImplementedError: quantize_nvfp4 has no custom op yet)"
 
 
 def test_wall_ms_runs_before_each_timed_call_and_returns_the_median(monkeypatch):

@@ -332,8 +332,8 @@ class FP8Module(TensorParallelMixin, nn.Module):
         with it a recompile on the second call."""
         columnwise = torch.is_grad_enabled()  # the copies dgrad and wgrad read
         buffers = tuple(getattr(self, name) for name in FP8_STATE_BUFFERS)
-        key = (recipe, torch.device(device), columnwise, id(self.tp_comm))
-        caching = not torch.compiler.is_compiling()
+        caching = not torch.compiler.is_compiling()  # (an id() while tracing would guard every block apart)
+        key = (recipe, torch.device(device), columnwise, id(self.tp_comm)) if caching else None
         cached = self._quantizer_cache if caching else None
         if cached is not None and cached[0] == key and all(a is b for a, b in zip(cached[1], buffers, strict=True)):
             return cached[2]

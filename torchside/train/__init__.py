@@ -19,6 +19,10 @@ Losses are copied to the host once per `--log-every` steps, so that the GPU is n
 scale and amax-history updates, gradient clipping, FusedAdam with the learning rate and step counts on the
 device) is captured once in a CUDA graph and replayed; see `GraphedTrainStep` and torchside.cuda_graphs.
 
+`--compile`: each TransformerLayer's forward is compiled by torch.compile (fullgraph=True), before FSDP2 shards
+it, as torchtitan does; `--compile-mode` (e.g. reduce-overhead) and `--compile-backend` (inductor; aot_eager to
+run the traced graphs' ops eagerly) are torch.compile's. See `setup.compile_blocks` and docs/compile.md.
+
 One job per module: `options` (TrainOptions, TrainSummary, the schedule), `setup` (process group,
 model, optimizer), `step` (one eager step), `graphs` (GraphedTrainStep), `checkpointing`, `report`
 (the log and the plot), `loop` (`train`) and `cli` (`parse_args`, `main`; `__main__` runs it).
@@ -27,12 +31,13 @@ model, optimizer), `step` (one eager step), `graphs` (GraphedTrainStep), `checkp
 from torchside.train.cli import main, parse_args
 from torchside.train.graphs import GraphedTrainStep
 from torchside.train.loop import train
-from torchside.train.options import DTYPES, TrainOptions, TrainSummary, learning_rate
+from torchside.train.options import COMPILE_MODES, DTYPES, TrainOptions, TrainSummary, learning_rate
 from torchside.train.report import LOG_NAME, PLOT_NAME, LossLog, plot_loss_curves
 from torchside.train.setup import build_model, build_optimizer
 from torchside.train.step import local_batch, loss_of, train_step
 
 __all__ = [
+    "COMPILE_MODES",
     "DTYPES",
     "LOG_NAME",
     "PLOT_NAME",

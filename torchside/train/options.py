@@ -11,6 +11,11 @@ from torchside.models.llama import LLAMA_CONFIGS
 from torchside.recipe import recipe_names
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+COMPILE_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")  # torch.compile's
+# inductor generates code; aot_eager (AOTAutograd's forward and backward graphs, their ops run eagerly) and eager
+# (Dynamo's graph only) find where a difference or a failure comes from.
+COMPILE_BACKENDS = ("inductor", "aot_eager", "eager")
+CUDA_GRAPH_COMPILE_MODES = ("reduce-overhead", "max-autotune")  # the modes that capture CUDA graphs themselves
 
 
 @dataclass(frozen=True)
@@ -41,9 +46,18 @@ class TrainOptions:
     log_every: int = 10
     progress: bool = True
     cuda_graphs: bool = False  # capture the whole step in a CUDA graph (GraphedTrainStep)
+    compile: bool = False  # torch.compile each TransformerLayer (fullgraph), before FSDP2 (setup.compile_blocks)
+    compile_mode: str = "default"  # torch.compile's mode; reduce-overhead graphs each block (CUDA)
+    compile_backend: str = "inductor"  # torch.compile's backend; aot_eager runs the traced ops as eagerly
 
     def __post_init__(self) -> None:
-        choices = {"config": LLAMA_CONFIGS, "recipe": recipe_names(), "dtype": DTYPES}
+        choices = {
+            "config": LLAMA_CONFIGS,
+            "recipe": recipe_names(),
+            "dtype": DTYPES,
+            "compile_mode": COMPILE_MODES,
+            "compile_backend": COMPILE_BACKENDS,
+        }
         for name, table in choices.items():
             if getattr(self, name) not in table:
                 raise ValueError(f"TrainOptions({name}={getattr(self, name)!r}): use one of {', '.join(table)}")
@@ -64,6 +78,17 @@ class TrainOptions:
             raise ValueError(
                 f"TrainOptions: --cuda-graphs captures the step of one CUDA device (got --device {self.device}, "
                 f"{self.world_size} ranks): pass --device cuda without --dp/--tp/--replicate, or drop --cuda-graphs"
+            )
+        for name, default in (("compile_mode", "default"), ("compile_backend", "inductor")):
+            if getattr(self, name) != default and not self.compile:
+                flag = "--" + name.replace("_", "-")
+                raise ValueError(f"TrainOptions: {flag} {getattr(self, name)} applies to --compile: add --compile")
+        if self.compile_mode != "default" and self.compile_backend != "inductor":
+            raise ValueError(f"TrainOptions: --compile-mode {self.compile_mode} is inductor's: drop it or the backend")
+        if self.cuda_graphs and self.compile_mode in CUDA_GRAPH_COMPILE_MODES:
+            raise ValueError(
+                f"TrainOptions: --cuda-graphs captures the whole step, --compile-mode {self.compile_mode} captures "
+                "each block again: pass --compile-mode default with --cuda-graphs, or drop --cuda-graphs"
             )
 
     @property

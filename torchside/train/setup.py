@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+import functools
 import os
 import warnings
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
+from torch.distributed._functional_collectives import AsyncCollectiveTensor, wait_tensor
+from torch.utils._pytree import tree_map_only
 
 from torchside.models.llama import LLAMA_CONFIGS, Llama
 from torchside.models.llama_parallel import LlamaMeshes, build_meshes, load_full_state, parallelize_llama
@@ -39,15 +43,50 @@ def build_model(options: TrainOptions) -> tuple[Llama, LlamaMeshes | None]:
         torch.manual_seed(options.seed)
         full_model = Llama(config, params_dtype=dtype)  # on the CPU: the same values on any machine
     if options.world_size == 1:
-        return full_model.to(device), None
+        model = full_model.to(device)
+        if options.compile:
+            compile_blocks(model, options.compile_mode, options.compile_backend)
+        return model, None
     meshes = build_meshes(device.type, dp=options.dp, tp=options.tp, replicate=options.replicate)
     module_config = ModuleConfig(tp_size=options.tp, sequence_parallel=options.sequence_parallel)
     model = Llama(config, params_dtype=dtype, device="meta", module_config=module_config)
+    if options.compile:  # torchtitan's order: compile each block, then fully_shard it
+        compile_blocks(model, options.compile_mode, options.compile_backend)
     with warnings.catch_warnings():  # materializing on a CPU mesh warns that DTensor RNG support is partial
         warnings.filterwarnings("ignore", message="DTensor random operators")
         parallelize_llama(model, meshes, device=device)
     load_full_state(model, None if full_model is None else full_model.state_dict(), from_rank0=True)
     return model, meshes
+
+
+def compile_blocks(model: Llama, mode: str = "default", backend: str = "inductor") -> None:
+    """torch.compile each TransformerLayer's forward (fullgraph=True), in place, as torchtitan compiles per block.
+
+    torchtitan replaces each block by its torch.compile wrapper; compiling the block's forward instead keeps the
+    module, its parameter names (placement plans, checkpoints) and its hooks: the FSDP2 hooks fully_shard adds
+    (all-gather, reshard) run outside the graph, as around torchtitan's wrapper, whether fully_shard comes before
+    or after. Every block runs the same code, so one graph serves all (a block that differed would recompile).
+    """
+    for block in model.layers:
+        compiled = torch.compile(block.forward, fullgraph=True, mode=mode, backend=backend)
+        block.forward = _waiting_for_collectives(compiled)
+
+
+def _waiting_for_collectives(compiled: Callable) -> Callable:
+    """`compiled`, its AsyncCollectiveTensor arguments first waited for by the differentiable `wait_tensor`.
+
+    Under TP, torch's styles hand the first block the embedding's all-reduced (or reduce-scattered) output as an
+    AsyncCollectiveTensor. AOTAutograd drops such an input's requires_grad (torch 2.13: the wrapper requires grad,
+    the inner tensor it traces does not), so the block's backward gave it no gradient and the eager
+    Redistribute behind it failed ("'Tensor' object has no attribute '_local_tensor'").
+    """
+
+    @functools.wraps(compiled)
+    def forward(*args, **kwargs):
+        args, kwargs = tree_map_only(AsyncCollectiveTensor, wait_tensor, (args, kwargs))
+        return compiled(*args, **kwargs)
+
+    return forward
 
 
 def build_optimizer(model: Llama, options: TrainOptions, *, capturable: bool | None = None) -> FusedAdam:
