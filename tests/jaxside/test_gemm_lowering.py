@@ -97,6 +97,6 @@ def test_the_llama_head_multiplies_bf16_operands_at_default_precision():
 
 
 def test_attention_off_cudnn_takes_bf16_scores_on_tensor_cores_and_fp32_probabilities_at_highest():
-    attention = DotProductAttention(4, 16, attn_mask_type="causal")
-    q = k = v = jnp.ones((8, 2, 4, 16), jnp.bfloat16)
+    attention = DotProductAttention(4, 12, attn_mask_type="causal")  # head dim 12: cuDNN's kernel never applies
+    q = k = v = jnp.ones((8, 2, 4, 12), jnp.bfloat16)
     assert _dots(attention, q, k, v) == [("DEFAULT", "bf16", "bf16", "f32"), ("HIGHEST", "f32", "f32", "f32")]
