@@ -91,7 +91,7 @@ class _Region:
     backward: dict[tuple, DelayedScalingSync] = field(default_factory=dict)
 
     def syncs(self, recipe: DelayedScaling, group: dist.ProcessGroup | None) -> tuple[DelayedScalingSync, ...]:
-        key = (recipe, id(group))
+        key = (recipe, None if group is None else id(group))  # (torch 2.11's Dynamo cannot trace id(None))
         forward = self.forward.setdefault(key, DelayedScalingSync(recipe, group))
         backward = self.backward.setdefault(key, DelayedScalingSync(recipe, group))
         return forward, backward
