@@ -73,12 +73,6 @@ Bounds of `bridge.compare` (derived, not tuned; docs/verification.md has the lon
   1 - FALSE_ALARM quantile k; each flip moves an element by one code, <= 2^-m relative, so the
   operand moves by sqrt(k / n) * 2^-m. A GEMM whose inputs are exact (the submodule's own inputs,
   the weights) casts the same codes: no flips, which keeps a leaf FP8 Linear's bound at fp32 level.
-  The delta that flips codes is the one before any rounding to a 16-bit dtype: a rounding is a
-  monotone step function, so two values with the same rounding boundaries of the cast between them
-  keep the same code through it. Each 16-bit rounding between the sum and the cast (the recorder
-  counts inexact pointwise ops and narrowing copies with a 16-bit output) can put the two sides one ulp
-  apart (2u) with probability <= delta / 2u, after which the cast flips with probability
-  <= 2u * 2^(m+1); so p <= delta * 2^(m+1) * (1 + 2 r) for r such roundings.
   The backward chain starts where the forward ended (saved activations differ by that much) and
   walks the reductions backwards with the backward sums' lengths (dgrad: N, wgrad: M of an
   [M, K] x [K, N] GEMM) and the grad format.
@@ -330,7 +324,6 @@ class Reduction:
     outputs: int  # elements it writes
     operand: int  # elements of the activation operand a GEMM casts under FP8
     unit: float  # unit roundoff of its output dtype
-    roundings: int = 0  # roundings into a 16-bit dtype since the previous reduction (its own output's included)
 
 
 def rounding_error(length: int, outputs: int, unit: float, *, positive: bool, u_acc: float = FP32_U) -> float:
@@ -361,14 +354,11 @@ def chain_bound(
     """(forward, backward) relative bounds of a teacher-forced submodule (docstring); mantissa_bits: (forward, grad)
     of the FP8 recipe, None with FP8 off; output_unit: the unit roundoff of the submodule's output dtype."""
     elementwise = 2 * output_unit + ELEMENTWISE_ULPS * u_acc  # the functions after the last sum, or without any
-    delta = 0.0  # relative distance of the two sides' values so far
-    unrounded = 0.0  # the same without the roundings to 16-bit outputs: what flips FP8 codes (docstring)
+    delta = 0.0
     for r in reductions:
         if mantissa_bits and r.kind == "gemm":
-            flips = flip_error(unrounded * (1 + 2 * r.roundings), r.operand, mantissa_bits[0])
-            delta, unrounded = delta + flips, unrounded + flips
-        error = rounding_error(r.length, r.outputs, r.unit, positive=r.kind == "sum", u_acc=u_acc)
-        delta, unrounded = delta + error, unrounded + error - 2 * r.unit
+            delta += flip_error(delta, r.operand, mantissa_bits[0])
+        delta += rounding_error(r.length, r.outputs, r.unit, positive=r.kind == "sum", u_acc=u_acc)
     forward = delta + elementwise
     backward = forward + elementwise  # the derivatives of those functions
     for r in reversed(reductions):

@@ -14,7 +14,7 @@ from __future__ import annotations
 import contextlib
 import math
 from collections.abc import Iterator
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -91,8 +91,6 @@ def reductions_of(func, args: tuple, kwargs: dict, out: Any) -> list[Reduction]:
         return [_sum(_numel(args[1]), first)]
     if name in ("_softmax", "_log_softmax"):
         return [_sum(args[0].shape[args[1]], first)]
-    if name == "linalg_vector_norm" and math.isinf(args[1] if len(args) > 1 else kwargs.get("ord", 2)):
-        return []  # a max (an FP8 cast's amax): exact, nothing rounds
     if name in DIM_ARGUMENT and isinstance(args[0], torch.Tensor):
         index = DIM_ARGUMENT[name]
         dims = args[index] if len(args) > index else kwargs.get("dim")
@@ -116,35 +114,14 @@ class _ReductionRecorder(TorchDispatchMode):
     def __init__(self, stack: list[Call]) -> None:
         super().__init__()
         self.stack = stack
-        self.roundings = 0  # roundings into 16-bit outputs since the last reduction (chain_bound's r)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
         if self.stack:
             found = reductions_of(func, args, kwargs or {}, out)
-            if found:
-                found[0] = replace(found[0], roundings=self.roundings)
-                self.roundings = int(found[-1].unit > FP32_U)  # its own output's rounding, if 16-bit
-            self.roundings += _rounds_to_16_bit(func, args, out)
             for call in self.stack:
                 call.reductions.extend(found)
         return out
-
-
-EXACT_POINTWISE = {"abs", "neg", "clamp", "clamp_min", "clamp_max", "maximum", "minimum", "where", "relu", "sign",
-                   "masked_fill", "fill", "zeros_like", "ones_like", "full_like"}  # fmt: skip
-
-
-def _rounds_to_16_bit(func, args: tuple, out: Any) -> bool:
-    """Whether the op rounds values into a bf16 or fp16 output: an inexact pointwise op, or a narrowing copy."""
-    first = out[0] if isinstance(out, (tuple, list)) else out
-    if not isinstance(first, torch.Tensor) or first.dtype not in (torch.bfloat16, torch.float16):
-        return False
-    name = func.__name__.split(".")[0]
-    if name == "_to_copy":
-        source = args[0].dtype if args and isinstance(args[0], torch.Tensor) else first.dtype
-        return UNITS.get(source, 0.0) < UNITS[first.dtype]
-    return torch.Tag.pointwise in func.tags and name not in EXACT_POINTWISE
 
 
 @contextlib.contextmanager
