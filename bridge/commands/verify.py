@@ -16,11 +16,12 @@ the model is the first of mlp, transformer and llama whose parameter names the p
 llama (no --hf) the model is the seeded tiny Llama, embedding and head included: its logits in torch
 under the plan, in the JAX twin and in the unsharded model are compared (bridge/plan_check.py).
 
---model llama --hf HF_DIR: torchside's and jaxside's load_hf in each process (each reading its
-own shards, fp32), one forward of --batch-size x --seq-len random tokens under --recipe (default
-off), the logits against bridge.numerics' forward tolerance (bridge/hf_check.py, docs/hf.md). On a
-mesh of one process (e.g. --mesh dp=1) the two loaded models go through bridge.compare instead:
-every block teacher-forced against its derived bound, then the logits, noise-aware under FP8.
+--model llama --hf HF_DIR: torchside's and jaxside's load_hf in each process (fp32), one forward of
+--batch-size x --seq-len random tokens under --recipe (default off) (bridge/hf_check.py, docs/hf.md).
+Without tp (one process, e.g. --mesh dp=1, or data-parallel ones, e.g. --mesh dp=2) the two loaded
+models go through bridge.compare, each process on its rows of the tokens: every block teacher-forced
+against its derived bound, then the logits, noise-aware under FP8. On a TP mesh each process loads
+its own shards and the logits are compared against bridge.numerics' forward tolerance.
 
 --torch PKG.MODULE:FACTORY --jax PKG.MODULE:FACTORY: your own pair of models, each factory returning
 (model, example inputs), compared by bridge.compare on this process, every common submodule
@@ -61,8 +62,8 @@ def register(verbs) -> None:
     parser.add_argument(
         "--hf",
         metavar="HF_DIR",
-        help="a Hugging Face Llama directory (with --model llama): compare the two load_hf's logits; on one process "
-        "(--mesh dp=1) every block and the logits by bridge.compare",
+        help="a Hugging Face Llama directory (with --model llama): without tp, every block and the logits of the two "
+        "load_hf's by bridge.compare; on a TP mesh their logits",
     )
     parser.add_argument("--layers", type=int, help=f"blocks in the stack (default {STACK_DEFAULTS['layers']})")
     parser.add_argument(
@@ -114,7 +115,8 @@ def run(args: argparse.Namespace, console: Console) -> int:
         work, processes, worker = case, case.mesh.world_size, plan_check.verify_plan
     elif args.model == "llama" or args.hf is not None:
         case = _hf_case(args)
-        work, processes, worker = case, case.mesh.world_size, hf_check.verify_hf
+        worker = hf_check.verify_hf if case.mesh.tp > 1 else hf_check.compare_hf_ranks
+        work, processes = case, case.mesh.world_size
     else:
         cases = _cases(args, plan)
         work, processes, worker = cases, cases[0].mesh.world_size, crosscheck.verify
@@ -132,7 +134,7 @@ def run(args: argparse.Namespace, console: Console) -> int:
     device, fallback = runtime.choose_device_type(args.device, processes, torch.cuda.device_count())
     if fallback:
         errors.print(escape(fallback))
-    if worker is hf_check.verify_hf and processes == 1:  # one process: bridge.compare, every block teacher-forced
+    if worker is hf_check.compare_hf_ranks and processes == 1:  # no processes to start
         with errors.status("verifying in this process (bridge.compare)"):
             reports = hf_check.compare_hf(case, device)
         return _finish(args, console, reports)

@@ -138,13 +138,21 @@ def load_model_factory(name: str, value: Any) -> Callable[[], Any]:
     return value
 
 
+def rank_of(runtime) -> DataParallel:
+    """This runtime's process as one rank of a data-parallel mesh of all its processes."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from bridge.runtime import jax_mesh
+
+    world = init_device_mesh(runtime.device_type, (runtime.world_size,), mesh_dim_names=("dp",))
+    return DataParallel(runtime.world_size, runtime.rank, jax_mesh(world))
+
+
 def worker(runtime, factories: tuple[Any, Any], inputs: tuple[torch.Tensor, ...], options: dict) -> Any:
     """One rank: build both models, broadcast torch's parameters, compare on this rank's rows (module docstring)."""
     import torch.distributed as dist
-    from torch.distributed.device_mesh import init_device_mesh
 
     from bridge.model_compare.core import compare_here
-    from bridge.runtime import jax_mesh
 
     torch.manual_seed(0)
     torch_model = load_model_factory("torch_model", factories[0])()
@@ -153,8 +161,7 @@ def worker(runtime, factories: tuple[Any, Any], inputs: tuple[torch.Tensor, ...]
     with torch.no_grad():
         for tensor in [*torch_model.parameters(), *torch_model.buffers()]:
             dist.broadcast(tensor, src=0)
-    world = init_device_mesh(runtime.device_type, (runtime.world_size,), mesh_dim_names=("dp",))
-    dp = DataParallel(runtime.world_size, runtime.rank, jax_mesh(world))
+    dp = rank_of(runtime)
     local = tuple(dp.rows(x).to(runtime.torch_device) for x in inputs)
     return compare_here(torch_model, jax_model, local, dp=dp, **options)
 
@@ -164,6 +171,7 @@ __all__ = [
     "data_parallel_size",
     "load_factory",
     "load_model_factory",
+    "rank_of",
     "summed_jax_grads",
     "summed_torch_grads",
     "worker",
