@@ -104,6 +104,7 @@ def register(verbs) -> None:
 
 def run(args: argparse.Namespace, console: Console) -> int:
     from bridge import crosscheck, hf_check, plan_check
+    from bridge.model_compare import stacks
     from bridge.plan.build import read_plan
 
     if args.torch or args.jax:
@@ -119,7 +120,8 @@ def run(args: argparse.Namespace, console: Console) -> int:
         work, processes = case, case.mesh.world_size
     else:
         cases = _cases(args, plan)
-        work, processes, worker = cases, cases[0].mesh.world_size, crosscheck.verify
+        worker = crosscheck.verify if cases[0].mesh.tp > 1 else stacks.compare_stacks_ranks
+        work, processes = cases, cases[0].mesh.world_size
     if args.report:
         from bridge.cli import check_output_path
 
@@ -134,9 +136,13 @@ def run(args: argparse.Namespace, console: Console) -> int:
     device, fallback = runtime.choose_device_type(args.device, processes, torch.cuda.device_count())
     if fallback:
         errors.print(escape(fallback))
-    if worker is hf_check.compare_hf_ranks and processes == 1:  # no processes to start
+    if worker is stacks.compare_stacks_ranks:
+        for line in _step_zero_only(cases):
+            errors.print(escape(line))
+    in_process = {hf_check.compare_hf_ranks: hf_check.compare_hf, stacks.compare_stacks_ranks: stacks.compare_stacks}
+    if worker in in_process and processes == 1:  # bridge.compare on one process: none to start
         with errors.status("verifying in this process (bridge.compare)"):
-            reports = hf_check.compare_hf(case, device)
+            reports = in_process[worker](work, device)
         return _finish(args, console, reports)
     with errors.status(f"verifying in {processes} co-located torch+JAX processes"):
         reports = runtime.launch(worker, processes, work, device_type=device)[0]
@@ -182,6 +188,17 @@ def _run_factories(args: argparse.Namespace, console: Console) -> int:
     recipes, steps = _recipes(args.recipe or "off"), args.steps or 0
     reports = [r.to_json() for r in compare_factories(args.torch, args.jax, recipes, steps=steps)]
     return _finish(args, console, reports)
+
+
+def _step_zero_only(cases) -> list[str]:
+    """A line per recipe that bridge.compare checks at step 0 only (bridge.model_compare.stacks)."""
+    from bridge.model_compare.stacks import steps_of
+
+    recipes = dict.fromkeys(r for case in cases for r in case.recipes if steps_of(case, r) < case.steps)
+    return [
+        f"recipe {recipe}: compared at step 0 only (bridge.compare does not carry its scaling state to the next step)"
+        for recipe in recipes
+    ]
 
 
 def _recipes(text: str) -> tuple[str, ...]:
@@ -284,6 +301,11 @@ def _cases(args: argparse.Namespace, plan) -> list:
     meshes = [choose_mesh(text, plan) for text in args.mesh or [None]]
     if len({mesh.world_size for mesh in meshes}) > 1:
         raise ValueError(f"meshes {[str(m) for m in meshes]} need different process counts; verify them one by one")
+    if len({mesh.tp > 1 for mesh in meshes}) > 1:
+        raise ValueError(
+            f"meshes {[str(m) for m in meshes]}: some have tp, some not (a TP mesh runs the sharded check, the others "
+            "bridge.compare); verify them one by one"
+        )
     cases = [VerifyCase(args.model, layers, hidden, mesh, recipes, steps, plan) for mesh in meshes]
     for case in cases:
         _check_tp_divides(case)

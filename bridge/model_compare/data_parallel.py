@@ -38,9 +38,10 @@ class DataParallel:
     size: int
     rank: int
     jax_mesh: Any  # a 1-D JAX mesh ("dp",) of every process's device, rank r's device at r
+    batch_dim: int = 0  # the inputs' dim split over the ranks
 
     def rows(self, x: torch.Tensor) -> torch.Tensor:
-        return x.chunk(self.size, dim=0)[self.rank].contiguous()
+        return x.chunk(self.size, dim=self.batch_dim)[self.rank].contiguous()
 
     def torch_sum(self, x: torch.Tensor) -> torch.Tensor:
         import torch.distributed as dist
@@ -61,12 +62,12 @@ class DataParallel:
         return np.asarray(total.addressable_data(0))
 
     def gather_rows(self, x: torch.Tensor) -> torch.Tensor:
-        """Every rank's `x` concatenated along dim 0 (the whole batch), on every rank."""
+        """Every rank's `x` concatenated along the batch dim (the whole batch), on every rank."""
         import torch.distributed as dist
 
         parts = [torch.empty_like(x) for _ in range(self.size)]
         dist.all_gather(parts, x.contiguous())
-        return torch.cat(parts)
+        return torch.cat(parts, dim=self.batch_dim)
 
     def sum_error(self, elements: int) -> float:
         """The relative rounding of a sum of `size` partial gradients, as two orders may take it (bridge.numerics)."""
@@ -138,14 +139,14 @@ def load_model_factory(name: str, value: Any) -> Callable[[], Any]:
     return value
 
 
-def rank_of(runtime) -> DataParallel:
-    """This runtime's process as one rank of a data-parallel mesh of all its processes."""
+def rank_of(runtime, batch_dim: int = 0) -> DataParallel:
+    """This runtime's process as one rank of a data-parallel mesh of all its processes, splitting `batch_dim`."""
     from torch.distributed.device_mesh import init_device_mesh
 
     from bridge.runtime import jax_mesh
 
     world = init_device_mesh(runtime.device_type, (runtime.world_size,), mesh_dim_names=("dp",))
-    return DataParallel(runtime.world_size, runtime.rank, jax_mesh(world))
+    return DataParallel(runtime.world_size, runtime.rank, jax_mesh(world), batch_dim)
 
 
 def worker(runtime, factories: tuple[Any, Any], inputs: tuple[torch.Tensor, ...], options: dict) -> Any:

@@ -152,3 +152,33 @@ def test_a_submodule_called_twice_is_checked_per_call():
     forward = [c.name for c in report.checks if c.stage == "forward" and c.name.startswith("block (")]
     assert forward == ["block (call 1)", "block (call 2)"]
     assert "block.fc1.weight" in {c.name for c in report.checks if c.stage == "weight_grad"}
+
+
+class _TorchSameOutputTwice(torch.nn.Module):
+    """Returns its output and a list holding the same tensor (as verify's stacks return (y, block outputs))."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.stack = TorchStack(WIDTH, 1)
+
+    def forward(self, x):
+        y = self.stack(x)
+        return y, [y]
+
+
+class _JaxSameOutputTwice(nnx.Module):
+    def __init__(self) -> None:
+        self.stack = JaxStack(WIDTH, 1)
+
+    def __call__(self, x):
+        y = self.stack(x)
+        return y, [y]
+
+
+def test_an_output_returned_twice_passes_its_gradients():
+    """torch's hook on a tensor returned twice sees the gradient of both positions: JAX must get it once, not twice
+    (the input gradient was off by 100%)."""
+    torch.manual_seed(0)
+    report = bridge.compare(_TorchSameOutputTwice(), _JaxSameOutputTwice(), inputs(WIDTH, seq=16))
+    assert report.passed, report.first_divergence
+    assert {"output 0", "output 1", "input"} <= {check.name for check in report.checks}
