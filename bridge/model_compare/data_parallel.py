@@ -59,7 +59,7 @@ class DataParallel:
         local = jax.device_put(np.asarray(x)[None], jax.local_devices()[0])
         stacked = jax.make_array_from_single_device_arrays((self.size, *np.shape(x)), sharding, [local])
         total = _summed(NamedSharding(self.jax_mesh, PartitionSpec()))(stacked)
-        return np.asarray(total.addressable_data(0))
+        return np.array(total.addressable_data(0))  # a copy: torch.from_numpy wants a writable array
 
     def gather_rows(self, x: torch.Tensor) -> torch.Tensor:
         """Every rank's `x` concatenated along the batch dim (the whole batch), on every rank."""

@@ -26,8 +26,11 @@ BATCH_DIM = 1  # the stacks' activations are [S, B, H]
 
 def stack_pair(case: crosscheck.VerifyCase, device: torch.device | str) -> tuple[torch.nn.Module, object]:
     """The case's torch stack on `device` with the seeded values, and its JAX twin (compare copies them in)."""
+    from torchside.parallel import materialize
+
     spec = case.spec
-    torch_model = twins.build_torch(spec).to_empty(device=device)
+    torch_model = twins.build_torch(spec)
+    materialize(torch_model, device)  # FP8 state included (DelayedScaling's history and scales)
     with torch.no_grad():
         for name, values in crosscheck.seeded_values(torch_model).items():
             torch_model.get_parameter(name).copy_(values)
