@@ -1,4 +1,10 @@
-"""`verify`: the same model, weights and inputs in torch and JAX on the same devices, compared step by step.
+"""`verify` on a tensor-parallel mesh: the same model, weights and inputs in torch and JAX, sharded alike.
+
+`shardbridge verify` runs the stacks through bridge.compare (bridge/model_compare/stacks.py) on meshes
+without tp. This check stays for tp > 1 because compare runs whole models only: it checks what
+compare cannot, that both frameworks split every parameter and activation alike over TP (and
+FSDP/HSDP) and compute the same numbers from those shards (the "layout" check and the shard-by-shard
+comparisons below). tests/bridge/test_runtime.py also runs it on data-parallel meshes.
 
 Runs inside co-located processes (bridge.runtime). Per case (model, mesh, recipes, steps):
 

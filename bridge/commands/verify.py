@@ -1,13 +1,15 @@
 """`shardbridge verify`: the same model in torch and JAX on the same devices, compared step by step.
 
-Starts one process per device of the mesh under torchrun's launcher (bridge.runtime), builds the
-torchside model and its jaxside twin with the same weights, runs forward, backward and Adam for
---steps steps under each recipe, and compares every block's output, the input gradient, every
-weight gradient, parameter and Adam moment shard by shard (tolerances: bridge.numerics). With
---model llama --hf HF_DIR both instead load a Hugging Face Llama checkpoint and their logits on
-seeded random tokens are compared (FP8 off by default); with --model llama --plan PLAN the seeded
-tiny Llama under the plan is compared with its JAX twin and with the unsharded model. Exit codes: 0
-all within tolerance, 1 a divergence (the first one is named), 2 bad input.
+Builds the torchside model and its jaxside twin with the same weights, runs forward, backward and
+Adam for --steps steps under each recipe and compares them. Without tp (--mesh dp=1, dp=2, rep=2,dp=2)
+that is bridge.compare, here or in one co-located process per device (bridge.runtime): every block
+and submodule teacher-forced against its derived bound, end to end, then parameters and Adam moments.
+On a TP mesh each process holds its shards and every block's output, the input gradient, every weight
+gradient, parameter and Adam moment are compared shard by shard (tolerances: bridge.numerics). With
+--model llama --hf HF_DIR both instead load a Hugging Face Llama checkpoint (FP8 off by default);
+with --model llama --plan PLAN the seeded tiny Llama under the plan is compared with its JAX twin and
+with the unsharded model. Exit codes: 0 all within tolerance, 1 a divergence (the first one is
+named), 2 bad input.
 
 --plan PLAN places both twins by a placement plan (a TOML file, twinspec.plan): its [mesh] is the
 default --mesh, and the plan is checked against the model before any process starts. Without --model,

@@ -3,7 +3,8 @@
 A model we did not write cannot be split by us (its tensor-parallel layout is its author's), but any
 model can run data-parallel: in each of dp processes (one torch rank and one JAX process on the same
 device) both factories build the model, torch's parameters are broadcast from rank 0 (JAX takes them
-as before), and each rank compares on its rows of the inputs (dim 0 split over the ranks):
+as before), and each rank compares on its rows of the inputs (dim 0 split over the ranks; `batch_dim`
+for verify's [S, B, H] stacks):
 - every submodule's inputs, outputs and input gradients are local: each rank checks its own and the
   relative errors are summed over ranks (bridge.numerics.local_stats / reduce_stats, as verify does);
 - weight gradients are summed over the ranks by each framework's own collective: torch's all-reduce
