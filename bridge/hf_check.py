@@ -30,9 +30,15 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from bridge.numerics import RECIPES, TensorCheck, VerifyReport, tolerance
 from twinspec.mesh import MESH_AXES, MeshShape
+
+if TYPE_CHECKING:  # imported where used: the workers choose JAX's platform first
+    import torch
+
+    from bridge.model_compare.data_parallel import DataParallel
 
 TOKEN_SEED = 0
 
@@ -191,7 +197,7 @@ def verify_hf(runtime, case: HFCase) -> list[dict]:
     return reports
 
 
-def compare_hf(case: HFCase, device, dp=None) -> list[dict]:
+def compare_hf(case: HFCase, device: torch.device | str, dp: DataParallel | None = None) -> list[dict]:
     """The case through bridge.compare (module docstring); the JSON reports, one per recipe.
 
     device: torch's device. dp: this process's rank of a data-parallel mesh
@@ -245,6 +251,6 @@ def logits_report(
 
 
 __all__ = [
-    "HFCase", "check_forward_options", "check_input", "compare_hf", "compare_hf_ranks", "logits_report", "random_tokens",
-    "verify_hf",
+    "HFCase", "check_forward_options", "check_input", "compare_hf", "compare_hf_ranks", "logits_report",
+    "random_tokens", "verify_hf",
 ]

@@ -168,8 +168,8 @@ def test_a_data_parallel_mesh_runs_bridge_compare_and_says_which_recipes_stop_at
     monkeypatch.setattr(runtime, "launch", first_launch)
     assert main(["verify", *STACK, "--mesh", mesh, "--recipe", "current,delayed"]) == 130
     assert launched == [("compare_stacks_ranks", processes, [5])]
-    said = "recipe delayed: compared at step 0 only (bridge.compare does not carry its scaling state to the next step)\n"
-    assert capsys.readouterr().err == said + "error: interrupted\n"
+    said = "recipe delayed: compared at step 0 only (bridge.compare does not carry its scaling state to the next step)"
+    assert capsys.readouterr().err == said + "\nerror: interrupted\n"
 
 
 def test_explicit_cuda_with_too_few_gpus_exits_2_before_any_process_starts(monkeypatch, capsys):

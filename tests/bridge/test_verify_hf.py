@@ -51,7 +51,7 @@ def _no_launch(monkeypatch) -> None:
         (["--model", "llama", "--hf", "{hf}", "--steps", "2"], "--steps: options of the built-in stacks"),
         (["--model", "llama", "--hf", "{fp8}", "--recipe", "current"], "FP8 block-scaled checkpoint: compare it with"),
         # FSDP2's 64-row shards of a 256-row FP8 weight would split its 128-row scale blocks
-        (["--model", "llama", "--hf", "{fp8}", "--mesh", "dp=4,tp=2"], "proj.weight: FSDP2 over dp_shard=4 cuts its 256"),
+        (["--model", "llama", "--hf", "{fp8}", "--mesh", "dp=4,tp=2"], "proj.weight: FSDP2 over dp_shard=4 cuts its"),
         # ffn 96 over TP 2: fc2's 48-wide shards cut MXFP8's 32-element tiles (the processes' first FP8 forward)
         (["--model", "llama", "--hf", "{hf}", "--mesh", "tp=2", "--recipe", "mxfp8"], "fc2_weight: MXFP8BlockScaling"),
         (["--seq-len", "64"], "--seq-len: options of --model llama --hf"),
