@@ -35,7 +35,7 @@ from typing import TYPE_CHECKING
 from bridge.numerics import RECIPES, TensorCheck, VerifyReport, tolerance
 from twinspec.mesh import MESH_AXES, MeshShape
 
-if TYPE_CHECKING:  # imported where used: the workers choose JAX's platform first
+if TYPE_CHECKING:  # the hints only: this module imports the frameworks where it uses them
     import torch
 
     from bridge.model_compare.data_parallel import DataParallel
