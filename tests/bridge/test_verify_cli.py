@@ -172,6 +172,21 @@ def test_a_data_parallel_mesh_runs_bridge_compare_and_says_which_recipes_stop_at
     assert capsys.readouterr().err == said + "\nerror: interrupted\n"
 
 
+@pytest.mark.slow
+@pytest.mark.grid  # 20 s on 2 shared cores; CI runs compare's data-parallel worker in tests/bridge/test_verify_hf.py
+@pytest.mark.multiprocess
+def test_two_data_parallel_processes_pass_the_stack_under_current_scaling(tmp_path, monkeypatch):
+    """dp=2 CPU processes, each its columns of the [S, B, H] batch: every submodule, the noise-aware end-to-end
+    verdict over both ranks' columns, one Adam step."""
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    report_file = tmp_path / "report.json"
+    arguments = ["verify", *STACK, "--mesh", "dp=2", "--recipe", "current", "--steps", "1", "--report", str(report_file)]
+    assert main(arguments) == 0
+    (report,) = json.loads(report_file.read_text())
+    assert (report["mesh"], report["passed"]) == ("dp_shard=2", True)
+    assert "output 0 [distance to reference]" in {c["name"] for c in report["checks"]}
+
+
 def test_explicit_cuda_with_too_few_gpus_exits_2_before_any_process_starts(monkeypatch, capsys):
     import torch
 
