@@ -180,8 +180,8 @@ def test_two_data_parallel_processes_pass_the_stack_under_current_scaling(tmp_pa
     verdict over both ranks' columns, one Adam step."""
     monkeypatch.setenv("TRITON_INTERPRET", "0")
     report_file = tmp_path / "report.json"
-    arguments = ["verify", *STACK, "--mesh", "dp=2", "--recipe", "current", "--steps", "1", "--report", str(report_file)]
-    assert main(arguments) == 0
+    arguments = ["verify", *STACK, "--mesh", "dp=2", "--recipe", "current", "--steps", "1", "--report", report_file]
+    assert main([str(a) for a in arguments]) == 0
     (report,) = json.loads(report_file.read_text())
     assert (report["mesh"], report["passed"]) == ("dp_shard=2", True)
     assert "output 0 [distance to reference]" in {c["name"] for c in report["checks"]}
