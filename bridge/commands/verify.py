@@ -1,11 +1,12 @@
 """`shardbridge verify`: the same model in torch and JAX on the same devices, compared step by step.
 
 Builds the torchside model and its jaxside twin with the same weights, runs forward, backward and
-Adam for --steps steps under each recipe and compares them. Without tp (--mesh dp=1, dp=2, rep=2,dp=2)
-that is bridge.compare, here or in one co-located process per device (bridge.runtime): every block
-and submodule teacher-forced against its derived bound, end to end, then parameters and Adam moments.
-On a TP mesh each process holds its shards and every block's output, the input gradient, every weight
-gradient, parameter and Adam moment are compared shard by shard (tolerances: bridge.numerics). With
+Adam for --steps steps under each recipe and compares them. Without tp or --plan (--mesh dp=1, dp=2,
+rep=2,dp=2) that is bridge.compare, here or in one co-located process per device (bridge.runtime):
+every block and submodule teacher-forced against its derived bound, end to end, then parameters and
+Adam moments. On a TP mesh or under a plan each process holds its shards and every block's output,
+the input gradient, every weight gradient, parameter and Adam moment are compared shard by shard
+(tolerances: bridge.numerics). With
 --model llama --hf HF_DIR both instead load a Hugging Face Llama checkpoint (FP8 off by default);
 with --model llama --plan PLAN the seeded tiny Llama under the plan is compared with its JAX twin and
 with the unsharded model. Exit codes: 0 all within tolerance, 1 a divergence (the first one is
@@ -122,7 +123,9 @@ def run(args: argparse.Namespace, console: Console) -> int:
         work, processes = case, case.mesh.world_size
     else:
         cases = _cases(args, plan)
-        worker = crosscheck.verify if cases[0].mesh.tp > 1 else stacks.compare_stacks_ranks
+        # A plan is a placement: only the sharded check tests it (docs/verification.md).
+        sharded = plan is not None or cases[0].mesh.tp > 1
+        worker = crosscheck.verify if sharded else stacks.compare_stacks_ranks
         work, processes = cases, cases[0].mesh.world_size
     if args.report:
         from bridge.cli import check_output_path
@@ -299,16 +302,16 @@ def _cases(args: argparse.Namespace, plan) -> list:
     layers, hidden, steps = (
         STACK_DEFAULTS[n] if getattr(args, n) is None else getattr(args, n) for n in STACK_DEFAULTS
     )
-    plan = DEFAULT_PLAN if plan is None else plan
-    meshes = [choose_mesh(text, plan) for text in args.mesh or [None]]
+    placement = DEFAULT_PLAN if plan is None else plan
+    meshes = [choose_mesh(text, placement) for text in args.mesh or [None]]
     if len({mesh.world_size for mesh in meshes}) > 1:
         raise ValueError(f"meshes {[str(m) for m in meshes]} need different process counts; verify them one by one")
-    if len({mesh.tp > 1 for mesh in meshes}) > 1:
+    if plan is None and len({mesh.tp > 1 for mesh in meshes}) > 1:
         raise ValueError(
             f"meshes {[str(m) for m in meshes]}: some have tp, some not (a TP mesh runs the sharded check, the others "
             "bridge.compare); verify them one by one"
         )
-    cases = [VerifyCase(args.model, layers, hidden, mesh, recipes, steps, plan) for mesh in meshes]
+    cases = [VerifyCase(args.model, layers, hidden, mesh, recipes, steps, placement) for mesh in meshes]
     for case in cases:
         _check_tp_divides(case)
         _check_plan(case)

@@ -187,6 +187,24 @@ def test_two_data_parallel_processes_pass_the_stack_under_current_scaling(tmp_pa
     assert "output 0 [distance to reference]" in {c["name"] for c in report["checks"]}
 
 
+def test_a_plan_without_tp_still_runs_the_sharded_check(monkeypatch, tmp_path):
+    """A plan places the shards (here FSDP's dim of fc2): bridge.compare runs whole models, so --plan never goes
+    there, even on a mesh without tp."""
+    from bridge import runtime
+
+    launched = []
+
+    def first_launch(fn, nprocs, work, device_type=None, **kwargs):
+        launched.append((fn.__name__, nprocs))
+        raise KeyboardInterrupt  # stop before the work: only the choice is under test
+
+    monkeypatch.setattr(runtime, "launch", first_launch)
+    plan = tmp_path / "fsdp_dim1.toml"
+    plan.write_text('[[rule]]\nmatch = "layers.*.mlp.fc2_weight"\nfsdp_dim = 1\n')
+    assert main(["verify", *STACK, "--mesh", "dp=2", "--plan", str(plan)]) == 130
+    assert launched == [("verify", 2)]
+
+
 def test_explicit_cuda_with_too_few_gpus_exits_2_before_any_process_starts(monkeypatch, capsys):
     import torch
 
