@@ -149,10 +149,8 @@ def recording(model: nn.Module, names: set[str]) -> Iterator[list[Call]]:
         def hook(module, args, kwargs, output):
             call = stack.pop()
             call.output = _detached(output)
-            seen = set()  # a tensor returned twice gets the whole gradient once: JAX's vjp sums the positions
             for index, leaf in enumerate(float_leaves(output)):
-                if leaf.requires_grad and id(leaf) not in seen:
-                    seen.add(id(leaf))
+                if leaf.requires_grad:
                     leaf.register_hook(_store(call.output_grads, index))
             calls.append(call)
 
