@@ -6,11 +6,10 @@ rep=2,dp=2) that is bridge.compare, here or in one co-located process per device
 every block and submodule teacher-forced against its derived bound, end to end, then parameters and
 Adam moments. On a TP mesh or under a plan each process holds its shards and every block's output,
 the input gradient, every weight gradient, parameter and Adam moment are compared shard by shard
-(tolerances: bridge.numerics). With
---model llama --hf HF_DIR both instead load a Hugging Face Llama checkpoint (FP8 off by default);
-with --model llama --plan PLAN the seeded tiny Llama under the plan is compared with its JAX twin and
-with the unsharded model. Exit codes: 0 all within tolerance, 1 a divergence (the first one is
-named), 2 bad input.
+(tolerances: bridge.numerics). With --model llama --hf HF_DIR both instead load a Hugging Face Llama
+checkpoint (FP8 off by default); with --model llama --plan PLAN the seeded tiny Llama under the plan
+is compared with its JAX twin and with the unsharded model. Exit codes: 0 all within tolerance, 1 a
+divergence (the first one is named), 2 bad input.
 
 --plan PLAN places both twins by a placement plan (a TOML file, twinspec.plan): its [mesh] is the
 default --mesh, and the plan is checked against the model before any process starts. Without --model,
