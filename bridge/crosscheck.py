@@ -1,4 +1,10 @@
-"""`verify`: the same model, weights and inputs in torch and JAX on the same devices, compared step by step.
+"""`verify` on a tensor-parallel mesh: the same model, weights and inputs in torch and JAX, sharded alike.
+
+`shardbridge verify` runs the stacks through bridge.compare (bridge/model_compare/stacks.py) on meshes
+without tp. This check stays for tp > 1 because compare runs whole models only: it checks what
+compare cannot, that both frameworks split every parameter and activation alike over TP (and
+FSDP/HSDP) and compute the same numbers from those shards (the "layout" check and the shard-by-shard
+comparisons below). tests/bridge/test_runtime.py also runs it on data-parallel meshes.
 
 Runs inside co-located processes (bridge.runtime). Per case (model, mesh, recipes, steps):
 
@@ -248,13 +254,28 @@ def _check_layouts(models: _Twins, mesh, report: VerifyReport) -> None:
         report.checks.append(TensorCheck(0, "layout", pair.torch_name, mismatch, mismatch, False, limit, equal))
 
 
-def _load_seeded_values(model) -> None:
-    """Seeded global values (norm weights near 1), each rank copying its shard (by the shard map)."""
+def seeded_values(model) -> dict[str, torch.Tensor]:
+    """Seeded global values of every parameter (norm weights near 1), on the CPU."""
     generator = torch.Generator().manual_seed(5)
+    values = {}
+    for name, param in model.named_parameters():
+        scale = 0.05 if param.dim() == 2 else 0.1
+        values[name] = torch.randn(param.shape, generator=generator) * scale + (param.dim() == 1 and "weight" in name)
+    return values
+
+
+def seeded_batch(step: int, hidden: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The step's seeded global x and dy [S, B, H], on the CPU."""
+    generator = torch.Generator().manual_seed(1000 + step)
+    x, dy = (torch.randn(SEQUENCE, BATCH, hidden, generator=generator) for _ in range(2))
+    return x, dy
+
+
+def _load_seeded_values(model) -> None:
+    """`seeded_values`, each rank copying its shard (by the shard map)."""
     with torch.no_grad():
-        for name, param in model.named_parameters():
-            scale = 0.05 if param.dim() == 2 else 0.1
-            values = torch.randn(param.shape, generator=generator) * scale + (param.dim() == 1 and "weight" in name)
+        for name, values in seeded_values(model).items():
+            param = model.get_parameter(name)
             shard_map = layout.from_dtensor(param)
             local = param._local_tensor
             local.copy_(values[shard_map.selectors(tuple(param.device_mesh.get_coordinate()))].to(local.device))
@@ -266,9 +287,8 @@ def _activation_placements() -> list:
 
 def _batch(meshes, step: int, hidden: int, device) -> tuple[Any, Any]:
     """This rank's batch columns of the step's seeded global x and dy [S, B, H]."""
-    generator = torch.Generator().manual_seed(1000 + step)
-    x, dy = (torch.randn(SEQUENCE, BATCH, hidden, generator=generator) for _ in range(2))
-    columns = (t.chunk(meshes.data_parallel_size, dim=1)[meshes.data_parallel_rank()] for t in (x, dy))
+    rank, ranks = meshes.data_parallel_rank(), meshes.data_parallel_size
+    columns = (t.chunk(ranks, dim=1)[rank] for t in seeded_batch(step, hidden))
     return tuple(t.contiguous().to(device) for t in columns)
 
 
@@ -382,4 +402,6 @@ class _Placement:
         return hash(self._key)
 
 
-__all__ = ["HISTORY", "LR", "VerifyCase", "case_recipe", "verify"]
+__all__ = [
+    "BATCH", "HISTORY", "LR", "SEQUENCE", "VerifyCase", "case_recipe", "seeded_batch", "seeded_values", "verify"
+]

@@ -1,24 +1,26 @@
-"""`verify --model llama --hf DIR`: one Hugging Face Llama checkpoint in torch and in JAX, logits compared.
+"""`verify --model llama --hf DIR`: one Hugging Face Llama checkpoint in torch and in JAX, compared.
 
-In each co-located process (bridge.runtime) both frameworks load the directory themselves, each
-reading its own shards: `torchside.models.llama.load_hf` onto the torch mesh (FSDP2 over the data
-axes, TP on `tp`) and `jaxside.models.llama.load_hf` onto the JAX mesh of the same devices. Both
-load in fp32 (bf16 and fp32 weights are exact in it; an FP8 block-scaled checkpoint keeps its
-bytes and scales as torch FP8 parameters, while JAX dequantizes them, docs/hf.md), so the check
-measures the two implementations, not bf16 rounding. Both then run the same seeded random tokens
-forward under the recipe (fresh models, so fresh FP8 scaling state on both sides) and their logits
-are compared shard by shard (bridge.logits) against bridge.numerics' forward tolerance.
+Without tensor parallelism (tp = 1: one process, or data-parallel processes) the check is
+`bridge.compare` (`compare_hf`, docs/verification.md): each process loads the whole model in both
+frameworks (`torchside.models.llama.load_hf`, `jaxside.models.llama.load_hf` on its own device, fp32),
+every block is teacher-forced against its derived bound, then the logits, under FP8 judged
+noise-aware against both frameworks' FP8-off logits. Each side keeps the parameters it loaded
+(`copy_params=False`), so a loader's difference is named by the first block it reaches. On several
+processes each compares its rows of the tokens (bridge.model_compare.data_parallel).
 
-On one process (a mesh of world size 1) the check is `bridge.compare` instead (`compare_hf`,
-docs/verification.md): every block teacher-forced against its derived bound, then the logits, under
-FP8 judged noise-aware against both frameworks' FP8-off logits. Each side keeps the parameters it
-loaded (`copy_params=False`), so a loader's difference is named by the first block it reaches.
+On a tensor-parallel mesh (tp > 1) the check is `verify_hf`, because bridge.compare does not split a
+model: in each co-located process (bridge.runtime) both frameworks load their own shards (torch:
+FSDP2 over the data axes, TP on `tp`; JAX: the same devices' mesh), run the seeded tokens forward
+under the recipe and compare the logits shard by shard (bridge.logits) against bridge.numerics'
+forward tolerance. Both load in fp32 (bf16 and fp32 weights are exact in it; an FP8 block-scaled
+checkpoint keeps its bytes and scales as torch FP8 parameters, while JAX dequantizes them, docs/hf.md),
+so either check measures the two implementations, not bf16 rounding.
 
 `check_input` runs before any process starts: the directory's config, index and headers
 (twinspec.hf_llama.Checkpoint), the torch model built on "meta" for the TP size (its
 modules refuse heads or ffn sizes TP does not divide; each recipe's tiles against its GEMM
-weights' TP shards; an FP8 checkpoint's FSDP2 row shards against its 128-row blocks), and the
-JAX twin's shardings on an abstract mesh (JAX refuses dims the mesh does not divide evenly).
+weights' TP shards) and, on a TP mesh, an FP8 checkpoint's FSDP2 row shards against its 128-row
+blocks and the JAX twin's shardings on an abstract mesh (JAX refuses dims the mesh does not divide).
 """
 
 from __future__ import annotations
@@ -28,9 +30,15 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from bridge.numerics import RECIPES, TensorCheck, VerifyReport, tolerance
 from twinspec.mesh import MESH_AXES, MeshShape
+
+if TYPE_CHECKING:  # the hints only: this module imports the frameworks where it uses them
+    import torch
+
+    from bridge.model_compare.data_parallel import DataParallel
 
 TOKEN_SEED = 0
 
@@ -83,13 +91,15 @@ def check_input(case: HFCase) -> None:
             "the file's FP8 weights, JAX with their dequantized values; a recipe would requantize only JAX's)"
         )
     mesh = case.mesh
-    # Both loaders pad the vocabulary to a multiple of tp x dp_shard (torchside.models.llama_hf).
-    config = dataclasses.replace(checkpoint.config, vocab_multiple=mesh.tp * mesh.dp_shard)
+    sharded = mesh.tp > 1  # else bridge.compare: the whole model on every process
+    # The sharded loaders pad the vocabulary to a multiple of tp x dp_shard (torchside.models.llama_hf).
+    config = dataclasses.replace(checkpoint.config, vocab_multiple=mesh.tp * mesh.dp_shard if sharded else 1)
     try:
         model = _build_torch_on_meta(config, mesh.tp, checkpoint.fp8)
         _check_recipes_fit(model, case.recipes, mesh.tp)
-        _check_fp8_rows_fit(model, mesh.dp_shard)
-        _jax_shardings(config, AbstractMesh(mesh.sizes, MESH_AXES))
+        if sharded:
+            _check_fp8_rows_fit(model, mesh.dp_shard)
+            _jax_shardings(config, AbstractMesh(mesh.sizes, MESH_AXES))
     except ValueError as error:
         raise ValueError(f"--hf {case.path} on --mesh {mesh}: {error}") from error
 
@@ -187,24 +197,39 @@ def verify_hf(runtime, case: HFCase) -> list[dict]:
     return reports
 
 
-def compare_hf(case: HFCase, device_type: str) -> list[dict]:
-    """A one-process case through bridge.compare (module docstring); the JSON reports, one per recipe."""
+def compare_hf(case: HFCase, device: torch.device | str, dp: DataParallel | None = None) -> list[dict]:
+    """The case through bridge.compare (module docstring); the JSON reports, one per recipe.
+
+    device: torch's device. dp: this process's rank of a data-parallel mesh
+    (bridge.model_compare.data_parallel.DataParallel), which compares its rows of the tokens; None: one process.
+    """
+    import jax
     import jax.numpy as jnp
     import torch
 
-    from bridge.model_compare.core import compare
+    from bridge.model_compare.core import compare_here
     from jaxside.models import llama as jax_llama
+    from jaxside.sharding import make_mesh
     from torchside.models import llama as torch_llama
 
+    this_device = make_mesh(devices=jax.local_devices()[:1])  # the whole model on this process's device
     reports = []
     for recipe in case.recipes:  # loaded again for each: fresh FP8 scaling state
-        model = torch_llama.load_hf(case.path, device=device_type, dtype=torch.float32)
-        twin = jax_llama.load_hf(case.path, dtype=jnp.float32)
-        tokens = random_tokens(model.config.vocab_size, case.batch_size, case.seq_len).to(device_type)
-        report = compare(model, twin, tokens, recipe=recipe, backward=False, copy_params=False)
+        model = torch_llama.load_hf(case.path, device=device, dtype=torch.float32)
+        twin = jax_llama.load_hf(case.path, mesh=this_device, dtype=jnp.float32)
+        tokens = random_tokens(model.config.vocab_size, case.batch_size, case.seq_len)
+        tokens = (tokens if dp is None else dp.rows(tokens)).to(device)
+        report = compare_here(model, twin, tokens, recipe=recipe, backward=False, copy_params=False, dp=dp)
         report.model, report.mesh = f"llama {case.path}", str(case.mesh)
         reports.append(report.to_json())
     return reports
+
+
+def compare_hf_ranks(runtime, case: HFCase) -> list[dict]:
+    """`compare_hf` as one rank of the co-located data-parallel processes (bridge.runtime.launch's worker)."""
+    from bridge.model_compare.data_parallel import rank_of
+
+    return compare_hf(case, runtime.torch_device, rank_of(runtime))
 
 
 def logits_report(
@@ -226,5 +251,6 @@ def logits_report(
 
 
 __all__ = [
-    "HFCase", "check_forward_options", "check_input", "compare_hf", "logits_report", "random_tokens", "verify_hf"
+    "HFCase", "check_forward_options", "check_input", "compare_hf", "compare_hf_ranks", "logits_report",
+    "random_tokens", "verify_hf",
 ]

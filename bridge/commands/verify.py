@@ -1,13 +1,15 @@
 """`shardbridge verify`: the same model in torch and JAX on the same devices, compared step by step.
 
-Starts one process per device of the mesh under torchrun's launcher (bridge.runtime), builds the
-torchside model and its jaxside twin with the same weights, runs forward, backward and Adam for
---steps steps under each recipe, and compares every block's output, the input gradient, every
-weight gradient, parameter and Adam moment shard by shard (tolerances: bridge.numerics). With
---model llama --hf HF_DIR both instead load a Hugging Face Llama checkpoint and their logits on
-seeded random tokens are compared (FP8 off by default); with --model llama --plan PLAN the seeded
-tiny Llama under the plan is compared with its JAX twin and with the unsharded model. Exit codes: 0
-all within tolerance, 1 a divergence (the first one is named), 2 bad input.
+Builds the torchside model and its jaxside twin with the same weights, runs forward, backward and
+Adam for --steps steps under each recipe and compares them. Without tp or --plan (--mesh dp=1, dp=2,
+rep=2,dp=2) that is bridge.compare, here or in one co-located process per device (bridge.runtime):
+every block and submodule teacher-forced against its derived bound, end to end, then parameters and
+Adam moments. On a TP mesh or under a plan each process holds its shards and every block's output,
+the input gradient, every weight gradient, parameter and Adam moment are compared shard by shard
+(tolerances: bridge.numerics). With --model llama --hf HF_DIR both instead load a Hugging Face Llama
+checkpoint (FP8 off by default); with --model llama --plan PLAN the seeded tiny Llama under the plan
+is compared with its JAX twin and with the unsharded model. Exit codes: 0 all within tolerance, 1 a
+divergence (the first one is named), 2 bad input.
 
 --plan PLAN places both twins by a placement plan (a TOML file, twinspec.plan): its [mesh] is the
 default --mesh, and the plan is checked against the model before any process starts. Without --model,
@@ -16,11 +18,12 @@ the model is the first of mlp, transformer and llama whose parameter names the p
 llama (no --hf) the model is the seeded tiny Llama, embedding and head included: its logits in torch
 under the plan, in the JAX twin and in the unsharded model are compared (bridge/plan_check.py).
 
---model llama --hf HF_DIR: torchside's and jaxside's load_hf in each process (each reading its
-own shards, fp32), one forward of --batch-size x --seq-len random tokens under --recipe (default
-off), the logits against bridge.numerics' forward tolerance (bridge/hf_check.py, docs/hf.md). On a
-mesh of one process (e.g. --mesh dp=1) the two loaded models go through bridge.compare instead:
-every block teacher-forced against its derived bound, then the logits, noise-aware under FP8.
+--model llama --hf HF_DIR: torchside's and jaxside's load_hf in each process (fp32), one forward of
+--batch-size x --seq-len random tokens under --recipe (default off) (bridge/hf_check.py, docs/hf.md).
+Without tp (one process, e.g. --mesh dp=1, or data-parallel ones, e.g. --mesh dp=2) the two loaded
+models go through bridge.compare, each process on its rows of the tokens: every block teacher-forced
+against its derived bound, then the logits, noise-aware under FP8. On a TP mesh each process loads
+its own shards and the logits are compared against bridge.numerics' forward tolerance.
 
 --torch PKG.MODULE:FACTORY --jax PKG.MODULE:FACTORY: your own pair of models, each factory returning
 (model, example inputs), compared by bridge.compare on this process, every common submodule
@@ -61,8 +64,8 @@ def register(verbs) -> None:
     parser.add_argument(
         "--hf",
         metavar="HF_DIR",
-        help="a Hugging Face Llama directory (with --model llama): compare the two load_hf's logits; on one process "
-        "(--mesh dp=1) every block and the logits by bridge.compare",
+        help="a Hugging Face Llama directory (with --model llama): without tp, every block and the logits of the two "
+        "load_hf's by bridge.compare; on a TP mesh their logits",
     )
     parser.add_argument("--layers", type=int, help=f"blocks in the stack (default {STACK_DEFAULTS['layers']})")
     parser.add_argument(
@@ -103,6 +106,7 @@ def register(verbs) -> None:
 
 def run(args: argparse.Namespace, console: Console) -> int:
     from bridge import crosscheck, hf_check, plan_check
+    from bridge.model_compare import stacks
     from bridge.plan.build import read_plan
 
     if args.torch or args.jax:
@@ -114,10 +118,14 @@ def run(args: argparse.Namespace, console: Console) -> int:
         work, processes, worker = case, case.mesh.world_size, plan_check.verify_plan
     elif args.model == "llama" or args.hf is not None:
         case = _hf_case(args)
-        work, processes, worker = case, case.mesh.world_size, hf_check.verify_hf
+        worker = hf_check.verify_hf if case.mesh.tp > 1 else hf_check.compare_hf_ranks
+        work, processes = case, case.mesh.world_size
     else:
         cases = _cases(args, plan)
-        work, processes, worker = cases, cases[0].mesh.world_size, crosscheck.verify
+        # A plan is a placement: only the sharded check tests it (docs/verification.md).
+        sharded = plan is not None or cases[0].mesh.tp > 1
+        worker = crosscheck.verify if sharded else stacks.compare_stacks_ranks
+        work, processes = cases, cases[0].mesh.world_size
     if args.report:
         from bridge.cli import check_output_path
 
@@ -132,9 +140,13 @@ def run(args: argparse.Namespace, console: Console) -> int:
     device, fallback = runtime.choose_device_type(args.device, processes, torch.cuda.device_count())
     if fallback:
         errors.print(escape(fallback))
-    if worker is hf_check.verify_hf and processes == 1:  # one process: bridge.compare, every block teacher-forced
+    if worker is stacks.compare_stacks_ranks:
+        for line in _step_zero_only(cases):
+            errors.print(escape(line))
+    in_process = {hf_check.compare_hf_ranks: hf_check.compare_hf, stacks.compare_stacks_ranks: stacks.compare_stacks}
+    if worker in in_process and processes == 1:  # bridge.compare on one process: none to start
         with errors.status("verifying in this process (bridge.compare)"):
-            reports = hf_check.compare_hf(case, device)
+            reports = in_process[worker](work, device)
         return _finish(args, console, reports)
     with errors.status(f"verifying in {processes} co-located torch+JAX processes"):
         reports = runtime.launch(worker, processes, work, device_type=device)[0]
@@ -180,6 +192,17 @@ def _run_factories(args: argparse.Namespace, console: Console) -> int:
     recipes, steps = _recipes(args.recipe or "off"), args.steps or 0
     reports = [r.to_json() for r in compare_factories(args.torch, args.jax, recipes, steps=steps)]
     return _finish(args, console, reports)
+
+
+def _step_zero_only(cases) -> list[str]:
+    """A line per recipe that bridge.compare checks at step 0 only (bridge.model_compare.stacks)."""
+    from bridge.model_compare.stacks import steps_of
+
+    recipes = dict.fromkeys(r for case in cases for r in case.recipes if steps_of(case, r) < case.steps)
+    return [
+        f"recipe {recipe}: compared at step 0 only (bridge.compare does not carry its scaling state to the next step)"
+        for recipe in recipes
+    ]
 
 
 def _recipes(text: str) -> tuple[str, ...]:
@@ -278,11 +301,16 @@ def _cases(args: argparse.Namespace, plan) -> list:
     layers, hidden, steps = (
         STACK_DEFAULTS[n] if getattr(args, n) is None else getattr(args, n) for n in STACK_DEFAULTS
     )
-    plan = DEFAULT_PLAN if plan is None else plan
-    meshes = [choose_mesh(text, plan) for text in args.mesh or [None]]
+    placement = DEFAULT_PLAN if plan is None else plan
+    meshes = [choose_mesh(text, placement) for text in args.mesh or [None]]
     if len({mesh.world_size for mesh in meshes}) > 1:
         raise ValueError(f"meshes {[str(m) for m in meshes]} need different process counts; verify them one by one")
-    cases = [VerifyCase(args.model, layers, hidden, mesh, recipes, steps, plan) for mesh in meshes]
+    if plan is None and len({mesh.tp > 1 for mesh in meshes}) > 1:
+        raise ValueError(
+            f"meshes {[str(m) for m in meshes]}: some have tp, some not (a TP mesh runs the sharded check, the others "
+            "bridge.compare); verify them one by one"
+        )
+    cases = [VerifyCase(args.model, layers, hidden, mesh, recipes, steps, placement) for mesh in meshes]
     for case in cases:
         _check_tp_divides(case)
         _check_plan(case)

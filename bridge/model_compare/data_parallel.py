@@ -3,7 +3,8 @@
 A model we did not write cannot be split by us (its tensor-parallel layout is its author's), but any
 model can run data-parallel: in each of dp processes (one torch rank and one JAX process on the same
 device) both factories build the model, torch's parameters are broadcast from rank 0 (JAX takes them
-as before), and each rank compares on its rows of the inputs (dim 0 split over the ranks):
+as before), and each rank compares on its rows of the inputs (dim 0 split over the ranks; `batch_dim`
+for verify's [S, B, H] stacks):
 - every submodule's inputs, outputs and input gradients are local: each rank checks its own and the
   relative errors are summed over ranks (bridge.numerics.local_stats / reduce_stats, as verify does);
 - weight gradients are summed over the ranks by each framework's own collective: torch's all-reduce
@@ -38,9 +39,10 @@ class DataParallel:
     size: int
     rank: int
     jax_mesh: Any  # a 1-D JAX mesh ("dp",) of every process's device, rank r's device at r
+    batch_dim: int = 0  # the inputs' dim split over the ranks
 
     def rows(self, x: torch.Tensor) -> torch.Tensor:
-        return x.chunk(self.size, dim=0)[self.rank].contiguous()
+        return x.chunk(self.size, dim=self.batch_dim)[self.rank].contiguous()
 
     def torch_sum(self, x: torch.Tensor) -> torch.Tensor:
         import torch.distributed as dist
@@ -58,15 +60,15 @@ class DataParallel:
         local = jax.device_put(np.asarray(x)[None], jax.local_devices()[0])
         stacked = jax.make_array_from_single_device_arrays((self.size, *np.shape(x)), sharding, [local])
         total = _summed(NamedSharding(self.jax_mesh, PartitionSpec()))(stacked)
-        return np.asarray(total.addressable_data(0))
+        return np.array(total.addressable_data(0))  # a copy: torch.from_numpy wants a writable array
 
     def gather_rows(self, x: torch.Tensor) -> torch.Tensor:
-        """Every rank's `x` concatenated along dim 0 (the whole batch), on every rank."""
+        """Every rank's `x` concatenated along the batch dim (the whole batch), on every rank."""
         import torch.distributed as dist
 
         parts = [torch.empty_like(x) for _ in range(self.size)]
         dist.all_gather(parts, x.contiguous())
-        return torch.cat(parts)
+        return torch.cat(parts, dim=self.batch_dim)
 
     def sum_error(self, elements: int) -> float:
         """The relative rounding of a sum of `size` partial gradients, as two orders may take it (bridge.numerics)."""
@@ -138,13 +140,21 @@ def load_model_factory(name: str, value: Any) -> Callable[[], Any]:
     return value
 
 
+def rank_of(runtime, batch_dim: int = 0) -> DataParallel:
+    """This runtime's process as one rank of a data-parallel mesh of all its processes, splitting `batch_dim`."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from bridge.runtime import jax_mesh
+
+    world = init_device_mesh(runtime.device_type, (runtime.world_size,), mesh_dim_names=("dp",))
+    return DataParallel(runtime.world_size, runtime.rank, jax_mesh(world), batch_dim)
+
+
 def worker(runtime, factories: tuple[Any, Any], inputs: tuple[torch.Tensor, ...], options: dict) -> Any:
     """One rank: build both models, broadcast torch's parameters, compare on this rank's rows (module docstring)."""
     import torch.distributed as dist
-    from torch.distributed.device_mesh import init_device_mesh
 
     from bridge.model_compare.core import compare_here
-    from bridge.runtime import jax_mesh
 
     torch.manual_seed(0)
     torch_model = load_model_factory("torch_model", factories[0])()
@@ -153,8 +163,7 @@ def worker(runtime, factories: tuple[Any, Any], inputs: tuple[torch.Tensor, ...]
     with torch.no_grad():
         for tensor in [*torch_model.parameters(), *torch_model.buffers()]:
             dist.broadcast(tensor, src=0)
-    world = init_device_mesh(runtime.device_type, (runtime.world_size,), mesh_dim_names=("dp",))
-    dp = DataParallel(runtime.world_size, runtime.rank, jax_mesh(world))
+    dp = rank_of(runtime)
     local = tuple(dp.rows(x).to(runtime.torch_device) for x in inputs)
     return compare_here(torch_model, jax_model, local, dp=dp, **options)
 
@@ -164,6 +173,7 @@ __all__ = [
     "data_parallel_size",
     "load_factory",
     "load_model_factory",
+    "rank_of",
     "summed_jax_grads",
     "summed_torch_grads",
     "worker",

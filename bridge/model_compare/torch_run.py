@@ -56,6 +56,10 @@ def run_torch(model: nn.Module, inputs: tuple[torch.Tensor, ...], recipe, names:
         if backward:
             pairs = [(o, g) for o, g in zip(outputs, dy) if o.requires_grad]
             torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
+            # The model's own cotangents are dy, not what reached each output tensor: an output that also feeds
+            # another (a block's output returned beside the final one) or is returned twice got more.
+            root = next(call for call in calls if call.name == "")
+            root.output_grads = {i: g for i, (o, g) in enumerate(zip(outputs, dy)) if o.requires_grad}
         grads = {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
         return TorchRun(list(calls), dy, grads)
     finally:

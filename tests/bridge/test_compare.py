@@ -152,3 +152,39 @@ def test_a_submodule_called_twice_is_checked_per_call():
     forward = [c.name for c in report.checks if c.stage == "forward" and c.name.startswith("block (")]
     assert forward == ["block (call 1)", "block (call 2)"]
     assert "block.fc1.weight" in {c.name for c in report.checks if c.stage == "weight_grad"}
+
+
+class _TorchEveryBlock(torch.nn.Module):
+    """Returns its output and every block's (the last one twice), as verify's stacks do."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.stack = TorchStack(WIDTH, 2)
+
+    def forward(self, x):
+        outputs = []
+        for block in self.stack.blocks:
+            x = block(x)
+            outputs.append(x)
+        return x, outputs
+
+
+class _JaxEveryBlock(nnx.Module):
+    def __init__(self) -> None:
+        self.stack = JaxStack(WIDTH, 2)
+
+    def __call__(self, x):
+        outputs = []
+        for block in self.stack.blocks:
+            x = block(x)
+            outputs.append(x)
+        return x, outputs
+
+
+def test_outputs_that_feed_each_other_pass_their_gradients():
+    """The model's cotangents are its dy: torch's hook on block 0's output also sees block 1's backward, and on the
+    last output both of its positions' dy (the input gradient was 165% off)."""
+    torch.manual_seed(0)
+    report = bridge.compare(_TorchEveryBlock(), _JaxEveryBlock(), inputs(WIDTH, seq=16))
+    assert report.passed, report.first_divergence
+    assert {"output 0", "output 1", "output 2", "input"} <= {check.name for check in report.checks}

@@ -32,6 +32,7 @@ PLANS = Path(__file__).parents[2] / "examples" / "plans"
         (["--mesh", "dp=2,dp=2"], "gives dp twice"),
         (["--recipe", "fp16"], "use some of off, current"),
         (["--mesh", "dp=2", "--mesh", "dp=2,tp=2"], "need different process counts"),
+        (["--mesh", "dp=4", "--mesh", "dp=2,tp=2"], "some have tp, some not"),
         (["--model", "cnn"], "use one of linear, mlp, transformer"),
         (["--steps", "0"], "run at least 1"),
         (["--mesh", "dp=3"], "batch of 8 must divide over 3 DP ranks"),
@@ -134,6 +135,74 @@ def test_default_device_with_too_few_gpus_runs_cpu_processes_and_says_so(monkeyp
     assert launched == ["cpu"]
     said = "4 processes need 4 GPUs but torch sees 1: running 4 CPU processes\n"
     assert capsys.readouterr().err == said + "error: interrupted\n"
+
+
+STACK = ["--model", "mlp", "--layers", "1", "--hidden", "64", "--device", "cpu"]
+
+
+def test_one_process_runs_bridge_compare_on_the_stack_with_its_steps(monkeypatch, capsys):
+    """--mesh dp=1: the stack and its twin through bridge.compare in this process: every submodule teacher-forced
+    (the block and its LayerNormMLP), end to end, and the Adam step's parameters and moments."""
+    _no_launch(monkeypatch)
+    assert main(["verify", *STACK, "--mesh", "dp=1", "--recipe", "off", "--steps", "1", "--json"]) == 0
+    (report,) = json.loads(capsys.readouterr().out)
+    assert (report["model"], report["recipe"], report["steps"], report["passed"]) == ("mlp", "off", 1, True)
+    checks = {(c["stage"], c["name"], c["step"]) for c in report["checks"]}
+    assert {("forward", "layers.0", 1), ("forward", "layers.0.mlp", 1), ("end_to_end_input_grad", "input", 0),
+            ("weight_grad", "layers.0.mlp.fc1_weight", 0), ("exp_avg", "layers.0.mlp.fc2_weight", 0)} <= checks
+
+
+@pytest.mark.parametrize("mesh, processes", [("dp=2", 2), ("rep=2,dp=2", 4)])
+def test_a_data_parallel_mesh_runs_bridge_compare_and_says_which_recipes_stop_at_step_0(monkeypatch, capsys, mesh,
+                                                                                       processes):  # fmt: skip
+    """Without tp the stacks go through bridge.compare's data-parallel worker; DelayedScaling, whose state it does
+    not carry between steps, is compared at step 0 and a line says so."""
+    from bridge import runtime
+
+    launched = []
+
+    def first_launch(fn, nprocs, work, device_type=None, **kwargs):
+        launched.append((fn.__name__, nprocs, [case.steps for case in work]))
+        raise KeyboardInterrupt  # stop before the work: only the choice is under test
+
+    monkeypatch.setattr(runtime, "launch", first_launch)
+    assert main(["verify", *STACK, "--mesh", mesh, "--recipe", "current,delayed"]) == 130
+    assert launched == [("compare_stacks_ranks", processes, [5])]
+    said = "recipe delayed: compared at step 0 only (bridge.compare does not carry its scaling state to the next step)"
+    assert capsys.readouterr().err == said + "\nerror: interrupted\n"
+
+
+@pytest.mark.slow
+@pytest.mark.grid  # 20 s on 2 shared cores; CI runs compare's data-parallel worker in tests/bridge/test_verify_hf.py
+@pytest.mark.multiprocess
+def test_two_data_parallel_processes_pass_the_stack_under_current_scaling(tmp_path, monkeypatch):
+    """dp=2 CPU processes, each its columns of the [S, B, H] batch: every submodule, the noise-aware end-to-end
+    verdict over both ranks' columns, one Adam step."""
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    report_file = tmp_path / "report.json"
+    arguments = ["verify", *STACK, "--mesh", "dp=2", "--recipe", "current", "--steps", "1", "--report", report_file]
+    assert main([str(a) for a in arguments]) == 0
+    (report,) = json.loads(report_file.read_text())
+    assert (report["mesh"], report["passed"]) == ("dp_shard=2", True)
+    assert "output 0 [distance to reference]" in {c["name"] for c in report["checks"]}
+
+
+def test_a_plan_without_tp_still_runs_the_sharded_check(monkeypatch, tmp_path):
+    """A plan places the shards (here FSDP's dim of fc2): bridge.compare runs whole models, so --plan never goes
+    there, even on a mesh without tp."""
+    from bridge import runtime
+
+    launched = []
+
+    def first_launch(fn, nprocs, work, device_type=None, **kwargs):
+        launched.append((fn.__name__, nprocs))
+        raise KeyboardInterrupt  # stop before the work: only the choice is under test
+
+    monkeypatch.setattr(runtime, "launch", first_launch)
+    plan = tmp_path / "fsdp_dim1.toml"
+    plan.write_text('[[rule]]\nmatch = "layers.*.mlp.fc2_weight"\nfsdp_dim = 1\n')
+    assert main(["verify", *STACK, "--mesh", "dp=2", "--plan", str(plan)]) == 130
+    assert launched == [("verify", 2)]
 
 
 def test_explicit_cuda_with_too_few_gpus_exits_2_before_any_process_starts(monkeypatch, capsys):

@@ -1,11 +1,12 @@
 """`shardbridge verify --model llama --hf HF_DIR`: torch's and JAX's load_hf of one checkpoint, logits compared.
 
-Fast: bad input exits 2 with one line before any process starts; the logits check on one process
+Fast: bad input exits 2 with one line before any process starts; the logits check (TP meshes)
 fails when the checkpoint's file changes between the torch and the JAX load; a failing report makes
 the CLI exit 1 naming the logits; on one process (--mesh dp=1) the CLI runs bridge.compare, passes a
 faithful checkpoint (FP8 off and current) with every block's check in its JSON, and exits 1 naming
-the block when one JAX block differs (a loaded weight, an activation). Slow (CI): 2 co-located
-processes on TP 2 pass from the CLI.
+the block when one JAX block differs (a loaded weight, an activation); a data-parallel mesh starts
+bridge.compare's worker. Slow (CI): 2 data-parallel processes pass under current scaling and name a
+planted block; 2 co-located processes on TP 2 pass from the CLI.
 """
 
 from __future__ import annotations
@@ -43,13 +44,14 @@ def _no_launch(monkeypatch) -> None:
         (["--model", "llama", "--hf", "{hf}/config.json"], "config.json: not a directory"),
         (["--model", "llama", "--hf", "{mistral}"], "architectures=['MistralForCausalLM'], not ['LlamaForCausalLM']"),
         (["--model", "llama", "--hf", "{hf}", "--mesh", "tp=4"], "num_gqa_groups=2 (key/value heads) does not divide"),
-        # torch's FSDP2 would take dp=3; JAX shards only dims the mesh divides (hidden 64)
-        (["--model", "llama", "--hf", "{hf}", "--mesh", "dp=3", "--batch-size", "6"], "('embed') has size 64"),
+        # on a TP mesh (its own shards in each process) torch's FSDP2 would take dp=3; JAX shards only dims the mesh
+        # divides (hidden 64)
+        (["--model", "llama", "--hf", "{hf}", "--mesh", "dp=3,tp=2", "--batch-size", "6"], "('embed') has size 64"),
         (["--model", "llama", "--hf", "{hf}", "--mesh", "dp=2", "--batch-size", "3"], "--batch-size 3 must divide"),
         (["--model", "llama", "--hf", "{hf}", "--steps", "2"], "--steps: options of the built-in stacks"),
         (["--model", "llama", "--hf", "{fp8}", "--recipe", "current"], "FP8 block-scaled checkpoint: compare it with"),
         # FSDP2's 64-row shards of a 256-row FP8 weight would split its 128-row scale blocks
-        (["--model", "llama", "--hf", "{fp8}", "--mesh", "dp=4"], "proj.weight: FSDP2 over dp_shard=4 cuts its 256"),
+        (["--model", "llama", "--hf", "{fp8}", "--mesh", "dp=4,tp=2"], "proj.weight: FSDP2 over dp_shard=4 cuts its"),
         # ffn 96 over TP 2: fc2's 48-wide shards cut MXFP8's 32-element tiles (the processes' first FP8 forward)
         (["--model", "llama", "--hf", "{hf}", "--mesh", "tp=2", "--recipe", "mxfp8"], "fc2_weight: MXFP8BlockScaling"),
         (["--seq-len", "64"], "--seq-len: options of --model llama --hf"),
@@ -65,7 +67,7 @@ def test_bad_input_is_one_line_and_exit_2_before_any_process_starts(
     (mistral / hf_llama.CONFIG_FILE).write_text(json.dumps(config | {"architectures": ["MistralForCausalLM"]}))
     fp8 = tmp_path / "fp8"
     if "{fp8}" in arguments:
-        fp8_hf_checkpoint(fp8)
+        fp8_hf_checkpoint(fp8, num_attention_heads=4, num_key_value_heads=2)  # TP 2 splits its 2 KV heads
         capsys.readouterr()  # transformers' progress bar
     paths = {"hf": checkpoint, "mistral": mistral, "fp8": fp8}
     arguments = [a.format(**paths) for a in arguments]
@@ -178,6 +180,70 @@ def test_one_process_names_the_one_jax_block_that_differs(
     assert "first divergence step 0, forward, layer layers.1, tensor layers.1.layernorm_mlp:" in captured.out
     assert captured.err.count("\n") == 1
     assert "torch and JAX diverge" in captured.err and "layers.1.layernorm_mlp (forward, step 0)" in captured.err
+
+
+@pytest.mark.parametrize("mesh, processes", [("dp=2", 2), ("rep=2,dp=2", 4)])
+def test_a_data_parallel_mesh_runs_bridge_compare_in_that_many_processes(monkeypatch, capsys, checkpoint, mesh,
+                                                                         processes):  # fmt: skip
+    """Without tp, several processes run bridge.compare's data-parallel worker, not the logits-only check."""
+    from bridge import runtime
+
+    launched = []
+
+    def first_launch(fn, nprocs, work, device_type=None, **kwargs):
+        launched.append((fn.__name__, nprocs, device_type))
+        raise KeyboardInterrupt  # stop before the work: only the choice is under test
+
+    monkeypatch.setattr(runtime, "launch", first_launch)
+    assert main(["verify", "--model", "llama", "--hf", str(checkpoint), "--mesh", mesh, "--device", "cpu"]) == 130
+    assert launched == [("compare_hf_ranks", processes, "cpu")]
+    assert capsys.readouterr().err == "error: interrupted\n"
+
+
+def _faithful_then_planted(runtime, case):
+    """One rank of a data-parallel mesh: the checkpoint as it is under `case`'s recipes, then, FP8 off, with JAX's
+    layer 1 MLP weight moved (`_moved_weight`, in this process only)."""
+    import dataclasses
+
+    from bridge import hf_check
+    from jaxside.models import llama as jax_llama
+
+    faithful = hf_check.compare_hf_ranks(runtime, case)
+    load_hf = jax_llama.load_hf
+
+    def planted(*args, **kwargs):
+        twin = load_hf(*args, **kwargs)
+        _moved_weight(twin.layers[1].layernorm_mlp)
+        return twin
+
+    jax_llama.load_hf = planted
+    try:
+        return faithful, hf_check.compare_hf_ranks(runtime, dataclasses.replace(case, recipes=("off",)))
+    finally:
+        jax_llama.load_hf = load_hf
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+# Under current scaling the faithful run also compiles each block's FP8 programs and runs FP8 off for the noise-aware
+# verdict over both ranks' rows: about 3 min on 2 shared cores, the grid.
+@pytest.mark.parametrize("recipe", ["off", pytest.param("current", marks=pytest.mark.grid)])
+def test_two_data_parallel_processes_pass_every_block_and_name_a_planted_one(checkpoint, recipe):
+    """dp=2 on CPU processes through bridge.compare: every block and the logits pass; JAX's layer 1 MLP with a
+    moved weight is named by its block (FP8 off)."""
+    from bridge import runtime
+    from bridge.hf_check import HFCase
+    from twinspec.mesh import MeshShape
+
+    case = HFCase(str(checkpoint), MeshShape(dp_shard=2), (recipe,), batch_size=4, seq_len=32)
+    results = runtime.launch(_faithful_then_planted, 2, case, device_type="cpu")
+    assert results[0] == results[1]  # one verdict on every rank
+    (faithful,), (planted,) = results[0]
+    assert (faithful["mesh"], faithful["recipe"], faithful["passed"]) == ("dp_shard=2", recipe, True)
+    names = {(c["stage"], c["name"]) for c in faithful["checks"]}
+    assert {("forward", "layers.0"), ("forward", "layers.1.layernorm_mlp"), ("end_to_end_forward", "output")} <= names
+    first = planted["first_divergence"]
+    assert (planted["passed"], first["stage"], first["name"]) == (False, "forward", "layers.1.layernorm_mlp")
 
 
 @pytest.mark.slow
