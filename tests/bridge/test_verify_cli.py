@@ -285,8 +285,8 @@ def test_run_starts_the_co_located_example(tmp_path):
 @pytest.mark.parametrize(
     "plan, recipes",
     [
-        ("attention_replicated_mlp_tp", "mxfp8"),
-        pytest.param("attention_replicated_mlp_tp", "off,current", marks=pytest.mark.grid),
+        ("attention_replicated_mlp_tp", "off"),  # MXFP8 parity of the twins: test_modules_cross
+        pytest.param("attention_replicated_mlp_tp", "current,mxfp8", marks=pytest.mark.grid),
         pytest.param("fsdp_dim1_down_proj", "off,current,mxfp8", marks=pytest.mark.grid),
     ],
 )
