@@ -3,10 +3,9 @@
 Rows (`--recipes`): `bf16` is the peer, a plain-JAX bf16 Llama written here with jnp ops (embedding,
 RMSNorm, GQA attention with rotary embeddings through jax.nn.dot_product_attention, SwiGLU MLP, the
 head tied or not as the config says, cross-entropy), its GEMMs bf16 at XLA's default precision and
-its attention XLA's bf16 one; every other name is the twin, `jaxside.models.llama.Llama` in bf16
-under `fp8_autocast` with that twinspec.recipe recipe (`off`: FP8 off, whose GEMMs accumulate in
-fp32 at HIGHEST precision by the numerics contract, and whose attention runs in fp32 as in every row
-of the twin). Both start from the same weights: the peer's are the twin's, laid out as plain JAX
+its attention cuDNN's flash kernel on a GPU (XLA's elsewhere), as the twin's; every other name is the
+twin, `jaxside.models.llama.Llama` in bf16 under `fp8_autocast` with that twinspec.recipe recipe
+(`off`: FP8 off, its 16-bit GEMMs with fp32 accumulation by the numerics contract). Both start from the same weights: the peer's are the twin's, laid out as plain JAX
 lays them out (`plain_params`).
 
 A step is one jitted function: forward, mean next-token cross-entropy, gradients and an
@@ -134,7 +133,8 @@ def _attention(config: LlamaConfig, layer: dict, x_BSD, angles) -> Array:
     q, k, v = jnp.split(x_BSD @ layer["qkv"], [n * h, (n + g) * h], axis=-1)
     q_BSNH, k_BSGH = _rotate(q.reshape(batch, seq, n, h), angles), _rotate(k.reshape(batch, seq, g, h), angles)
     out_BSNH = jax.nn.dot_product_attention(
-        q_BSNH, k_BSGH, v.reshape(batch, seq, g, h), is_causal=True, implementation="xla"
+        q_BSNH, k_BSGH, v.reshape(batch, seq, g, h), is_causal=True,
+        implementation="cudnn" if jax.default_backend() == "gpu" else "xla",  # the twin's kernel
     )
     return out_BSNH.reshape(batch, seq, n * h) @ layer["out"]
 
