@@ -20,6 +20,7 @@ import dataclasses
 
 import torch
 import torch.distributed as dist
+import torch.distributed._functional_collectives as funcol
 from torch import Tensor
 
 from torchside.parallel._torch_compat import all_gather_single, reduce_scatter_single
@@ -55,9 +56,9 @@ def reduce_scatter_dim0(t: Tensor, group: dist.ProcessGroup) -> Tensor:
 
 def all_reduce_sum(t: Tensor, group: dist.ProcessGroup) -> Tensor:
     """The sum of `t` over the ranks, in a new tensor."""
-    out = t.contiguous().clone()
-    dist.all_reduce(out, op=dist.ReduceOp.SUM, group=group)
-    return out
+    # The functional collective, not an in-place dist.all_reduce: torch 2.11's Dynamo traced that one inside
+    # _AllReduce so that a compiled TP block's parameters got zero gradients (silently; 2.13 traced it right).
+    return funcol.wait_tensor(funcol.all_reduce(t.contiguous(), "sum", group))
 
 
 class _GatherTokens(torch.autograd.Function):
