@@ -10,6 +10,7 @@ which also asserts that every op output has the shape and strides its fake imple
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 
@@ -133,6 +134,15 @@ def test_compiled_layer_with_an_fp8_weight_equals_eager_bitwise(recipe, referenc
     """The QuantizedTensor parameter enters the graph through __tensor_flatten__ (off: dequantized)."""
     recipe = RECIPES[recipe]
     eager_layer, layer, compiled = _eager_and_compiled(fp8_weight_recipe=recipe or Float8CurrentScaling())
+    _assert_equal(_step(eager_layer, eager_layer, recipe, 0), _step(layer, compiled, recipe, 0))
+
+
+def test_an_fp8_weight_compiles_with_torch_2_11s_compile_flag(monkeypatch, reference_kernels):
+    """torch 2.11 holds torch.compiler.is_compiling() False while Dynamo fakifies the parameters (torch 2.13 sets
+    it for the whole compile session): that behaviour, on any torch, still compiles an FP8 weight like eager."""
+    monkeypatch.setattr(torch.compiler, "_compile_session_context", contextlib.nullcontext, raising=False)
+    recipe = RECIPES["current"]
+    eager_layer, layer, compiled = _eager_and_compiled(fp8_weight_recipe=recipe)
     _assert_equal(_step(eager_layer, eager_layer, recipe, 0), _step(layer, compiled, recipe, 0))
 
 

@@ -228,8 +228,8 @@ class GroupedLinear(FP8Module):
                 f"{multiple} (its wgrad blocks run along the rows): pad each group's rows"
             )
         return _GroupedFP8Linear.apply(
-            x_TI, tuple(splits), plan.gemms, plan.on_backward_done, bool(biases), *weights, *biases
-        )
+            x_TI, tuple(splits), plan.gemms, plan.on_backward_done, len(biases) > 0, *weights, *biases
+        )  # len(), not bool(): torch 2.11's Dynamo cannot trace bool(list)
 
     def extra_repr(self) -> str:
         return (

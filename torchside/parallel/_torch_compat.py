@@ -4,27 +4,13 @@
   with the keyword `split_factor` (2.13 also accepts `sf`, 2.11 does not); they print it differently,
   and it is not a `Shard` subclass there (it was one in older releases), so test for it
   (`is_strided_shard`) before testing for `Shard`.
-- 2.13 renames `all_gather_into_tensor` / `reduce_scatter_tensor` to `all_gather_single` /
-  `reduce_scatter_single` (the old names warn); 2.11 has only the old ones.
+- Under torch.compile, 2.11's Dynamo mis-traces in-place collectives inside an autograd.Function (the
+  parameters behind them get zero gradients): `tp_comm` uses the functional collectives, on both.
 """
 
 from __future__ import annotations
 
-import torch.distributed as dist
-from torch import Tensor
 from torch.distributed.tensor import Partial, Placement, Replicate, Shard
-
-
-def all_gather_single(output: Tensor, tensor: Tensor, group: dist.ProcessGroup) -> None:
-    """Concatenate every rank's `tensor` along dim 0 into `output`."""
-    gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-    gather(output, tensor, group=group)
-
-
-def reduce_scatter_single(output: Tensor, tensor: Tensor, group: dist.ProcessGroup) -> None:
-    """Sum `tensor` over the ranks and write this rank's dim-0 block into `output`."""
-    scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
-    scatter(output, tensor, op=dist.ReduceOp.SUM, group=group)
 
 
 def strided_shard_type() -> type:
@@ -63,11 +49,9 @@ def placement_text(placement: Placement) -> str:
 
 
 __all__ = [
-    "all_gather_single",
     "is_strided_shard",
     "make_strided_shard",
     "placement_text",
-    "reduce_scatter_single",
     "split_factor_of",
     "strided_shard_type",
 ]

@@ -20,9 +20,9 @@ import dataclasses
 
 import torch
 import torch.distributed as dist
+import torch.distributed._functional_collectives as funcol
 from torch import Tensor
 
-from torchside.parallel._torch_compat import all_gather_single, reduce_scatter_single
 from torchside.quantization import QuantizedStorage
 from torchside.recipe import DelayedScaling, Float8CurrentScaling, Recipe
 
@@ -32,12 +32,14 @@ def has_per_tensor_scale(recipe: Recipe) -> bool:
     return isinstance(recipe, DelayedScaling | Float8CurrentScaling)
 
 
+# Functional collectives, not in-place ones (dist.all_reduce(out), all_gather_into_tensor(out, ...)): torch 2.11's
+# Dynamo traced those inside the autograd functions below so that compiled TP blocks' parameters got zero
+# gradients (silently; torch 2.13 traced them right).
+
+
 def all_gather_dim0(t: Tensor, group: dist.ProcessGroup) -> Tensor:
     """Concatenate every rank's `t` along dim 0, in rank order."""
-    size = dist.get_world_size(group)
-    out = t.new_empty((size * t.shape[0], *t.shape[1:]))
-    all_gather_single(out, t.contiguous(), group)
-    return out
+    return funcol.wait_tensor(funcol.all_gather_tensor(t.contiguous(), 0, group))
 
 
 def reduce_scatter_dim0(t: Tensor, group: dist.ProcessGroup) -> Tensor:
@@ -48,16 +50,12 @@ def reduce_scatter_dim0(t: Tensor, group: dist.ProcessGroup) -> Tensor:
             f"sequence parallelism splits dim 0 of the activations over {size} TP ranks, but it has "
             f"{t.shape[0]} rows: make the sequence length a multiple of tp_size={size}"
         )
-    out = t.new_empty((t.shape[0] // size, *t.shape[1:]))
-    reduce_scatter_single(out, t.contiguous(), group)
-    return out
+    return funcol.wait_tensor(funcol.reduce_scatter_tensor(t.contiguous(), "sum", 0, group))
 
 
 def all_reduce_sum(t: Tensor, group: dist.ProcessGroup) -> Tensor:
     """The sum of `t` over the ranks, in a new tensor."""
-    out = t.contiguous().clone()
-    dist.all_reduce(out, op=dist.ReduceOp.SUM, group=group)
-    return out
+    return funcol.wait_tensor(funcol.all_reduce(t.contiguous(), "sum", group))
 
 
 class _GatherTokens(torch.autograd.Function):

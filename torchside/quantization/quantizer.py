@@ -283,11 +283,17 @@ def reduce_amaxes(items: Sequence[tuple[Quantizer, Tensor]]) -> list[Tensor | No
     collective instead of one each.
     """
     amaxes: list[Tensor | None] = [local_amax(x) if q.takes_reduced_amax else None for q, x in items]
-    groups: dict[int, tuple[dist.ProcessGroup, list[int]]] = {}
+    # Groups matched by `is`, not keyed by id(): torch 2.11's Dynamo cannot trace id() of a process group.
+    groups: list[tuple[dist.ProcessGroup, list[int]]] = []
     for i, (q, _) in enumerate(items):
-        if amaxes[i] is not None:
-            groups.setdefault(id(q.amax_reduction_group), (q.amax_reduction_group, []))[1].append(i)
-    for group, indices in groups.values():
+        if amaxes[i] is None:
+            continue
+        same = [indices for group, indices in groups if group is q.amax_reduction_group]
+        if same:
+            same[0].append(i)
+        else:
+            groups.append((q.amax_reduction_group, [i]))
+    for group, indices in groups:
         together = amaxes[indices[0]] if len(indices) == 1 else torch.cat([amaxes[i] for i in indices])
         dist.all_reduce(together, op=dist.ReduceOp.MAX, group=group)
         for k, i in enumerate(indices):

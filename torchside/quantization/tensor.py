@@ -93,7 +93,7 @@ class QuantizedTensor(Tensor):
 
     def untyped_storage(self) -> torch.UntypedStorage:
         """The rowwise (else columnwise) bytes' storage: a stable identity for DCP and FSDP2."""
-        if torch.compiler.is_compiling():  # Dynamo fakifies the wrapper itself: its own (empty) storage
+        if _compiling():  # Dynamo fakifies the wrapper itself: its own (empty) storage
             return super().untyped_storage()
         storage = self.quantized_storage
         return (storage.rowwise_data if storage.rowwise else storage.columnwise_data).untyped_storage()
@@ -112,6 +112,14 @@ def _make_buffer_property(name: str) -> property:
 # getattr(tensor, name) must reach each inner tensor named by __tensor_flatten__.
 for _name in BUFFER_FIELDS:
     setattr(QuantizedTensor, _name, _make_buffer_property(_name))
+
+
+def _compiling() -> bool:
+    """Whether a torch.compile session runs, Dynamo's fakification of the graph's inputs included."""
+    # torch 2.13 holds is_compiling() True for the whole session; torch 2.11 only inside traced code, so there
+    # fakifying an FP8 parameter saw its bytes' storage ("Attempted to set the storage of a tensor on device
+    # "cpu" to a storage on different device "meta""): the session's CompileContext tells on both.
+    return torch.compiler.is_compiling() or torch._guards.CompileContext.try_get() is not None
 
 
 def _contiguous_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
