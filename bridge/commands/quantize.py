@@ -157,7 +157,8 @@ def _quantize_everywhere(x, recipe, role: str, usage: tuple[bool, bool], compare
     import torch
 
     from fp8kernels import _backend
-    from torchside.quantization.quantizer import Quantizer, implementation
+    from fp8kernels.ops import implementation
+    from torchside.quantization.quantizer import Quantizer
 
     rowwise, columnwise = usage
     device = "cuda" if torch.cuda.is_available() and _backend.backend_for("cuda") is _backend.Backend.TRITON else "cpu"
