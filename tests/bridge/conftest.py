@@ -1,6 +1,35 @@
 """Fixtures shared by the bridge tests."""
 
+from dataclasses import dataclass
+from typing import Any
+
 import pytest
+
+
+@dataclass(frozen=True)
+class Launch:
+    """One bridge.runtime.launch a command asked for."""
+
+    worker: str  # the function's name
+    processes: int
+    args: tuple  # what each process gets after the runtime
+    device_type: str | None
+
+
+@pytest.fixture
+def launches(monkeypatch) -> list[Launch]:
+    """bridge.runtime.launch stopped before any process starts (a KeyboardInterrupt, the CLI's exit 130):
+    the launches asked for, for tests of what a command decides to run."""
+    from bridge import runtime
+
+    asked: list[Launch] = []
+
+    def stop(fn, nprocs: int, *args: Any, device_type: str | None = None, **kwargs: Any):
+        asked.append(Launch(fn.__name__, nprocs, args, device_type))
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(runtime, "launch", stop)
+    return asked
 
 
 @pytest.fixture

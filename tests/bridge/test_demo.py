@@ -167,23 +167,16 @@ def test_explicit_cuda_with_too_few_gpus_is_an_error():
         choose_device_type("cuda", 4, 1)
 
 
-def test_demo_on_one_gpu_says_it_runs_on_the_cpu(monkeypatch, tmp_path):
+def test_demo_on_one_gpu_says_it_runs_on_the_cpu(monkeypatch, launches, tmp_path):
     """Finding 11: the default device with one GPU for a 2 x 2 mesh: CPU processes, announced in one line."""
-    from bridge import demo, runtime
+    from bridge import demo
     from bridge.demo.options import DemoOptions
 
-    launched = []
-
-    def first_launch(fn, nprocs, *args, device_type=None, **kwargs):
-        launched.append(device_type)
-        raise KeyboardInterrupt  # stop before the work: only the decision is under test
-
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
-    monkeypatch.setattr(runtime, "launch", first_launch)
     said = []
     with pytest.raises(KeyboardInterrupt):
         demo.run_demo(DemoOptions(out=str(tmp_path)), status=said.append)
-    assert launched == ["cpu"]
+    assert [launch.device_type for launch in launches] == ["cpu"]
     assert said[0] == "4 processes need 4 GPUs but torch sees 1: running 4 CPU processes"
 
 

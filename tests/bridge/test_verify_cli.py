@@ -98,41 +98,24 @@ def test_a_plan_that_matches_nothing_in_the_llama_is_one_line_before_any_process
         ("embedding_hidden_split", "llama", "verify_plan", 8),
     ],
 )
-def test_without_model_a_plan_picks_the_model_its_rules_name_and_says_so(monkeypatch, capsys, plan, model, worker,
+def test_without_model_a_plan_picks_the_model_its_rules_name_and_says_so(launches, capsys, plan, model, worker,
                                                                           processes):  # fmt: skip
     """Issue 42: the README's `shardbridge verify --plan PLAN` exited 2 for every example plan (--model mlp)."""
-    from bridge import runtime
-
-    launched = []
-
-    def first_launch(fn, nprocs, work, device_type=None, **kwargs):
-        launched.append((fn.__name__, nprocs, device_type))
-        raise KeyboardInterrupt  # stop before the work: only the choice is under test
-
-    monkeypatch.setattr(runtime, "launch", first_launch)
     path = PLANS / f"{plan}.toml"
     assert main(["verify", "--device", "cpu", "--plan", str(path)]) == 130
-    assert launched == [(worker, processes, "cpu")]
+    asked = [(launch.worker, launch.processes, launch.device_type) for launch in launches]
+    assert asked == [(worker, processes, "cpu")]
     said = f"--plan {path}: --model {model}, the first of mlp, transformer, llama whose names its rules match\n"
     assert capsys.readouterr().err == said + "error: interrupted\n"
 
 
-def test_default_device_with_too_few_gpus_runs_cpu_processes_and_says_so(monkeypatch, capsys):
+def test_default_device_with_too_few_gpus_runs_cpu_processes_and_says_so(monkeypatch, launches, capsys):
     """Issue 44: verify falls back as demo does (bridge.runtime.choose_device_type, one decision for both)."""
     import torch
 
-    from bridge import runtime
-
-    launched = []
-
-    def first_launch(fn, nprocs, work, device_type=None, **kwargs):
-        launched.append(device_type)
-        raise KeyboardInterrupt  # stop before the work: only the decision is under test
-
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
-    monkeypatch.setattr(runtime, "launch", first_launch)
     assert main(["verify"]) == 130
-    assert launched == ["cpu"]
+    assert [launch.device_type for launch in launches] == ["cpu"]
     said = "4 processes need 4 GPUs but torch sees 1: running 4 CPU processes\n"
     assert capsys.readouterr().err == said + "error: interrupted\n"
 
@@ -153,21 +136,13 @@ def test_one_process_runs_bridge_compare_on_the_stack_with_its_steps(monkeypatch
 
 
 @pytest.mark.parametrize("mesh, processes", [("dp=2", 2), ("rep=2,dp=2", 4)])
-def test_a_data_parallel_mesh_runs_bridge_compare_and_says_which_recipes_stop_at_step_0(monkeypatch, capsys, mesh,
+def test_a_data_parallel_mesh_runs_bridge_compare_and_says_which_recipes_stop_at_step_0(launches, capsys, mesh,
                                                                                        processes):  # fmt: skip
     """Without tp the stacks go through bridge.compare's data-parallel worker; DelayedScaling, whose state it does
     not carry between steps, is compared at step 0 and a line says so."""
-    from bridge import runtime
-
-    launched = []
-
-    def first_launch(fn, nprocs, work, device_type=None, **kwargs):
-        launched.append((fn.__name__, nprocs, [case.steps for case in work]))
-        raise KeyboardInterrupt  # stop before the work: only the choice is under test
-
-    monkeypatch.setattr(runtime, "launch", first_launch)
     assert main(["verify", *STACK, "--mesh", mesh, "--recipe", "current,delayed"]) == 130
-    assert launched == [("compare_stacks_ranks", processes, [5])]
+    asked = [(launch.worker, launch.processes, [case.steps for case in launch.args[0]]) for launch in launches]
+    assert asked == [("compare_stacks_ranks", processes, [5])]
     said = "recipe delayed: compared at step 0 only (bridge.compare does not carry its scaling state to the next step)"
     assert capsys.readouterr().err == said + "\nerror: interrupted\n"
 
@@ -187,22 +162,13 @@ def test_two_data_parallel_processes_pass_the_stack_under_current_scaling(tmp_pa
     assert "output 0 [distance to reference]" in {c["name"] for c in report["checks"]}
 
 
-def test_a_plan_without_tp_still_runs_the_sharded_check(monkeypatch, tmp_path):
+def test_a_plan_without_tp_still_runs_the_sharded_check(launches, tmp_path):
     """A plan places the shards (here FSDP's dim of fc2): bridge.compare runs whole models, so --plan never goes
     there, even on a mesh without tp."""
-    from bridge import runtime
-
-    launched = []
-
-    def first_launch(fn, nprocs, work, device_type=None, **kwargs):
-        launched.append((fn.__name__, nprocs))
-        raise KeyboardInterrupt  # stop before the work: only the choice is under test
-
-    monkeypatch.setattr(runtime, "launch", first_launch)
     plan = tmp_path / "fsdp_dim1.toml"
     plan.write_text('[[rule]]\nmatch = "layers.*.mlp.fc2_weight"\nfsdp_dim = 1\n')
     assert main(["verify", *STACK, "--mesh", "dp=2", "--plan", str(plan)]) == 130
-    assert launched == [("verify", 2)]
+    assert [(launch.worker, launch.processes) for launch in launches] == [("verify", 2)]
 
 
 def test_explicit_cuda_with_too_few_gpus_exits_2_before_any_process_starts(monkeypatch, capsys):

@@ -184,20 +184,12 @@ def test_one_process_names_the_one_jax_block_that_differs(
 
 
 @pytest.mark.parametrize("mesh, processes", [("dp=2", 2), ("rep=2,dp=2", 4)])
-def test_a_data_parallel_mesh_runs_bridge_compare_in_that_many_processes(monkeypatch, capsys, checkpoint, mesh,
+def test_a_data_parallel_mesh_runs_bridge_compare_in_that_many_processes(launches, capsys, checkpoint, mesh,
                                                                          processes):  # fmt: skip
     """Without tp, several processes run bridge.compare's data-parallel worker, not the logits-only check."""
-    from bridge import runtime
-
-    launched = []
-
-    def first_launch(fn, nprocs, work, device_type=None, **kwargs):
-        launched.append((fn.__name__, nprocs, device_type))
-        raise KeyboardInterrupt  # stop before the work: only the choice is under test
-
-    monkeypatch.setattr(runtime, "launch", first_launch)
     assert main(["verify", "--model", "llama", "--hf", str(checkpoint), "--mesh", mesh, "--device", "cpu"]) == 130
-    assert launched == [("compare_hf_ranks", processes, "cpu")]
+    asked = [(launch.worker, launch.processes, launch.device_type) for launch in launches]
+    assert asked == [("compare_hf_ranks", processes, "cpu")]
     assert capsys.readouterr().err == "error: interrupted\n"
 
 
